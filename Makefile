@@ -1,0 +1,46 @@
+# The two commands a new user needs: `make demo` and `make test`. Both install what is missing
+# (apt, via scripts/install-deps) and build first.
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+PYTHON := /usr/bin/python3
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+PYTEST_FLAGS ?= -q
+
+export PATH := $(CURDIR)/$(BUILD_DIR):$(PATH)
+export PYTHONPATH := $(CURDIR)/python
+export EFDL_BIN := $(CURDIR)/$(BUILD_DIR)/efdl
+
+.PHONY: all deps configure build test test-cpp test-python demo install bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps
+
+configure: deps
+	@cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS) >/dev/null
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test-cpp: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 300
+
+test-python: build
+	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests/python
+
+test: test-cpp test-python
+
+demo: build
+	$(PYTHON) examples/demo.py
+
+bench: build
+	scripts/run-benchmarks
+
+install: build
+	cmake --install $(BUILD_DIR)
+	$(PYTHON) scripts/install-python-package.py $(CURDIR)/python
+
+clean:
+	rm -rf $(BUILD_DIR)

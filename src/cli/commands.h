@@ -1,0 +1,30 @@
+// The `efdl` command's subcommands. Each subsystem registers its own in its own file; main.cc
+// only lists them. A subcommand's parse callback hands the runner the action to run after
+// parsing, and the action returns the process exit code.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace efdl::cli {
+
+class CommandRunner {
+ public:
+  void Set(std::function<int()> action) { action_ = std::move(action); }
+  int Run() const { return action_ ? action_() : 2; }
+
+ private:
+  std::function<int()> action_;
+};
+
+// An option that also reads an environment variable, shown in --help as "(env: NAME)".
+template <class T>
+CLI::Option* OptionWithEnv(CLI::App* app, const std::string& name, T& value,
+                           const std::string& help, const std::string& env) {
+  return app->add_option(name, value, help)->envname(env);
+}
+
+void RegisterEtcdCommand(CLI::App& app, CommandRunner& runner);       // src/cli/etcd_command.cc
+
+}  // namespace efdl::cli

@@ -1,0 +1,24 @@
+// efdl: one command per node. See `efdl --help`.
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
+
+#ifndef EFDL_VERSION
+#define EFDL_VERSION "dev"
+#endif
+
+int main(int argc, char** argv) {
+  CLI::App app{"EFDL: elastic and fault-tolerant training for PyTorch and Horovod jobs"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", EFDL_VERSION);
+  efdl::cli::CommandRunner runner;
+
+  efdl::cli::RegisterEtcdCommand(app, runner);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return runner.Run();
+}

@@ -1,0 +1,108 @@
+#include "common/net.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+
+#include <fmt/format.h>
+
+namespace efdl {
+
+namespace {
+Result<sockaddr_in> Resolve(const std::string& host, uint16_t port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1) return addr;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Status::InvalidArgument(fmt::format("cannot resolve host '{}': {}", host, gai_strerror(rc)));
+  }
+  addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  ::freeaddrinfo(res);
+  return addr;
+}
+}  // namespace
+
+Result<uint16_t> PickFreePort(const std::string& host) {
+  EFDL_ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(host, 0));
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status::Internal(fmt::format("socket: {}", std::strerror(errno)));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int e = errno;
+    ::close(fd);
+    return Status::Unavailable(fmt::format("cannot bind a port on {}: {}", host, std::strerror(e)));
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return static_cast<uint16_t>(ntohs(addr.sin_port));
+}
+
+bool TcpConnectable(const std::string& host, uint16_t port, int timeout_ms) {
+  auto addr = Resolve(host, port);
+  if (!addr.ok()) return false;
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return false;
+  bool ok = false;
+  int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(sockaddr_in));
+  if (rc == 0) {
+    ok = true;
+  } else if (errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    if (::poll(&p, 1, timeout_ms) == 1) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      ok = err == 0;
+    }
+  }
+  ::close(fd);
+  return ok;
+}
+
+std::string HostName() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+Result<TempDir> TempDir::Create(const std::string& prefix) {
+  const char* base = std::getenv("TMPDIR");
+  std::string templ = fmt::format("{}/{}-XXXXXX", base && *base ? base : "/tmp", prefix);
+  if (::mkdtemp(templ.data()) == nullptr) {
+    return Status::IOError(fmt::format("cannot create a temporary directory {}: {}", templ,
+                                       std::strerror(errno)));
+  }
+  return TempDir(templ);
+}
+
+TempDir& TempDir::operator=(TempDir&& other) noexcept {
+  if (this != &other) {
+    this->~TempDir();
+    path_ = std::exchange(other.path_, {});
+  }
+  return *this;
+}
+
+TempDir::~TempDir() {
+  if (path_.empty()) return;
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+  path_.clear();
+}
+
+}  // namespace efdl

@@ -1,0 +1,87 @@
+// Child processes with an owner: a Subprocess kills and reaps its child (its whole process group)
+// when destroyed, unless the child was already reaped.
+//
+// Spawning uses fork + execve with only async-signal-safe calls in between, so it is safe in a
+// process that runs gRPC threads. With die_with_parent the child gets SIGKILL when the *thread*
+// that spawned it exits (Linux PR_SET_PDEATHSIG): spawn from a thread that lives as long as the
+// child should.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "efdl/status.h"
+
+namespace efdl {
+
+struct SpawnOptions {
+  enum class Stdio { kInherit, kPipe, kNull, kFile };
+  std::vector<std::string> argv;                  // argv[0] is looked up in PATH
+  std::map<std::string, std::string> env_set;     // added to (or replacing in) our environment
+  std::vector<std::string> env_unset;
+  bool clear_env = false;                         // start from an empty environment
+  std::string cwd;                                // empty: ours
+  Stdio stdout_mode = Stdio::kInherit;
+  Stdio stderr_mode = Stdio::kInherit;
+  bool stderr_to_stdout = false;                  // dup stderr onto stdout's destination
+  std::string stdout_path;                        // kFile (appended)
+  std::string stderr_path;                        // kFile (appended)
+  bool new_process_group = true;                  // child leads its own group: signals reach all
+  bool die_with_parent = true;
+};
+
+class Subprocess {
+ public:
+  // Starts the child. Fails (without leaving a child behind) when argv is empty, the program is
+  // not found or not executable, or the working directory does not exist.
+  static Result<Subprocess> Spawn(const SpawnOptions& options);
+
+  Subprocess() = default;
+  Subprocess(Subprocess&& other) noexcept;
+  Subprocess& operator=(Subprocess&& other) noexcept;
+  Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
+  ~Subprocess();  // SIGKILLs the group and reaps, if still running
+
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0 && !exit_status_.has_value(); }
+  // Pipe ends for kPipe streams (owned by this object; -1 otherwise).
+  int stdout_fd() const { return stdout_fd_; }
+  int stderr_fd() const { return stderr_fd_; }
+  // Gives up ownership of a pipe end (the caller closes it).
+  int ReleaseStdout();
+  int ReleaseStderr();
+
+  // Sends a signal to the child's process group (or the child alone without a group).
+  Status Signal(int sig) const;
+  // Non-blocking: the raw wait status once the child has exited.
+  std::optional<int> Poll();
+  // Waits up to `timeout`; nullopt if still running.
+  std::optional<int> WaitFor(std::chrono::milliseconds timeout);
+  int Wait();
+  // SIGTERM, then SIGKILL after `grace`; always reaps. Returns the wait status.
+  int Stop(std::chrono::milliseconds grace);
+  std::optional<int> exit_status() const { return exit_status_; }
+
+ private:
+  void Reset();
+  pid_t pid_ = -1;
+  bool group_ = false;
+  int stdout_fd_ = -1;
+  int stderr_fd_ = -1;
+  std::optional<int> exit_status_;
+};
+
+// "exited with status 3", "killed by signal 9 (SIGKILL)".
+std::string DescribeWaitStatus(int wait_status);
+// True for a normal exit with status 0.
+bool WaitStatusSuccess(int wait_status);
+// Full path of `program` found in PATH (or itself if it contains '/'), NotFound otherwise.
+Result<std::string> FindProgram(const std::string& program);
+
+}  // namespace efdl
