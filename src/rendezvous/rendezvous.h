@@ -1,0 +1,80 @@
+// The contract between the node agent and the masterless rendezvous (owner: src/rendezvous).
+//
+// One Rendezvous per agent. It registers the node in etcd under the job's prefix, takes part in
+// forming rounds, and tells the agent what to do through events. It never touches processes;
+// the agent never touches etcd keys of the job directly.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "efdl/etcd.h"
+#include "efdl/status.h"
+
+namespace efdl::rdzv {
+
+struct RendezvousOptions {
+  std::string job_id;
+  std::string node_id;
+  std::string advertise_addr;          // host other nodes use to reach this node (MASTER_ADDR)
+  int nproc = 1;                       // worker processes on this node
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int world_size = 0;                  // >0: fragmented mode, the round's procs must sum to this
+  std::chrono::milliseconds ttl{std::chrono::seconds(10)};
+  std::chrono::milliseconds last_call{std::chrono::seconds(3)};
+  std::chrono::milliseconds join_timeout{std::chrono::seconds(600)};
+};
+
+// Where this node stands in a formed round.
+struct Assignment {
+  int64_t round = 0;
+  bool standby = false;                // registered but not taking part (job at MAX)
+  int node_rank = 0;                   // GROUP_RANK / NODE_RANK
+  int nnodes = 0;                      // nodes in the round
+  int rank_offset = 0;                 // global rank of this node's local rank 0
+  int nproc = 0;                       // this node's workers
+  int world_size = 0;                  // sum of nproc over the round
+  std::string master_addr;             // rank-0 node's advertise address
+  uint16_t master_port = 0;            // chosen fresh by the rank-0 node for this round
+};
+
+struct Event {
+  enum class Type {
+    kRoundStarted,   // start workers with `assignment`
+    kRoundClosing,   // stop workers of `round` (membership changed or a peer failed);
+                     // `graceful` = snapshot first (scale out, graceful scale in, suspend)
+    kJobComplete,    // every worker of a round exited 0: exit 0
+    kFenced,         // this node lost its lease: stop workers now, never rejoin `round`
+    kFailed,         // unrecoverable (below MIN past join timeout, ...): `message` says why
+  };
+  Type type = Type::kRoundStarted;
+  int64_t round = 0;
+  bool graceful = false;
+  Assignment assignment;
+  std::string message;
+};
+
+class Rendezvous {
+ public:
+  virtual ~Rendezvous() = default;
+  // Registers the node (lease + key) and starts following the job. Fails with a clear message
+  // when etcd is unreachable or the job is already complete.
+  virtual Status Join() = 0;
+  // The next event, or nullopt after `timeout`.
+  virtual std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) = 0;
+  // This node's workers of `round` failed (a worker exited non-zero); the round must be redone.
+  virtual void ReportWorkerFailure(int64_t round, const std::string& detail) = 0;
+  // All this node's workers of `round` exited 0.
+  virtual void ReportWorkersSucceeded(int64_t round) = 0;
+  // Leaves the job at once: revokes the lease so the others re-round without waiting.
+  virtual void Leave() = 0;
+};
+
+std::unique_ptr<Rendezvous> NewEtcdRendezvous(etcd::Client& client, RendezvousOptions options);
+
+}  // namespace efdl::rdzv
