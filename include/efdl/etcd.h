@@ -30,11 +30,23 @@ struct KeyValue {
 };
 
 struct RangeOptions {
+  enum class SortOrder { kNone, kAscend, kDescend };
+  enum class SortTarget { kKey, kVersion, kCreateRevision, kModRevision, kValue };
+
   bool prefix = false;      // every key that starts with `key`
   int64_t limit = 0;        // 0: no limit
   int64_t revision = 0;     // 0: newest
   bool keys_only = false;
   bool count_only = false;
+  // Server-side order of the answer (applied before `limit`). kNone: etcd's key order.
+  SortOrder sort_order = SortOrder::kNone;
+  SortTarget sort_target = SortTarget::kKey;
+  // Filters on the keys' revisions; 0: no bound. Bounds are inclusive. Note that etcd applies
+  // these after `limit`, so combine them with a limit only when that is what you mean.
+  int64_t min_create_revision = 0;
+  int64_t max_create_revision = 0;
+  int64_t min_mod_revision = 0;
+  int64_t max_mod_revision = 0;
 };
 
 struct RangeResult {
@@ -179,6 +191,13 @@ class Client {
   virtual Result<std::unique_ptr<Watch>> StartWatch(const std::string& key,
                                                     const WatchOptions& options,
                                                     WatchCallback callback) = 0;
+
+  // Discards history up to (not including) `revision`; watches and ranges at older revisions
+  // then report compaction. A fake may leave this unimplemented (the default says so).
+  virtual Status Compact(int64_t revision);
+  // A cheap round trip that proves the cluster answers (a one-key count range); the store's
+  // current revision on success. Used for health checks and to wait for an etcd to come up.
+  virtual Result<int64_t> CurrentRevision();
 };
 
 struct ClientOptions {
