@@ -1,0 +1,219 @@
+"""Worker-side client of the node agent's control socket (docs/control-protocol.md).
+
+A worker started by `efdl run` finds its agent's socket in EFDL_CONTROL_SOCKET. The client is
+not thread-safe: use it from one thread (the training loop). It holds no etcd connection and
+starts no thread, so it is safe in a process that forks (DataLoader workers).
+"""
+
+import json
+import os
+import socket
+import time
+
+PROTOCOL_VERSION = 1
+ENV_SOCKET = "EFDL_CONTROL_SOCKET"
+
+# stop_requested() reads the socket at most this often; between reads it returns a cached flag,
+# so a per-step call costs well under a microsecond.
+_POLL_INTERVAL_NS = 1_000_000
+_MAX_LINE = 64 * 1024
+
+
+class ControlError(Exception):
+    """The agent could not be reached or answered something unexpected."""
+
+
+class StopRequest:
+    """What the agent said when it asked this worker to leave its round."""
+
+    __slots__ = ("round", "graceful", "reason")
+
+    def __init__(self, round_, graceful, reason):
+        self.round = round_
+        self.graceful = graceful
+        self.reason = reason
+
+    def __repr__(self):
+        return "StopRequest(round=%r, graceful=%r, reason=%r)" % (self.round, self.graceful,
+                                                                  self.reason)
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ControlError("%s=%r is not an integer" % (name, value)) from None
+
+
+class ControlClient:
+    """A connection to the agent. Connects and says hello in the constructor."""
+
+    def __init__(self, path, rank=0, local_rank=0, round_=0, timeout=5.0):
+        self.path = path
+        self.rank = rank
+        self.local_rank = local_rank
+        self.round = round_
+        self._buf = b""
+        self._stop = None
+        self._closed = False
+        self._next_id = 1
+        self._next_poll_ns = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(path)
+            self._send({"type": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid(),
+                        "rank": rank, "local_rank": local_rank, "round": round_})
+            self.welcome = self._wait_for(lambda m: m.get("type") in ("welcome", "stop"), timeout)
+        except OSError as e:
+            self._sock.close()
+            raise ControlError("cannot reach the efdl agent at %s: %s" % (path, e)) from None
+        self._sock.setblocking(False)
+
+    # -- stop requests -------------------------------------------------------------------------
+
+    def stop_requested(self):
+        """True once the agent asked this worker to stop (or went away). Non-blocking, cheap."""
+        if self._stop is not None:
+            return True
+        now = time.monotonic_ns()
+        if now < self._next_poll_ns:
+            return False
+        self._next_poll_ns = now + _POLL_INTERVAL_NS
+        self._read_available()
+        return self._stop is not None
+
+    def stop_request(self):
+        """The StopRequest, or None while none arrived."""
+        self.stop_requested()
+        return self._stop
+
+    # -- notifications -------------------------------------------------------------------------
+
+    def notify_committed(self, step):
+        """A snapshot of `step` is complete in the node's memory."""
+        self._send_quiet({"type": "committed", "step": int(step)})
+
+    def notify_stopping(self, step, snapshot=True):
+        """Answer to a stop request: this worker exits 0 after the snapshot of `step`."""
+        round_ = self._stop.round if self._stop is not None else self.round
+        self._send_quiet({"type": "stopping", "round": round_, "step": int(step),
+                          "snapshot": bool(snapshot)})
+
+    def query_restore_step(self, timeout=5.0):
+        """The newest step this node's workers reported, or None when none did."""
+        request_id = self._next_id
+        self._next_id += 1
+        self._send({"type": "query", "id": request_id, "what": "restore"})
+        reply = self._wait_for(lambda m: m.get("id") == request_id, timeout)
+        if reply.get("type") == "error":
+            raise ControlError("agent refused the query: %s" % reply.get("message"))
+        step = reply.get("restore_step")
+        return None if step is None else int(step)
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _send(self, message):
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        blocking = self._sock.gettimeout()
+        self._sock.settimeout(5.0)
+        try:
+            self._sock.sendall(data)
+        finally:
+            self._sock.settimeout(blocking)
+
+    def _send_quiet(self, message):
+        # A notification to an agent that is gone is not an error for the training loop.
+        try:
+            self._send(message)
+        except OSError:
+            self._mark_gone("connection to the agent lost")
+
+    def _mark_gone(self, reason):
+        if self._stop is None:
+            self._stop = StopRequest(self.round, False, reason)
+
+    def _handle(self, message):
+        if message.get("type") == "stop" and self._stop is None:
+            self._stop = StopRequest(message.get("round", self.round),
+                                     bool(message.get("graceful", False)),
+                                     message.get("reason", ""))
+
+    def _take_lines(self):
+        messages = []
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                break
+            line, self._buf = self._buf[:nl], self._buf[nl + 1:]
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict):
+                self._handle(message)
+                messages.append(message)
+        if len(self._buf) > _MAX_LINE:
+            self._buf = b""
+        return messages
+
+    def _read_available(self):
+        while True:
+            try:
+                chunk = self._sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._mark_gone("connection to the agent lost")
+                break
+            if not chunk:
+                self._mark_gone("the agent closed the control socket")
+                break
+            self._buf += chunk
+        return self._take_lines()
+
+    def _wait_for(self, predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            for message in self._take_lines():
+                if predicate(message):
+                    return message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ControlError("the efdl agent did not answer within %.1f s" % timeout)
+            self._sock.settimeout(left)
+            try:
+                chunk = self._sock.recv(65536)
+            except socket.timeout:
+                continue
+            finally:
+                self._sock.setblocking(False)
+            if not chunk:
+                self._mark_gone("the agent closed the control socket")
+                raise ControlError("the efdl agent closed the control socket")
+            self._buf += chunk
+
+
+def connect_from_env(timeout=5.0):
+    """A ControlClient for this worker's agent, or None when not running under `efdl run`."""
+    path = os.environ.get(ENV_SOCKET)
+    if not path:
+        return None
+    return ControlClient(path, rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0),
+                         round_=_env_int("EFDL_ROUND", 0), timeout=timeout)
