@@ -1,0 +1,1 @@
+"""Framework backends: `efdl.backend.torch` (torch DDP) and `efdl.backend.horovod.*`."""

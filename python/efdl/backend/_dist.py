@@ -1,0 +1,117 @@
+"""Process-group creation and the "no agent yet" re-execution, shared by every torch-based backend.
+
+Contract: init_process_group() is idempotent and safe to call from the main thread only (it
+creates torch.distributed's default group, which is process-global by torch's design).
+"""
+
+import datetime
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+from efdl.backend import _env
+
+# Set on the re-executed command so that a second arrival without agent env is an error, not a loop.
+_REEXEC_MARKER = "EFDL_REEXECUTED"
+
+
+def default_backend():
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def is_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank():
+    return dist.get_rank() if is_initialized() else _env.rank()
+
+
+def world_size():
+    return dist.get_world_size() if is_initialized() else _env.world_size()
+
+
+def _agent_required():
+    return bool(os.environ.get("EFDL_ETCD_ENDPOINTS")) and bool(os.environ.get("EFDL_JOB_ID"))
+
+
+def find_efdl_binary():
+    """Path of the `efdl` command: EFDL_BIN when set, else PATH. Raises RuntimeError if absent."""
+    explicit = os.environ.get("EFDL_BIN", "")
+    if explicit:
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
+            return explicit
+        raise RuntimeError("EFDL_BIN=%s is not an executable file; point it at the built `efdl` "
+                           "binary or unset it to search PATH" % explicit)
+    found = shutil.which("efdl")
+    if found is None:
+        raise RuntimeError("EFDL_ETCD_ENDPOINTS and EFDL_JOB_ID are set, so this job runs under the "
+                           "EFDL agent, but no `efdl` command was found: put it on PATH or set "
+                           "EFDL_BIN (or unset EFDL_ETCD_ENDPOINTS to train as one process)")
+    return found
+
+
+def reexec_command(efdl_binary):
+    """The command line that runs this very program under `efdl run`."""
+    # orig_argv keeps interpreter options (-u, -m module, -c code) that sys.argv loses.
+    program = list(getattr(sys, "orig_argv", [])[1:]) or list(sys.argv)
+    return [efdl_binary, "run", "--", sys.executable] + program
+
+
+def maybe_reexec_under_agent():
+    """Replaces this process by `efdl run -- <this command>` when etcd is configured but no agent
+    started us; returns normally otherwise."""
+    if not _agent_required() or _env.under_agent():
+        return
+    if os.environ.get(_REEXEC_MARKER):
+        raise RuntimeError("this process was re-executed under `efdl run` but still has no RANK/"
+                           "WORLD_SIZE from the agent; check that EFDL_BIN runs the EFDL agent")
+    command = reexec_command(find_efdl_binary())
+    print("efdl: EFDL_ETCD_ENDPOINTS and EFDL_JOB_ID are set and no agent started this process; "
+          "re-executing under: " + " ".join(command), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.environ[_REEXEC_MARKER] = "1"
+    os.execv(command[0], command)
+
+
+def init_process_group(timeout=None, backend=None):
+    """Creates torch.distributed's default group from the launcher's env, or a 1-rank group.
+
+    `timeout` is in seconds (None: torch's default). Returns without doing anything if a default
+    group already exists. May replace the process (see maybe_reexec_under_agent).
+    """
+    if is_initialized():
+        return
+    maybe_reexec_under_agent()
+    backend = backend or default_backend()
+    kwargs = {}
+    if timeout is not None:
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError("init(timeout=%r): timeout is in seconds and must be a positive "
+                             "number" % (timeout,))
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+
+    size = _env.world_size()
+    if _env.has_launcher_env() and (size > 1 or os.environ.get("MASTER_ADDR")):
+        this_rank = _env.rank()
+        if this_rank >= size:
+            raise ValueError("RANK=%d is not below WORLD_SIZE=%d; the launcher's environment is "
+                             "inconsistent" % (this_rank, size))
+        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+        if missing:
+            raise ValueError("WORLD_SIZE=%d but %s not set: run under `efdl run` (or set them to "
+                             "rank 0's address and a free port)" % (size, " and ".join(missing)))
+        dist.init_process_group(backend, init_method="env://", rank=this_rank, world_size=size,
+                                **kwargs)
+        return
+    # A 1-process job still gets a real group so DistributedDataParallel wraps unchanged; an
+    # in-memory store needs no port and no file.
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def shutdown():
+    if is_initialized():
+        dist.destroy_process_group()
