@@ -1,0 +1,247 @@
+#include "agent/agent.h"
+
+#include <signal.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+
+namespace efdl::agent {
+
+namespace {
+
+std::string SignalName(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+}  // namespace
+
+std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
+                                                     const rdzv::Assignment& a, int local_rank,
+                                                     int restart_count,
+                                                     const std::string& control_socket) {
+  const int rank = a.rank_offset + local_rank;
+  std::map<std::string, std::string> env = {
+      {"RANK", std::to_string(rank)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"WORLD_SIZE", std::to_string(a.world_size)},
+      {"LOCAL_WORLD_SIZE", std::to_string(a.nproc)},
+      {"GROUP_RANK", std::to_string(a.node_rank)},
+      {"NODE_RANK", std::to_string(a.node_rank)},
+      {"NNODES", std::to_string(a.nnodes)},
+      {"GROUP_WORLD_SIZE", std::to_string(a.nnodes)},
+      {"ROLE_NAME", "default"},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(a.world_size)},
+      {"MASTER_ADDR", a.master_addr},
+      {"MASTER_PORT", std::to_string(a.master_port)},
+      {"EFDL_JOB_ID", options.job_id},
+      {"EFDL_NODE_ID", options.node_id},
+      {"EFDL_ROUND", std::to_string(a.round)},
+      {"EFDL_RESTART_COUNT", std::to_string(restart_count)},
+      {"EFDL_NUM_MIN_WORKERS", std::to_string(options.min_nodes)},
+      {"EFDL_NUM_MAX_WORKERS", std::to_string(options.max_nodes)},
+      {"EFDL_CONTROL_SOCKET", control_socket},
+      {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", options.job_id},
+  };
+  // As torchrun does: several processes per node must not each spawn a thread per core.
+  if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  return env;
+}
+
+Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
+    : options_(std::move(options)), rdzv_(rendezvous) {}
+
+Agent::~Agent() {
+  // Workers first: their stop may still talk to the control socket.
+  group_.reset();
+  control_.reset();
+}
+
+int Agent::Run() {
+  socket_path_ = options_.control_socket_path;
+  if (socket_path_.empty()) {
+    auto dir = TempDir::Create("efdl-agent");
+    if (!dir.ok()) {
+      EFDL_LOG_ERROR("{}", dir.status().message());
+      return 1;
+    }
+    socket_dir_ = std::move(dir).value();
+    socket_path_ = socket_dir_.path() + "/control.sock";
+  }
+  auto control = ControlServer::Start({socket_path_, options_.job_id, options_.node_id});
+  if (!control.ok()) {
+    EFDL_LOG_ERROR("{}", control.status().message());
+    return 1;
+  }
+  control_ = std::move(control).value();
+
+  if (Status st = rdzv_.Join(); !st.ok()) {
+    EFDL_LOG_ERROR("cannot join job '{}': {}", options_.job_id, st.message());
+    return 1;
+  }
+  EFDL_LOG_INFO("node {} joined job '{}' with {} worker(s) per node, nodes {}:{}",
+                options_.node_id, options_.job_id, options_.nproc, options_.min_nodes,
+                options_.max_nodes);
+
+  while (true) {
+    int sig = shutdown_signal_.load();
+    if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
+    if (sig != 0) return *Shutdown(sig);
+    if (auto code = PollWorkers()) return *code;
+    if (auto event = rdzv_.WaitEvent(options_.poll_interval)) {
+      if (auto code = HandleEvent(*event)) return *code;
+    }
+  }
+}
+
+std::optional<int> Agent::PollWorkers() {
+  if (!group_) return std::nullopt;
+  switch (group_->Poll()) {
+    case WorkerGroup::State::kRunning:
+      return std::nullopt;
+    case WorkerGroup::State::kSucceeded:
+      EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group_->round(),
+                    assignment_.nproc);
+      rdzv_.ReportWorkersSucceeded(group_->round());
+      group_.reset();
+      return std::nullopt;
+    case WorkerGroup::State::kFailed:
+      break;
+  }
+  const int64_t round = group_->round();
+  WorkerExit failure = *group_->first_failure();
+  std::string detail =
+      fmt::format("rank {} {}", failure.rank, DescribeWaitStatus(failure.wait_status));
+  EFDL_LOG_WARN("round {}: {}; stopping this node's other workers", round, detail);
+  // The round is broken for every node: peers wait in collectives that cannot complete.
+  StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
+  rdzv_.ReportWorkerFailure(round, detail);
+  pending_failure_ = PendingFailure{round, assignment_.nnodes, failure};
+  return std::nullopt;
+}
+
+std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
+  using Type = rdzv::Event::Type;
+  switch (event.type) {
+    case Type::kRoundStarted:
+      return StartRound(event.assignment);
+    case Type::kRoundClosing:
+      EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
+                    event.graceful ? "graceful" : "not graceful",
+                    event.message.empty() ? "" : ": ", event.message);
+      if (group_ && group_->round() <= event.round) {
+        StopWorkers(event.graceful, event.message.empty()
+                                        ? fmt::format("round {} is closing", event.round)
+                                        : event.message);
+      }
+      return std::nullopt;
+    case Type::kJobComplete:
+      StopWorkers(/*graceful=*/false, "the job is complete");
+      EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
+      return 0;
+    case Type::kFenced:
+      EFDL_LOG_WARN("node {} lost its lease: fenced out of round {}; stopping workers{}{}",
+                    options_.node_id, event.round, event.message.empty() ? "" : ": ",
+                    event.message);
+      StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
+      return std::nullopt;
+    case Type::kFailed:
+      StopWorkers(/*graceful=*/false, event.message);
+      EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
+      rdzv_.Leave();
+      return 1;
+  }
+  return std::nullopt;
+}
+
+std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
+  if (group_) {
+    StopWorkers(/*graceful=*/false, fmt::format("round {} started", a.round));
+  }
+  if (pending_failure_) {
+    const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
+    std::string detail =
+        fmt::format("rank {} {}", f.exit.rank, DescribeWaitStatus(f.exit.wait_status));
+    if (!a.standby && a.nnodes < f.nnodes) {
+      // A peer left with the failure: its loss broke our workers; not our failure.
+      EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
+                    f.round, detail);
+    } else if (++restarts_ > options_.max_restarts) {
+      EFDL_LOG_ERROR(
+          "giving up: {} in round {}; worker failures on this node: {} (--max-restarts {})",
+          detail, f.round, restarts_, options_.max_restarts);
+      rdzv_.Leave();
+      return 1;
+    } else {
+      EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
+                    detail, f.round);
+    }
+  }
+  assignment_ = a;
+  control_->SetRound(a.round);
+  if (a.standby) {
+    EFDL_LOG_INFO("round {}: standby (the job is at its maximum of {} nodes); waiting for a "
+                  "member to leave", a.round, options_.max_nodes);
+    return std::nullopt;
+  }
+  const int restart_count = rounds_started_++;
+  WorkerGroupOptions wg;
+  wg.argv = options_.command;
+  wg.round = a.round;
+  wg.out_fd = options_.out_fd;
+  wg.err_fd = options_.err_fd;
+  for (int lr = 0; lr < a.nproc; ++lr) {
+    WorkerSpec spec;
+    spec.local_rank = lr;
+    spec.rank = a.rank_offset + lr;
+    spec.env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
+    if (!options_.log_dir.empty()) {
+      spec.log_path = (std::filesystem::path(options_.log_dir) / options_.node_id /
+                       fmt::format("round-{}.rank-{}.log", a.round, spec.rank))
+                          .string();
+    }
+    wg.workers.push_back(std::move(spec));
+  }
+  EFDL_LOG_INFO("round {}: node rank {} of {}, ranks {}..{} of world {}, master {}:{}", a.round,
+                a.node_rank, a.nnodes, a.rank_offset, a.rank_offset + a.nproc - 1, a.world_size,
+                a.master_addr, a.master_port);
+  auto group = WorkerGroup::Start(std::move(wg));
+  if (!group.ok()) {
+    EFDL_LOG_ERROR("cannot start workers: {}", group.status().message());
+    rdzv_.Leave();
+    return 1;
+  }
+  group_ = std::move(group).value();
+  return std::nullopt;
+}
+
+void Agent::StopWorkers(bool graceful, const std::string& reason) {
+  if (!group_) return;
+  const int64_t round = group_->round();
+  if (group_->running() > 0) {
+    EFDL_LOG_INFO("round {}: stopping {} worker(s) ({}): {}", round, group_->running(),
+                  graceful ? "graceful" : "not graceful", reason);
+  }
+  group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
+  group_.reset();
+}
+
+std::optional<int> Agent::Shutdown(int signal) {
+  EFDL_LOG_INFO("received {}: leaving job '{}' and stopping workers", SignalName(signal),
+                options_.job_id);
+  // Leave first so the other nodes re-round at once, while our workers take their snapshot.
+  rdzv_.Leave();
+  StopWorkers(/*graceful=*/true, fmt::format("node {} is leaving ({})", options_.node_id,
+                                             SignalName(signal)));
+  return 128 + signal;
+}
+
+}  // namespace efdl::agent

@@ -1,0 +1,97 @@
+// The node agent's elastic loop: follows the rendezvous' events and runs this node's workers.
+//
+// The Agent never touches etcd; it drives a rdzv::Rendezvous (real, or a scripted test double)
+// and owns the control socket and the WorkerGroup of the current round. Run() is single-threaded
+// and must be called from a thread that outlives the workers (their PR_SET_PDEATHSIG follows the
+// spawning thread): normally the process' main thread.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "agent/control_server.h"
+#include "agent/worker_group.h"
+#include "common/net.h"
+#include "rendezvous/rendezvous.h"
+
+namespace efdl::agent {
+
+struct AgentOptions {
+  std::string job_id;
+  std::string node_id;
+  std::vector<std::string> command;        // the worker program and its arguments
+  int nproc = 1;
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int max_restarts = 3;                    // worker failures this agent tolerates
+  std::chrono::milliseconds stop_grace{std::chrono::seconds(10)};
+  std::string log_dir;                     // empty: worker output only to our stdout/stderr
+  std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
+  std::string control_socket_path;         // empty: control.sock in a private temp directory
+  std::chrono::milliseconds poll_interval{std::chrono::milliseconds(50)};
+  int out_fd = STDOUT_FILENO;              // where prefixed worker output goes
+  int err_fd = STDERR_FILENO;
+  // Polled every loop turn: a signal number (SIGTERM, SIGINT) means shut down; 0 means go on.
+  std::function<int()> poll_signal;
+};
+
+// The environment one worker gets for `assignment` (the torchrun-compatible set plus EFDL_*).
+std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
+                                                     const rdzv::Assignment& assignment,
+                                                     int local_rank, int restart_count,
+                                                     const std::string& control_socket);
+
+class Agent {
+ public:
+  Agent(AgentOptions options, rdzv::Rendezvous& rendezvous);
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // Joins the job and runs this node until the job completes (returns 0), fails or runs out
+  // of restarts (1), or a shutdown is requested (128 + the signal number).
+  int Run();
+  // Thread-safe: makes Run() stop its workers, leave the job and return.
+  void RequestShutdown(int signal) { shutdown_signal_.store(signal); }
+
+  // Worker failures counted against max_restarts so far.
+  int restarts() const { return restarts_; }
+  // The control socket's path while Run() is running (empty before).
+  const std::string& control_socket() const { return socket_path_; }
+
+ private:
+  struct PendingFailure {
+    int64_t round = 0;
+    int nnodes = 0;
+    WorkerExit exit;
+  };
+
+  // Each returns an exit code when the agent must end.
+  std::optional<int> HandleEvent(const rdzv::Event& event);
+  std::optional<int> PollWorkers();
+  std::optional<int> StartRound(const rdzv::Assignment& assignment);
+  std::optional<int> Shutdown(int signal);
+  void StopWorkers(bool graceful, const std::string& reason);
+
+  const AgentOptions options_;
+  rdzv::Rendezvous& rdzv_;
+  std::atomic<int> shutdown_signal_{0};
+  TempDir socket_dir_;
+  std::string socket_path_;
+  std::unique_ptr<ControlServer> control_;
+  std::unique_ptr<WorkerGroup> group_;
+  rdzv::Assignment assignment_;            // of the newest round started
+  int rounds_started_ = 0;
+  int restarts_ = 0;
+  std::optional<PendingFailure> pending_failure_;
+};
+
+}  // namespace efdl::agent

@@ -1,0 +1,264 @@
+#include "agent/control_server.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+
+namespace efdl::agent {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr int kProtocolVersion = 1;
+constexpr size_t kMaxLine = 64 * 1024;
+
+// Field readers that never throw: a malformed field reads as the fallback.
+int64_t IntField(const json& j, const char* key, int64_t fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number_integer()) return fallback;
+  return it->get<int64_t>();
+}
+std::string StringField(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_string()) return {};
+  return it->get<std::string>();
+}
+bool BoolField(const json& j, const char* key, bool fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_boolean()) return fallback;
+  return it->get<bool>();
+}
+
+std::string Line(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ControlServer>> ControlServer::Start(ControlServerOptions options) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (options.socket_path.empty() || options.socket_path.size() >= sizeof(addr.sun_path)) {
+    return Status::InvalidArgument(fmt::format(
+        "control socket path '{}' is empty or longer than {} bytes; set TMPDIR to a shorter "
+        "directory", options.socket_path, sizeof(addr.sun_path) - 1));
+  }
+  std::memcpy(addr.sun_path, options.socket_path.c_str(), options.socket_path.size() + 1);
+
+  std::unique_ptr<ControlServer> server(new ControlServer(std::move(options)));
+  const std::string& path = server->options_.socket_path;
+  server->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (server->listen_fd_ < 0) {
+    return Status::Internal(fmt::format("socket(AF_UNIX): {}", std::strerror(errno)));
+  }
+  // The umask makes the socket 0600 from its creation: no window where others could connect.
+  mode_t old_mask = ::umask(0077);
+  int rc = ::bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  int bind_errno = errno;
+  ::umask(old_mask);
+  if (rc != 0) {
+    return Status::IOError(fmt::format("cannot create the control socket {}: {}", path,
+                                       std::strerror(bind_errno)));
+  }
+  ::chmod(path.c_str(), 0600);
+  if (::listen(server->listen_fd_, 64) != 0) {
+    return Status::IOError(fmt::format("listen on {}: {}", path, std::strerror(errno)));
+  }
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+    return Status::Internal(fmt::format("pipe: {}", std::strerror(errno)));
+  }
+  server->wake_read_ = wake[0];
+  server->wake_write_ = wake[1];
+  server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+  return server;
+}
+
+ControlServer::~ControlServer() {
+  if (thread_.joinable()) {
+    char byte = 0;
+    ssize_t ignored = ::write(wake_write_, &byte, 1);
+    (void)ignored;
+    thread_.join();
+  }
+  for (auto& [fd, client] : clients_) ::close(fd);
+  for (int fd : {listen_fd_, wake_read_, wake_write_}) {
+    if (fd >= 0) ::close(fd);
+  }
+  if (listen_fd_ >= 0) ::unlink(options_.socket_path.c_str());
+}
+
+void ControlServer::SetRound(int64_t round) {
+  std::lock_guard lock(mutex_);
+  round_ = round;
+  stopping_.erase(stopping_.begin(), stopping_.lower_bound(round - 1));  // keep it bounded
+}
+
+bool ControlServer::IsConnected(int64_t round, int local_rank) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& [fd, c] : clients_) {
+    if (c.said_hello && c.round == round && c.local_rank == local_rank) return true;
+  }
+  return false;
+}
+
+std::vector<int> ControlServer::RequestStop(int64_t round, bool graceful,
+                                            const std::string& reason) {
+  std::string line = Line({{"type", "stop"}, {"round", round}, {"graceful", graceful},
+                           {"reason", reason}});
+  std::lock_guard lock(mutex_);
+  std::vector<int> reached;
+  for (const auto& [fd, c] : clients_) {
+    if (!c.said_hello || c.round != round) continue;
+    SendLocked(fd, line);
+    reached.push_back(c.local_rank);
+  }
+  return reached;
+}
+
+std::optional<int64_t> ControlServer::newest_step() const {
+  std::lock_guard lock(mutex_);
+  return newest_step_;
+}
+
+std::vector<int> ControlServer::StoppingRanks(int64_t round) const {
+  std::lock_guard lock(mutex_);
+  auto it = stopping_.find(round);
+  return it == stopping_.end() ? std::vector<int>{} : it->second;
+}
+
+void ControlServer::SendLocked(int fd, const std::string& json_line) {
+  // Messages are tiny and rare: a full socket buffer means the worker stopped reading, and
+  // dropping the message is then better than blocking every caller. The escalation to signals
+  // covers a worker that never reads its stop request.
+  ssize_t n = ::send(fd, json_line.data(), json_line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n != static_cast<ssize_t>(json_line.size())) {
+    EFDL_LOG_WARN("control socket: could not send to a worker (fd {}): {}", fd,
+                  n < 0 ? std::strerror(errno) : "short write");
+  }
+}
+
+bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) {
+  json msg = json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (msg.is_discarded() || !msg.is_object()) {
+    SendLocked(fd, Line({{"type", "error"}, {"message", "not a JSON object"}}));
+    return true;
+  }
+  const std::string type = StringField(msg, "type");
+  if (type == "hello") {
+    client.said_hello = true;
+    client.pid = static_cast<int>(IntField(msg, "pid", 0));
+    client.rank = static_cast<int>(IntField(msg, "rank", -1));
+    client.local_rank = static_cast<int>(IntField(msg, "local_rank", -1));
+    client.round = IntField(msg, "round", -1);
+    if (client.round != round_) {
+      SendLocked(fd, Line({{"type", "stop"}, {"round", client.round}, {"graceful", false},
+                           {"reason", fmt::format("round {} is over", client.round)}}));
+    } else {
+      SendLocked(fd, Line({{"type", "welcome"}, {"version", kProtocolVersion},
+                           {"round", round_}, {"job_id", options_.job_id},
+                           {"node_id", options_.node_id}}));
+    }
+    EFDL_LOG_DEBUG("control socket: hello from rank {} (local {}, pid {}, round {})",
+                   client.rank, client.local_rank, client.pid, client.round);
+    return true;
+  }
+  if (type == "committed" || type == "stopping") {
+    int64_t step = IntField(msg, "step", -1);
+    if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
+    if (type == "stopping") {
+      if (client.said_hello) stopping_[client.round].push_back(client.local_rank);
+      EFDL_LOG_INFO("rank {} stopping after step {} (snapshot: {})", client.rank, step,
+                    BoolField(msg, "snapshot", false));
+    }
+    return true;
+  }
+  json reply_id = msg.contains("id") ? msg["id"] : json(nullptr);
+  if (type == "query" && StringField(msg, "what") == "restore") {
+    json step = newest_step_ ? json(*newest_step_) : json(nullptr);
+    SendLocked(fd, Line({{"type", "reply"}, {"id", reply_id}, {"restore_step", step},
+                         {"round", round_}}));
+    return true;
+  }
+  SendLocked(fd, Line({{"type", "error"}, {"id", reply_id},
+                       {"message", fmt::format("unknown request type '{}'", type)}}));
+  return true;
+}
+
+void ControlServer::Serve() {
+  std::vector<pollfd> fds;
+  char buf[4096];
+  while (true) {
+    fds.clear();
+    fds.push_back({wake_read_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& [fd, c] : clients_) fds.push_back({fd, POLLIN, 0});
+    }
+    int n = ::poll(fds.data(), fds.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      EFDL_LOG_ERROR("control socket: poll: {}", std::strerror(errno));
+      return;
+    }
+    if (fds[0].revents != 0) return;
+    if (fds[1].revents & POLLIN) {
+      while (true) {
+        int cfd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (cfd < 0) break;
+        std::lock_guard lock(mutex_);
+        clients_.emplace(cfd, Client{});
+      }
+    }
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      int fd = fds[i].fd;
+      bool keep = true;
+      bool eof = false;
+      std::lock_guard lock(mutex_);
+      auto it = clients_.find(fd);
+      if (it == clients_.end()) continue;
+      Client& client = it->second;
+      while (true) {
+        ssize_t r = ::recv(fd, buf, sizeof(buf), 0);
+        if (r > 0) {
+          client.buffer.append(buf, static_cast<size_t>(r));
+          continue;
+        }
+        if (r < 0 && errno == EINTR) continue;
+        eof = !(r < 0 && errno == EAGAIN);  // EOF or an error: lines already read still count
+        break;
+      }
+      size_t nl;
+      while (keep && (nl = client.buffer.find('\n')) != std::string::npos) {
+        std::string line = client.buffer.substr(0, nl);
+        client.buffer.erase(0, nl + 1);
+        if (!line.empty()) keep = HandleLine(fd, client, line);
+      }
+      if (client.buffer.size() > kMaxLine) {
+        EFDL_LOG_WARN("control socket: closing a connection that sent a line over {} bytes",
+                      kMaxLine);
+        keep = false;
+      }
+      if (!keep || eof) {
+        ::close(fd);
+        clients_.erase(it);
+      }
+    }
+  }
+}
+
+}  // namespace efdl::agent

@@ -1,0 +1,76 @@
+// The agent's end of the control socket (docs/control-protocol.md): a unix stream socket, mode
+// 0600, speaking line-delimited JSON with the workers of this node.
+//
+// One thread of its own serves every connection; it is started by Start() and joined by the
+// destructor, which also removes the socket file. All public methods are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "efdl/status.h"
+
+namespace efdl::agent {
+
+struct ControlServerOptions {
+  std::string socket_path;   // created (must not exist); removed again by the destructor
+  std::string job_id;
+  std::string node_id;
+};
+
+class ControlServer {
+ public:
+  static Result<std::unique_ptr<ControlServer>> Start(ControlServerOptions options);
+  ~ControlServer();
+  ControlServer(const ControlServer&) = delete;
+  ControlServer& operator=(const ControlServer&) = delete;
+
+  const std::string& path() const { return options_.socket_path; }
+
+  // The round whose workers are welcome; a hello from another round is answered with "stop".
+  void SetRound(int64_t round);
+  // True when the worker with this local rank said hello for `round` and is still connected.
+  bool IsConnected(int64_t round, int local_rank) const;
+  // Sends "stop" to every connected worker of `round`; returns the local ranks it reached.
+  std::vector<int> RequestStop(int64_t round, bool graceful, const std::string& reason);
+  // The newest step any worker reported (committed or stopping), if any.
+  std::optional<int64_t> newest_step() const;
+  // Local ranks of `round` that answered a stop with "stopping" (connected or not since).
+  std::vector<int> StoppingRanks(int64_t round) const;
+
+ private:
+  struct Client {
+    std::string buffer;        // bytes read, not yet a full line
+    bool said_hello = false;
+    int pid = 0;
+    int rank = -1;
+    int local_rank = -1;
+    int64_t round = -1;
+  };
+
+  explicit ControlServer(ControlServerOptions options) : options_(std::move(options)) {}
+  void Serve();
+  // Handles one line from client `fd`; returns false when the connection must be closed.
+  bool HandleLine(int fd, Client& client, const std::string& line);
+  void SendLocked(int fd, const std::string& json_line);
+
+  const ControlServerOptions options_;
+  int listen_fd_ = -1;
+  int wake_read_ = -1;   // a byte on wake_write_ ends Serve()
+  int wake_write_ = -1;
+  std::thread thread_;
+
+  mutable std::mutex mutex_;
+  std::map<int, Client> clients_;          // by fd; GUARDED_BY(mutex_); fds closed by Serve only
+  int64_t round_ = -1;                     // GUARDED_BY(mutex_)
+  std::optional<int64_t> newest_step_;     // GUARDED_BY(mutex_)
+  std::map<int64_t, std::vector<int>> stopping_;  // by round; GUARDED_BY(mutex_)
+};
+
+}  // namespace efdl::agent

@@ -1,0 +1,253 @@
+#include "agent/worker_group.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "agent/control_server.h"
+#include "common/log.h"
+
+namespace efdl::agent {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kMaxLineBytes = 64 * 1024;  // longer lines are split, never buffered forever
+
+void WriteAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // the agent's own output is gone; nothing better to do
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions options) {
+  if (options.argv.empty()) return Status::InvalidArgument("no worker command given");
+  std::unique_ptr<WorkerGroup> group(new WorkerGroup(std::move(options)));
+  const auto& opts = group->options_;
+
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+    return Status::Internal(fmt::format("pipe: {}", std::strerror(errno)));
+  }
+  group->wake_read_ = wake[0];
+  group->wake_write_ = wake[1];
+
+  for (const WorkerSpec& spec : opts.workers) {
+    int log_fd = -1;
+    if (!spec.log_path.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(std::filesystem::path(spec.log_path).parent_path(), ec);
+      log_fd = ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+      if (log_fd < 0) {
+        return Status::IOError(fmt::format("cannot open worker log file {}: {}", spec.log_path,
+                                           std::strerror(errno)));
+      }
+      group->log_fds_.push_back(log_fd);
+    }
+    SpawnOptions so;
+    so.argv = opts.argv;
+    so.env_set = spec.env;
+    so.stdout_mode = SpawnOptions::Stdio::kPipe;
+    so.stderr_mode = SpawnOptions::Stdio::kPipe;
+    so.new_process_group = true;
+    so.die_with_parent = true;
+    auto proc = Subprocess::Spawn(so);
+    if (!proc.ok()) {
+      return proc.status().WithContext(fmt::format("starting rank {}", spec.rank));
+    }
+    std::string prefix = fmt::format("[rank {}] ", spec.rank);
+    int out = proc->ReleaseStdout();
+    int err = proc->ReleaseStderr();
+    for (int fd : {out, err}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    group->streams_.push_back(Stream{out, opts.out_fd, log_fd, prefix, {}});
+    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, prefix, {}});
+    group->workers_.push_back(Worker{spec, std::move(proc).value(), false});
+  }
+  group->pump_ = std::thread([g = group.get()] { g->PumpOutput(); });
+  return group;
+}
+
+WorkerGroup::~WorkerGroup() {
+  for (Worker& w : workers_) {
+    if (!w.reaped) (void)w.proc.Signal(SIGKILL);
+    (void)w.proc.Stop(std::chrono::milliseconds(0));  // reaps; SIGKILLs group stragglers
+  }
+  if (pump_.joinable()) {
+    char byte = 0;
+    ssize_t ignored = ::write(wake_write_, &byte, 1);
+    (void)ignored;
+    pump_.join();
+  }
+  for (Stream& s : streams_) {
+    if (s.fd >= 0) ::close(s.fd);
+  }
+  for (int fd : log_fds_) ::close(fd);
+  for (int fd : {wake_read_, wake_write_}) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+bool WorkerGroup::ReapOne(Worker& w) {
+  if (w.reaped) return true;
+  auto st = w.proc.Poll();
+  if (!st) return false;
+  w.reaped = true;
+  if (!WaitStatusSuccess(*st) && !first_failure_) {
+    first_failure_ = WorkerExit{w.spec.local_rank, w.spec.rank, *st};
+  }
+  return true;
+}
+
+WorkerGroup::State WorkerGroup::Poll() {
+  bool all_done = true;
+  for (Worker& w : workers_) all_done = ReapOne(w) && all_done;
+  if (first_failure_) return State::kFailed;
+  return all_done ? State::kSucceeded : State::kRunning;
+}
+
+int WorkerGroup::running() const {
+  int n = 0;
+  for (const Worker& w : workers_) n += w.reaped ? 0 : 1;
+  return n;
+}
+
+std::vector<pid_t> WorkerGroup::pids() const {
+  std::vector<pid_t> out;
+  for (const Worker& w : workers_) out.push_back(w.proc.pid());
+  return out;
+}
+
+void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control) {
+  const auto start = Clock::now();
+  std::set<int> asked;  // local ranks reached over the control socket
+  if (control != nullptr) {
+    for (int lr : control->RequestStop(options_.round, policy.graceful, policy.reason)) {
+      asked.insert(lr);
+    }
+  }
+  struct Pending {
+    Worker* w;
+    std::optional<Clock::time_point> term_at;
+  };
+  std::vector<Pending> pending;
+  for (Worker& w : workers_) {
+    if (ReapOne(w)) continue;
+    Pending p{&w, std::nullopt};
+    if (!policy.graceful || asked.count(w.spec.local_rank) == 0) {
+      (void)w.proc.Signal(SIGTERM);
+      p.term_at = Clock::now();
+    }
+    pending.push_back(p);
+  }
+  auto step = std::chrono::milliseconds(1);
+  while (!pending.empty()) {
+    auto now = Clock::now();
+    for (auto it = pending.begin(); it != pending.end();) {
+      Worker& w = *it->w;
+      if (ReapOne(w)) {
+        it = pending.erase(it);
+        continue;
+      }
+      if (!it->term_at && now - start >= policy.grace) {
+        EFDL_LOG_WARN("rank {} did not stop within {} ms of the stop request: SIGTERM",
+                      w.spec.rank, policy.grace.count());
+        (void)w.proc.Signal(SIGTERM);
+        it->term_at = now;
+      } else if (it->term_at && now - *it->term_at >= policy.grace) {
+        EFDL_LOG_WARN("rank {} ignored SIGTERM for {} ms: SIGKILL", w.spec.rank,
+                      policy.grace.count());
+        (void)w.proc.Signal(SIGKILL);
+        w.proc.Wait();
+        ReapOne(w);
+        it = pending.erase(it);
+        continue;
+      }
+      ++it;
+    }
+    if (pending.empty()) break;
+    std::this_thread::sleep_for(step);
+    step = std::min(step * 2, std::chrono::milliseconds(10));
+  }
+  // Helpers the workers started in their groups must not outlive the round.
+  for (Worker& w : workers_) (void)w.proc.Stop(std::chrono::milliseconds(0));
+}
+
+void WorkerGroup::EmitLine(Stream& s, std::string_view line) {
+  std::string out;
+  out.reserve(s.prefix.size() + line.size() + 1);
+  out.append(s.prefix).append(line).push_back('\n');
+  WriteAll(s.dest_fd, out.data(), out.size());  // one write per line: lines never interleave
+  if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + s.prefix.size(), line.size() + 1);
+}
+
+void WorkerGroup::DrainStream(Stream& s, bool final) {
+  char buf[16384];
+  while (s.fd >= 0) {
+    ssize_t n = ::read(s.fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) break;
+    if (n <= 0) {
+      ::close(s.fd);
+      s.fd = -1;
+      break;
+    }
+    s.partial.append(buf, static_cast<size_t>(n));
+    size_t pos = 0, nl;
+    while ((nl = s.partial.find('\n', pos)) != std::string::npos) {
+      EmitLine(s, std::string_view(s.partial).substr(pos, nl - pos));
+      pos = nl + 1;
+    }
+    s.partial.erase(0, pos);
+    if (s.partial.size() > kMaxLineBytes) {
+      EmitLine(s, s.partial);
+      s.partial.clear();
+    }
+  }
+  if ((final || s.fd < 0) && !s.partial.empty()) {
+    EmitLine(s, s.partial);
+    s.partial.clear();
+  }
+}
+
+void WorkerGroup::PumpOutput() {
+  std::vector<pollfd> fds;
+  std::vector<Stream*> owners;
+  while (true) {
+    fds.clear();
+    owners.clear();
+    fds.push_back({wake_read_, POLLIN, 0});
+    for (Stream& s : streams_) {
+      if (s.fd < 0) continue;
+      fds.push_back({s.fd, POLLIN, 0});
+      owners.push_back(&s);
+    }
+    if (owners.empty()) return;  // every worker closed its output
+    int n = ::poll(fds.data(), fds.size(), -1);
+    if (n < 0 && errno != EINTR) return;
+    if (fds[0].revents != 0) {
+      // Destruction: the workers are dead; take what is left in the pipes and stop.
+      for (Stream& s : streams_) DrainStream(s, /*final=*/true);
+      return;
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) DrainStream(*owners[i - 1], /*final=*/false);
+    }
+  }
+}
+
+}  // namespace efdl::agent

@@ -1,0 +1,359 @@
+// The agent's elastic loop against a scripted Rendezvous: the test double plays the other nodes
+// and etcd; the workers are real processes.
+#include "agent/agent.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "common/net.h"
+#include "test_util.h"
+
+namespace efdl::agent {
+namespace {
+
+using namespace std::chrono_literals;
+using rdzv::Assignment;
+using rdzv::Event;
+using testing::ReadFile;
+using testing::WaitUntil;
+
+class ScriptedRendezvous : public rdzv::Rendezvous {
+ public:
+  // Reactions the script runs (under no lock) when the agent reports.
+  std::function<void(int64_t round, const std::string& detail)> on_failure;
+  std::function<void(int64_t round)> on_success;
+
+  Status Join() override {
+    std::lock_guard lock(mu_);
+    joined_ = true;
+    return join_status_;
+  }
+  std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+    Event e = events_.front();
+    events_.pop_front();
+    return e;
+  }
+  void ReportWorkerFailure(int64_t round, const std::string& detail) override {
+    {
+      std::lock_guard lock(mu_);
+      failures_.push_back(detail);
+    }
+    if (on_failure) on_failure(round, detail);
+  }
+  void ReportWorkersSucceeded(int64_t round) override {
+    {
+      std::lock_guard lock(mu_);
+      successes_.push_back(round);
+    }
+    if (on_success) on_success(round);
+  }
+  void Leave() override {
+    std::lock_guard lock(mu_);
+    ++leaves_;
+  }
+
+  void Push(Event e) {
+    std::lock_guard lock(mu_);
+    events_.push_back(std::move(e));
+    cv_.notify_all();
+  }
+  void FailJoin(Status s) { join_status_ = std::move(s); }
+  std::vector<std::string> failures() const { std::lock_guard l(mu_); return failures_; }
+  std::vector<int64_t> successes() const { std::lock_guard l(mu_); return successes_; }
+  int leaves() const { std::lock_guard l(mu_); return leaves_; }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Event> events_;
+  Status join_status_;
+  bool joined_ = false;
+  std::vector<std::string> failures_;
+  std::vector<int64_t> successes_;
+  int leaves_ = 0;
+};
+
+Assignment MakeAssignment(int64_t round, int node_rank, int nnodes, int rank_offset, int nproc,
+                          int world) {
+  Assignment a;
+  a.round = round;
+  a.node_rank = node_rank;
+  a.nnodes = nnodes;
+  a.rank_offset = rank_offset;
+  a.nproc = nproc;
+  a.world_size = world;
+  a.master_addr = "127.0.0.1";
+  a.master_port = 29555;
+  return a;
+}
+
+Event Started(const Assignment& a) {
+  Event e;
+  e.type = Event::Type::kRoundStarted;
+  e.round = a.round;
+  e.assignment = a;
+  return e;
+}
+Event Simple(Event::Type type, int64_t round, bool graceful = false, std::string msg = {}) {
+  Event e;
+  e.type = type;
+  e.round = round;
+  e.graceful = graceful;
+  e.message = std::move(msg);
+  return e;
+}
+
+// Sends the agent's log lines (fd 2) to a file for the test's lifetime.
+class StderrCapture {
+ public:
+  explicit StderrCapture(std::string path) : path_(std::move(path)) {
+    saved_ = ::dup(STDERR_FILENO);
+    int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, STDERR_FILENO);
+    ::close(fd);
+  }
+  ~StderrCapture() {
+    ::dup2(saved_, STDERR_FILENO);
+    ::close(saved_);
+  }
+  std::string Text() const { return ReadFile(path_); }
+
+ private:
+  std::string path_;
+  int saved_ = -1;
+};
+
+class AgentLoopTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dir = TempDir::Create("efdl-agent-test");
+    ASSERT_TRUE(dir.ok());
+    dir_ = std::move(dir).value();
+    out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    opts_.job_id = "job-1";
+    opts_.node_id = "node-a";
+    opts_.min_nodes = 1;
+    opts_.max_nodes = 3;
+    opts_.snapshot_dir = dir_.path() + "/snap";
+    opts_.stop_grace = 5s;
+    opts_.poll_interval = 20ms;
+    opts_.out_fd = out_fd_;
+  }
+  void TearDown() override { ::close(out_fd_); }
+  std::string Out() const { return ReadFile(dir_.path() + "/out"); }
+
+  TempDir dir_;
+  int out_fd_ = -1;
+  AgentOptions opts_;
+  ScriptedRendezvous rdzv_;
+};
+
+TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
+  opts_.nproc = 2;
+  opts_.command = {"sh", "-c", "env | sort > " + dir_.path() + "/env.$RANK"};
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(4, 1, 2, 3, 2, 5)));
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0);
+  EXPECT_EQ(rdzv_.successes(), std::vector<int64_t>{4});
+  EXPECT_TRUE(rdzv_.failures().empty());
+
+  std::string env3 = ReadFile(dir_.path() + "/env.3");
+  std::string env4 = ReadFile(dir_.path() + "/env.4");
+  for (const char* kv : {"RANK=3\n", "LOCAL_RANK=0\n", "WORLD_SIZE=5\n", "LOCAL_WORLD_SIZE=2\n",
+                         "GROUP_RANK=1\n", "NODE_RANK=1\n", "NNODES=2\n", "MASTER_ADDR=127.0.0.1\n",
+                         "MASTER_PORT=29555\n", "EFDL_JOB_ID=job-1\n", "EFDL_ROUND=4\n",
+                         "EFDL_RESTART_COUNT=0\n", "EFDL_NUM_MIN_WORKERS=1\n",
+                         "EFDL_NUM_MAX_WORKERS=3\n", "EFDL_NODE_ID=node-a\n",
+                         "TORCHELASTIC_RESTART_COUNT=0\n", "TORCHELASTIC_RUN_ID=job-1\n"}) {
+    EXPECT_NE(env3.find(kv), std::string::npos) << kv;
+  }
+  EXPECT_NE(env3.find("EFDL_SNAPSHOT_DIR=" + opts_.snapshot_dir + "\n"), std::string::npos);
+  EXPECT_NE(env3.find("EFDL_CONTROL_SOCKET=/"), std::string::npos);
+  EXPECT_NE(env4.find("RANK=4\n"), std::string::npos);
+  EXPECT_NE(env4.find("LOCAL_RANK=1\n"), std::string::npos);
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    EXPECT_NE(env3.find("OMP_NUM_THREADS=1\n"), std::string::npos);
+  }
+}
+
+TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
+  opts_.nproc = 2;
+  opts_.max_restarts = 2;
+  opts_.command = {"sh", "-c", "if [ $RANK = 1 ]; then exit 7; fi; sleep 30"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 1, 0, 2, 2)));
+  };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 1, 0, 2, 2)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  int code = agent.Run();
+  std::string text = log.Text();
+  EXPECT_EQ(code, 1);
+  EXPECT_EQ(agent.restarts(), 3);
+  ASSERT_EQ(rdzv_.failures().size(), 3u);
+  EXPECT_EQ(rdzv_.failures()[0], "rank 1 exited with status 7");
+  EXPECT_EQ(rdzv_.leaves(), 1);
+  EXPECT_NE(text.find("giving up: rank 1 exited with status 7"), std::string::npos) << text;
+}
+
+TEST_F(AgentLoopTest, FailureThatCameWithANodeLeavingIsNotCounted) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 0;
+  std::string flag = dir_.path() + "/failed-once";
+  // Fails in the first round only (a peer's death broke it), succeeds afterwards.
+  opts_.command = {"sh", "-c", "if [ $EFDL_ROUND = 1 ]; then exit 1; fi; exit 0"};
+  rdzv_.on_failure = [&](int64_t, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(2, 0, 2, 0, 1, 2)));  // 3 nodes -> 2
+  };
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0);
+  EXPECT_EQ(agent.restarts(), 0);
+  EXPECT_EQ(rdzv_.failures().size(), 1u);
+}
+
+TEST_F(AgentLoopTest, RoundClosingStopsWorkersAndTheNextRoundRestartsThem) {
+  opts_.nproc = 1;
+  opts_.command = {"sh", "-c", "echo \"started round $EFDL_ROUND restart $EFDL_RESTART_COUNT\"; "
+                               "if [ $EFDL_ROUND = 1 ]; then exec sleep 30; fi"};
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  Agent agent(opts_, rdzv_);
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] { return Out().find("started round 1") != std::string::npos; }));
+    rdzv_.Push(Simple(Event::Type::kRoundClosing, 1, /*graceful=*/true, "node b joined"));
+    rdzv_.Push(Started(MakeAssignment(2, 0, 3, 0, 1, 3)));
+  });
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(agent.Run(), 0);
+  script.join();
+  // The plain `sleep` never connected to the socket: SIGTERM at once, not the 5 s grace.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
+  EXPECT_NE(Out().find("[rank 0] started round 2 restart 1"), std::string::npos) << Out();
+  EXPECT_EQ(agent.restarts(), 0);  // membership changes never count
+  EXPECT_TRUE(rdzv_.failures().empty());
+}
+
+TEST_F(AgentLoopTest, GracefulClosingReachesConnectedWorkersThroughTheSocket) {
+  opts_.nproc = 1;
+  std::string marker = dir_.path() + "/graceful";
+  opts_.command = testing::PythonWorker(
+      "import os, signal, sys, time\n"
+      "from efdl import control\n"
+      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(99))\n"
+      "c = control.connect_from_env()\n"
+      "if os.environ['EFDL_ROUND'] != '1': sys.exit(0)\n"
+      "print('connected', flush=True)\n"
+      "while not c.stop_requested(): time.sleep(0.002)\n"
+      "c.notify_stopping(123)\n"
+      "open('" + marker + "', 'w').write(c.stop_request().reason)\n");
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  Agent agent(opts_, rdzv_);
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] { return Out().find("connected") != std::string::npos; }, 20s));
+    rdzv_.Push(Simple(Event::Type::kRoundClosing, 1, /*graceful=*/true, "node c joined"));
+    rdzv_.Push(Started(MakeAssignment(2, 0, 3, 0, 1, 3)));
+  });
+  EXPECT_EQ(agent.Run(), 0);
+  script.join();
+  EXPECT_EQ(ReadFile(marker), "node c joined");
+}
+
+TEST_F(AgentLoopTest, StandbyRunsNoWorkersUntilTakenIn) {
+  opts_.nproc = 1;
+  opts_.command = {"sh", "-c", "echo working in round $EFDL_ROUND"};
+  Assignment standby;
+  standby.round = 5;
+  standby.standby = true;
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(standby));
+  Agent agent(opts_, rdzv_);
+  std::thread script([&] {
+    std::this_thread::sleep_for(200ms);  // the agent idles as a standby meanwhile
+    EXPECT_EQ(Out(), "");
+    rdzv_.Push(Started(MakeAssignment(6, 2, 3, 2, 1, 3)));
+  });
+  EXPECT_EQ(agent.Run(), 0);
+  script.join();
+  EXPECT_EQ(Out(), "[rank 2] working in round 6\n");
+}
+
+TEST_F(AgentLoopTest, FencedNodeStopsItsWorkersAndCanRejoin) {
+  opts_.nproc = 1;
+  opts_.command = {"sh", "-c", "echo pid $$ round $EFDL_ROUND; if [ $EFDL_ROUND = 1 ]; then exec sleep 30; fi"};
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  Agent agent(opts_, rdzv_);
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] { return Out().find("round 1") != std::string::npos; }));
+    pid_t pid = std::stoi(Out().substr(Out().find("pid ") + 4));
+    rdzv_.Push(Simple(Event::Type::kFenced, 1, false, "lease expired"));
+    EXPECT_TRUE(WaitUntil([&] { return !testing::ProcessAlive(pid); }));
+    rdzv_.Push(Started(MakeAssignment(3, 1, 2, 1, 1, 2)));
+  });
+  EXPECT_EQ(agent.Run(), 0);
+  script.join();
+  EXPECT_NE(Out().find("[rank 1] pid"), std::string::npos);
+  EXPECT_EQ(rdzv_.failures().size(), 0u);
+}
+
+TEST_F(AgentLoopTest, ShutdownStopsWorkersLeavesAndExitsWith128PlusSignal) {
+  opts_.nproc = 2;
+  opts_.command = {"sh", "-c", "echo pid $$; exec sleep 30"};
+  rdzv_.Push(Started(MakeAssignment(1, 0, 1, 0, 2, 2)));
+  Agent agent(opts_, rdzv_);
+  std::vector<pid_t> pids;
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] {
+      std::string o = Out();
+      return o.find("[rank 0] pid") != std::string::npos && o.find("[rank 1] pid") != std::string::npos;
+    }));
+    std::string o = Out();
+    for (size_t p = o.find("pid "); p != std::string::npos; p = o.find("pid ", p + 1)) {
+      pids.push_back(std::stoi(o.substr(p + 4)));
+    }
+    agent.RequestShutdown(SIGTERM);
+  });
+  EXPECT_EQ(agent.Run(), 128 + SIGTERM);
+  script.join();
+  EXPECT_EQ(rdzv_.leaves(), 1);
+  ASSERT_EQ(pids.size(), 2u);
+  for (pid_t p : pids) EXPECT_FALSE(testing::ProcessAlive(p));
+}
+
+TEST_F(AgentLoopTest, FailedJobStopsWorkersAndExitsNonZero) {
+  opts_.nproc = 1;
+  opts_.command = {"sleep", "30"};
+  rdzv_.Push(Started(MakeAssignment(1, 0, 1, 0, 1, 1)));
+  rdzv_.Push(Simple(Event::Type::kFailed, 1, false, "below 2 nodes for 600 s"));
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 1);
+  EXPECT_EQ(rdzv_.leaves(), 1);
+}
+
+TEST_F(AgentLoopTest, JoinFailureEndsTheAgentWithItsMessage) {
+  opts_.command = {"true"};
+  rdzv_.FailJoin(Status::Unavailable("etcd at 127.0.0.1:1 did not answer"));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 1);
+  EXPECT_NE(log.Text().find("etcd at 127.0.0.1:1 did not answer"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace efdl::agent

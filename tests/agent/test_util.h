@@ -1,0 +1,49 @@
+// Helpers shared by the agent's tests.
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace efdl::agent::testing {
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Polls `pred` until it holds or `timeout` passes; returns its last value.
+template <class Pred>
+bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() >= deadline) return pred();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+// A python3 worker command line with the project's python/ on the path.
+inline std::vector<std::string> PythonWorker(const std::string& code) {
+  return {EFDL_PYTHON, "-c",
+          std::string("import sys; sys.path.insert(0, '") + EFDL_SOURCE_DIR + "/python')\n" + code};
+}
+
+// True while `pid` exists and is not a zombie (an unreaped dead process is not alive).
+inline bool ProcessAlive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  size_t paren = stat.rfind(')');
+  return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+}
+
+}  // namespace efdl::agent::testing
