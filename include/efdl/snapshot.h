@@ -1,0 +1,113 @@
+// In-memory snapshots with asynchronous persistence: the C++ API under efdl.State, usable directly
+// from a libtorch or other C++ training program.
+//
+// A SnapshotEngine belongs to one writer (one process, one scope: a node or a rank). Commit()
+// copies the caller's tensors as raw bytes into a shared-memory arena (/dev/shm, mode 0600) and
+// publishes them atomically; a background persister writes the newest snapshot to storage
+// (<snapshot-dir>/<job>/...) with write-temp, fsync, rename, fsync-dir, keeping the last K.
+// A snapshot in shared memory survives the death of the process that wrote it, so a restarted
+// writer restores from memory; Candidates() lists memory and storage snapshots newest first.
+//
+// Thread-safety: Commit, Flush, Candidates and Restore may be called from one thread at a time
+// (the training thread); the persister runs on its own thread owned by the engine.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "efdl/status.h"
+
+namespace efdl::snapshot {
+
+class Env;
+
+// One tensor of a snapshot: raw bytes at `offset` of the data region, `nbytes` long.
+struct TensorEntry {
+  std::string name;            // e.g. "model/fc1.weight", "optimizer/0/momentum_buffer"
+  std::string dtype;           // e.g. "float32" (opaque to the engine)
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;         // set by the engine's layout
+  uint64_t nbytes = 0;
+};
+
+// What a snapshot holds besides the tensor bytes. Serialized as one JSON object; `meta_json` is
+// the caller's own JSON object (non-tensor values), stored verbatim.
+struct Manifest {
+  std::string job;
+  uint64_t seq = 0;            // commit counter: orders snapshots across restarts and storage
+  int64_t step = 0;            // the caller's step, for display
+  double wall_time = 0;        // seconds since the epoch at commit
+  std::string scope;           // "node" or "rank<N>"
+  std::vector<TensorEntry> tensors;
+  uint64_t data_bytes = 0;     // size of the data region (tensors plus alignment padding)
+  std::string meta_json = "{}";
+
+  std::string Serialize() const;
+  static Result<Manifest> Parse(std::string_view json);
+  // Offsets inside the data region and no overlaps; a manifest from storage is checked first.
+  Status Validate() const;
+};
+
+// A snapshot that Candidates() found, newest first.
+struct SnapshotRef {
+  enum class Source { kMemory, kStorage };
+  Source source = Source::kStorage;
+  std::string path;            // arena path or snapshot file
+  int slot = -1;               // arena slot (kMemory)
+  Manifest manifest;
+};
+
+struct EngineOptions {
+  std::string job_id;
+  std::string scope = "node";
+  std::string arena_path;      // e.g. /dev/shm/efdl-<job>-<node>-node.arena
+  std::string storage_dir;     // this job's (and scope's) directory; empty: no storage
+  int num_slots = 2;           // double buffering; 2..4
+  int keep = 2;                // snapshots kept in storage
+  bool persist = true;         // run the background persister in this process
+  int copy_threads = 0;        // 0: min(4, hardware threads)
+  std::chrono::milliseconds persist_min_interval{0};
+  Env* env = nullptr;          // file access for storage; nullptr: POSIX
+};
+
+// Where a commit's tensor bytes come from. `data` non-null: copied by the engine's threads.
+// `data` null: `fill` is called (on the committing thread) with the tensor's place in the arena,
+// e.g. for a device-to-host copy.
+struct TensorSource {
+  const void* data = nullptr;
+};
+using FillFn = std::function<Status(size_t tensor_index, void* dst)>;
+
+class SnapshotEngine {
+ public:
+  static Result<std::unique_ptr<SnapshotEngine>> Open(EngineOptions options);
+  virtual ~SnapshotEngine() = default;
+
+  // Fixes the tensors of the following commits (offsets are assigned here). Cheap when the
+  // layout does not change; a larger layout grows the arena at the next commit.
+  virtual Status SetLayout(std::vector<TensorEntry> tensors) = 0;
+  virtual const std::vector<TensorEntry>& layout() const = 0;
+  // Copies one snapshot into a free slot of the arena and publishes it. Never waits for the
+  // persister. Returns the snapshot's seq.
+  virtual Result<uint64_t> Commit(const std::vector<TensorSource>& sources, int64_t step,
+                                  std::string_view meta_json, const FillFn& fill = {}) = 0;
+  // Persists the newest committed snapshot now and waits for it (SIGTERM, graceful stop).
+  virtual Status Flush(std::chrono::milliseconds timeout) = 0;
+  // The persister's last failure (OK after a later success).
+  virtual Status LastPersistStatus() const = 0;
+  // Memory and storage snapshots, newest (highest seq) first; unreadable files are skipped with a
+  // warning. Does not verify data checksums (Restore does).
+  virtual std::vector<SnapshotRef> Candidates() = 0;
+  // Copies tensor i of `ref` into dst[i] (nullptr: skip) and verifies its checksum. On a storage
+  // snapshot the checksum is verified before anything is written to dst.
+  virtual Status Restore(const SnapshotRef& ref, const std::vector<void*>& dst) = 0;
+  // The seq the next commit gets (continues after every snapshot seen at Open).
+  virtual uint64_t next_seq() const = 0;
+};
+
+}  // namespace efdl::snapshot

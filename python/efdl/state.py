@@ -1,0 +1,572 @@
+"""efdl.State: snapshot and restore of a training job's state (spec section 3.2).
+
+    state = efdl.State(model, optimizer, scheduler, epoch=0, step=0)
+    state.set_commit_interval(100)
+    ...
+    state.commit()            # every step; snapshots when state.step meets the interval
+
+commit() copies every tensor (model, optimizer and scheduler state, tensor-valued keyword
+arguments) as raw bytes into a shared-memory arena of the node (efdl._efdl, C++), together with
+a manifest; non-tensor values (keyword arguments, optimizer hyper-parameters, the scheduler's
+state) travel as a small pickle inside the manifest. It returns as soon as the copy is done; a
+background thread persists the newest snapshot to <EFDL_SNAPSHOT_DIR>/<job id>/ (default
+./efdl-snapshots). Constructing a State restores the newest snapshot of the job: from shared
+memory when this node holds it (it survives the death of the process that wrote it), else from
+storage. See docs/snapshots.md.
+
+Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_NODE_ID (default: host
+name), EFDL_SNAPSHOT_DIR, EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node,
+written by local rank 0, for data-parallel jobs where all ranks hold the same state; 1: one per
+rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
+EFDL_PERSIST_MIN_INTERVAL_MS (0), EFDL_AGENT_PERSISTS (1: the node agent persists; the worker
+does not).
+"""
+
+import atexit
+import base64
+import hashlib
+import json
+import os
+import pickle
+import re
+import signal
+import socket
+import sys
+import threading
+import warnings
+import weakref
+
+import torch
+
+from efdl import _efdl
+
+__all__ = ["State", "SnapshotMismatchError", "SnapshotError"]
+
+SnapshotError = _efdl.SnapshotError
+
+
+class SnapshotMismatchError(ValueError):
+    """A snapshot does not fit the objects it should be restored into (keys, shapes, counts)."""
+
+
+_RESERVED = frozenset(("model", "optimizer", "scheduler"))
+_FLUSH_TIMEOUT_S = 600.0
+
+
+def _env_int(name, default):
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError("environment variable %s=%r is not an integer" % (name, value)) from None
+
+
+def _safe_name(text):
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:80]
+
+
+def default_job_id():
+    """EFDL_JOB_ID, or a stable id for this script (so re-running it restores its snapshots)."""
+    job = os.environ.get("EFDL_JOB_ID", "").strip()
+    if job:
+        return job
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    if script:
+        path = os.path.realpath(script)
+        stem = os.path.splitext(os.path.basename(path))[0]
+    else:
+        path, stem = os.getcwd(), "python"
+    return "local-%s-%s" % (_safe_name(stem), hashlib.sha1(path.encode()).hexdigest()[:8])
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _dtype_of(name):
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SnapshotMismatchError("snapshot holds a tensor of unknown dtype %r" % name)
+    return dtype
+
+
+def _host_view(address, nbytes, dtype, shape):
+    """A CPU tensor over `nbytes` of memory at `address` (arena memory owned by the engine)."""
+    import ctypes
+    buf = (ctypes.c_char * nbytes).from_address(address)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class _Plan:
+    """The tensors of the last commit: names, objects and addresses. Rebuilt when they change."""
+
+    __slots__ = ("key", "names", "tensors", "ptrs", "originals")
+
+    def __init__(self, names, tensors):
+        self.names = names
+        self.tensors = tensors
+        self.ptrs = [t.data_ptr() if t.device.type == "cpu" else 0 for t in tensors]
+        self.key = [id(t) for t in tensors]
+
+
+class State:
+    """Training state that survives restarts. See the module docstring."""
+
+    def __init__(self, model=None, optimizer=None, scheduler=None, **kwargs):
+        d = self.__dict__
+        d["_values"] = dict(kwargs)
+        d["model"] = None
+        d["optimizer"] = None
+        d["scheduler"] = None
+        d["_interval"] = 1
+        d["_commits"] = 0
+        d["_plan"] = None
+        d["_model_cache"] = None
+        d["_restored"] = None
+        d["_restored_meta"] = None
+        d["_lock"] = threading.Lock()
+
+        from efdl.backend import _env
+        rank, local_rank = _env.rank(), _env.local_rank()
+        per_rank = _env_int("EFDL_SNAPSHOT_PER_RANK", 0) != 0
+        self._job = default_job_id()
+        node = os.environ.get("EFDL_NODE_ID", "").strip() or socket.gethostname()
+        scope = "rank%d" % rank if per_rank else "node"
+        shm_dir = os.environ.get("EFDL_SHM_DIR", "/dev/shm")
+        storage = os.path.join(os.environ.get("EFDL_SNAPSHOT_DIR", "efdl-snapshots"), self._job)
+        if per_rank:
+            storage = os.path.join(storage, "rank-%d" % rank)
+        self._storage_dir = os.path.abspath(storage)
+        self._arena_path = os.path.join(
+            shm_dir, "efdl-%s-%s-%s.arena" % (_safe_name(self._job), _safe_name(node), scope))
+        # One writer per arena: local rank 0 for a node copy, every rank for per-rank copies.
+        # Storage gets one copy per job (global rank 0) or one per rank.
+        self._writer = per_rank or local_rank == 0
+        persist = (per_rank or rank == 0) and _env_int("EFDL_AGENT_PERSISTS", 0) == 0
+        self._engine = _efdl.SnapshotEngine(
+            self._job, scope, self._arena_path, self._storage_dir,
+            num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", 2), keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
+            persist=persist and self._writer, copy_threads=_env_int("EFDL_SNAPSHOT_THREADS", 0),
+            persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 0))
+        self._control = self._connect_control()
+
+        self._restore_newest()
+        if model is not None:
+            self.set_and_restore_model(model)
+        if optimizer is not None:
+            self.set_and_restore_optimizer(optimizer)
+        if scheduler is not None:
+            self.set_and_restore_scheduler(scheduler)
+        self._install_exit_hooks()
+
+    # -- attributes: keyword arguments are user state -------------------------------------------
+
+    def __getattr__(self, name):
+        values = self.__dict__.get("_values")
+        if values is not None and name in values:
+            return values[name]
+        raise AttributeError("State has no attribute %r (pass it to State(...) as a keyword "
+                             "argument to keep it in snapshots)" % name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            self.__dict__[name] = value
+        elif name in _RESERVED:
+            getattr(self, "set_and_restore_" + name)(value)
+        else:
+            self._values[name] = value
+
+    def __delattr__(self, name):
+        if name in self._values:
+            del self._values[name]
+        else:
+            object.__delattr__(self, name)
+
+    # -- setters that restore ------------------------------------------------------------------
+
+    def set_and_restore_model(self, model):
+        """Sets the model (the unwrapped module, not DDP) and restores it from the snapshot."""
+        self.__dict__["model"] = model
+        self.__dict__["_model_cache"] = None
+        self._plan = None
+        if self._restored is not None and model is not None:
+            self._restore_part("model")
+
+    def set_and_restore_optimizer(self, optimizer):
+        self.__dict__["optimizer"] = optimizer
+        self._plan = None
+        if self._restored is not None and optimizer is not None:
+            self._restore_part("optimizer")
+
+    def set_and_restore_scheduler(self, scheduler):
+        self.__dict__["scheduler"] = scheduler
+        self._plan = None
+        if self._restored is not None and scheduler is not None:
+            self._restore_part("scheduler")
+
+    # The user's existing API spells these so; both spellings keep working.
+    set_and_resotre_model = set_and_restore_model
+    set_and_resotre_optimizer = set_and_restore_optimizer
+    set_and_resotre_scheduler = set_and_restore_scheduler
+
+    def set_commit_interval(self, n):
+        """commit() then snapshots only when state.step is a multiple of n."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError("set_commit_interval needs a positive integer, got %r" % (n,))
+        self._interval = n
+
+    @property
+    def job_id(self):
+        return self._job
+
+    @property
+    def storage_dir(self):
+        return self._storage_dir
+
+    @property
+    def arena_path(self):
+        return self._arena_path
+
+    @property
+    def restored_from(self):
+        """(source, seq, step) of the snapshot restored at construction, or None."""
+        ref = self._restored
+        return None if ref is None else (ref.source, ref.seq, ref.step)
+
+    # -- commit --------------------------------------------------------------------------------
+
+    def commit(self):
+        """Snapshots when state.step meets the commit interval (or the agent asked to stop).
+
+        Returns True when a snapshot was taken. When the node's agent asked this worker to stop
+        (a graceful round change), snapshots regardless of the interval, persists it, and exits
+        the process with status 0.
+        """
+        step = self._values.get("step", self._commits)
+        stop = self._control is not None and self._control.stop_requested()
+        self._commits += 1
+        if not stop and self._interval > 1:
+            try:
+                if step % self._interval != 0:
+                    return False
+            except TypeError:
+                pass
+        took = False
+        if self._writer:
+            self._snapshot(step)
+            took = True
+        if stop:
+            self._stop_now(step)
+        return took
+
+    def flush(self, timeout=_FLUSH_TIMEOUT_S):
+        """Waits until the newest snapshot is in storage (raises SnapshotError on failure)."""
+        if self._writer:
+            self._engine.flush(timeout)
+
+    def last_persist_error(self):
+        """The background persister's last failure (e.g. a full disk), or None."""
+        return self._engine.last_persist_error()
+
+    def _snapshot(self, step):
+        with self._lock:
+            names, tensors = self._collect_tensors()
+            plan = self._plan
+            if plan is None or plan.key != [id(t) for t in tensors]:
+                plan = self._make_plan(names, tensors)
+            else:
+                ptrs = [t.data_ptr() if t.device.type == "cpu" else 0 for t in tensors]
+                if ptrs != plan.ptrs:
+                    plan = self._make_plan(names, tensors)
+            meta = self._meta()
+            fill = self._fill if 0 in plan.ptrs else None
+            self._engine.commit(plan.ptrs, int(step) if isinstance(step, int) else 0, meta, fill)
+        if self._control is not None:
+            self._control.notify_committed(step if isinstance(step, int) else 0)
+
+    def _make_plan(self, names, tensors):
+        staged = []
+        for t in tensors:
+            if t.device.type == "cpu" and not t.is_contiguous():
+                t = t.contiguous()  # a copy per commit; parameters are contiguous in practice
+            staged.append(t)
+        plan = _Plan(names, staged)
+        plan.key = [id(t) for t in tensors]
+        plan.originals = tensors  # keeps the ids in plan.key from being reused
+        self._engine.set_layout([(n, _dtype_name(t.dtype), list(t.shape),
+                                  t.numel() * t.element_size()) for n, t in zip(names, staged)])
+        self._plan = plan
+        return plan
+
+    def _fill(self, index, address):
+        # Device tensors: copy device-to-host straight into the arena slot.
+        t = self._plan.tensors[index]
+        view = _host_view(address, t.numel() * t.element_size(), t.dtype, t.shape)
+        view.copy_(t.detach())
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+
+    def _model_entries(self):
+        cache = self._model_cache
+        if cache is None:
+            sd = self.model.state_dict(keep_vars=True)
+            cache = [("model/" + k, v) for k, v in sd.items() if isinstance(v, torch.Tensor)]
+            self.__dict__["_model_cache"] = cache
+        return cache
+
+    def _optimizer_params(self):
+        params = []
+        for group in self.optimizer.param_groups:
+            params.extend(group["params"])
+        return params
+
+    def _collect_tensors(self):
+        names, tensors = [], []
+        if self.model is not None:
+            for name, t in self._model_entries():
+                names.append(name)
+                tensors.append(t)
+        if self.optimizer is not None:
+            state = self.optimizer.state
+            for i, p in enumerate(self._optimizer_params()):
+                s = state.get(p)
+                if not s:
+                    continue
+                for key, v in s.items():
+                    if isinstance(v, torch.Tensor):
+                        names.append("optimizer/%d/%s" % (i, key))
+                        tensors.append(v)
+        if self.scheduler is not None:
+            for key, v in self.scheduler.state_dict().items():
+                if isinstance(v, torch.Tensor):
+                    names.append("scheduler/" + key)
+                    tensors.append(v)
+        for key, v in self._values.items():
+            if isinstance(v, torch.Tensor):
+                names.append("kw/" + key)
+                tensors.append(v)
+        return names, tensors
+
+    def _meta(self):
+        kwargs = {k: v for k, v in self._values.items() if not isinstance(v, torch.Tensor)}
+        meta = {"kwargs": kwargs}
+        if self.optimizer is not None:
+            groups = []
+            for g in self.optimizer.param_groups:
+                groups.append({k: v for k, v in g.items() if k != "params"})
+                groups[-1]["num_params"] = len(g["params"])
+            scalars = {}
+            state = self.optimizer.state
+            for i, p in enumerate(self._optimizer_params()):
+                s = state.get(p)
+                if s:
+                    small = {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)}
+                    if small:
+                        scalars[i] = small
+            meta["optimizer"] = {"param_groups": groups, "state": scalars}
+        if self.scheduler is not None:
+            meta["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items()
+                                 if not isinstance(v, torch.Tensor)}
+        blob = base64.b64encode(pickle.dumps(meta, protocol=4)).decode()
+        try:
+            shown = json.dumps(kwargs)
+        except (TypeError, ValueError):
+            shown = json.dumps({k: repr(v) for k, v in kwargs.items()})
+        return '{"kwargs":%s,"pickle":"%s"}' % (shown, blob)
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def _restore_newest(self):
+        """Restores the user values from the newest usable snapshot and remembers it, so the
+        model/optimizer/scheduler (given now or later) restore from the same one."""
+        for ref in self._engine.candidates():
+            try:
+                meta_doc = json.loads(ref.meta_json)
+                meta = pickle.loads(base64.b64decode(meta_doc["pickle"]))
+            except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
+                warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
+                              % (ref.seq, ref.path, e))
+                continue
+            tensors = {}
+            kw = [t for t in ref.tensors if t[0].startswith("kw/")]
+            if kw:
+                try:
+                    tensors = self._read_tensors(ref, kw)
+                except SnapshotError as e:
+                    warnings.warn("efdl: skipping snapshot seq %d in %s: %s" % (ref.seq, ref.path, e))
+                    continue
+            self._restored = ref
+            self._restored_meta = meta
+            values = dict(meta.get("kwargs", {}))
+            for name, t in tensors.items():
+                values[name[len("kw/"):]] = t
+            self._values.update(values)
+            return True
+        return False
+
+    def _read_tensors(self, ref, entries):
+        """Reads the given (name, dtype, shape, nbytes) entries of ref into new CPU tensors."""
+        wanted = {e[0] for e in entries}
+        out, ptrs = {}, []
+        for name, dtype, shape, nbytes in ref.tensors:
+            if name in wanted:
+                t = torch.empty(shape, dtype=_dtype_of(dtype))
+                out[name] = t
+                ptrs.append(t.data_ptr())
+            else:
+                ptrs.append(0)
+        self._engine.restore(ref, ptrs)
+        return out
+
+    def _restore_part(self, part):
+        ref = self._restored
+        try:
+            getattr(self, "_restore_" + part)(ref, self._restored_meta)
+        except SnapshotError as e:
+            raise SnapshotError("restoring the %s from snapshot seq %d (%s) failed: %s; remove "
+                                "%s or use a new EFDL_JOB_ID to start fresh"
+                                % (part, ref.seq, ref.path, e, ref.path)) from None
+
+    def _mismatch(self, ref, what):
+        return SnapshotMismatchError(
+            "snapshot seq %d of job %r (%s) does not match: %s. Restore into the same "
+            "model/optimizer the snapshot was taken from, or start fresh with a new EFDL_JOB_ID "
+            "or an empty snapshot directory" % (ref.seq, self._job, ref.path, what))
+
+    def _restore_model(self, ref, meta):
+        saved = [(n[len("model/"):], d, s, b) for n, d, s, b in ref.tensors
+                 if n.startswith("model/")]
+        current = [(k[len("model/"):], t) for k, t in self._model_entries()]
+        if not saved:
+            raise self._mismatch(ref, "the snapshot holds no model state but a model was given")
+        saved_keys = {s[0] for s in saved}
+        current_keys = {k for k, _ in current}
+        for key, _ in current:
+            if key not in saved_keys:
+                raise self._mismatch(ref, "model key %r is missing from the snapshot" % key)
+        for key, *_ in saved:
+            if key not in current_keys:
+                raise self._mismatch(ref, "snapshot key %r is not in the model" % key)
+        by_name = dict(current)
+        for key, dtype, shape, _ in saved:
+            t = by_name[key]
+            if list(t.shape) != list(shape):
+                raise self._mismatch(ref, "model key %r has shape %s in the snapshot but %s in "
+                                          "the model" % (key, list(shape), list(t.shape)))
+            if _dtype_name(t.dtype) != dtype:
+                raise self._mismatch(ref, "model key %r has dtype %s in the snapshot but %s in "
+                                          "the model" % (key, dtype, _dtype_name(t.dtype)))
+        ptrs, copies = [], []
+        for name, dtype, shape, nbytes in ref.tensors:
+            if not name.startswith("model/"):
+                ptrs.append(0)
+                continue
+            t = by_name[name[len("model/"):]]
+            if t.device.type == "cpu" and t.is_contiguous():
+                ptrs.append(t.data_ptr())   # straight into the parameter's memory
+            else:
+                tmp = torch.empty(shape, dtype=_dtype_of(dtype))
+                copies.append((t, tmp))
+                ptrs.append(tmp.data_ptr())
+        self._engine.restore(ref, ptrs)
+        with torch.no_grad():
+            for t, tmp in copies:
+                t.copy_(tmp)
+
+    def _restore_optimizer(self, ref, meta):
+        saved = meta.get("optimizer")
+        if saved is None:
+            raise self._mismatch(ref, "the snapshot holds no optimizer state but an optimizer "
+                                      "was given")
+        opt = self.optimizer
+        groups = saved["param_groups"]
+        if len(groups) != len(opt.param_groups):
+            raise self._mismatch(ref, "the optimizer has %d parameter groups, the snapshot %d"
+                                 % (len(opt.param_groups), len(groups)))
+        for i, (g, sg) in enumerate(zip(opt.param_groups, groups)):
+            if len(g["params"]) != sg["num_params"]:
+                raise self._mismatch(ref, "optimizer parameter group %d has %d parameters, the "
+                                          "snapshot's %d" % (i, len(g["params"]), sg["num_params"]))
+        params = self._optimizer_params()
+        entries = [e for e in ref.tensors if e[0].startswith("optimizer/")]
+        for name, dtype, shape, _ in entries:
+            index = int(name.split("/")[1])
+            if index >= len(params):
+                raise self._mismatch(ref, "snapshot tensor %r refers to parameter %d of %d"
+                                     % (name, index, len(params)))
+        tensors = self._read_tensors(ref, entries) if entries else {}
+        new_state = {}
+        for i, small in saved.get("state", {}).items():
+            new_state.setdefault(int(i), {}).update(small)
+        for name, t in tensors.items():
+            _, index, key = name.split("/", 2)
+            p = params[int(index)]
+            if t.is_floating_point() and key != "step":
+                t = t.to(dtype=p.dtype)
+            new_state.setdefault(int(index), {})[key] = t.to(device=p.device)
+        opt.state.clear()
+        for index, s in new_state.items():
+            opt.state[params[index]] = s
+        for g, sg in zip(opt.param_groups, groups):
+            for k, v in sg.items():
+                if k != "num_params":
+                    g[k] = v
+
+    def _restore_scheduler(self, ref, meta):
+        saved = meta.get("scheduler")
+        if saved is None:
+            raise self._mismatch(ref, "the snapshot holds no scheduler state but a scheduler "
+                                      "was given")
+        sd = dict(saved)
+        entries = [e for e in ref.tensors if e[0].startswith("scheduler/")]
+        if entries:
+            for name, t in self._read_tensors(ref, entries).items():
+                sd[name[len("scheduler/"):]] = t
+        self.scheduler.load_state_dict(sd)
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def _connect_control(self):
+        if not os.environ.get("EFDL_CONTROL_SOCKET"):
+            return None
+        try:
+            from efdl import control
+            return control.connect_from_env()
+        except Exception as e:  # noqa: BLE001 - training goes on without graceful stops
+            warnings.warn("efdl: cannot reach the node agent (%s); graceful stops are off" % e)
+            return None
+
+    def _stop_now(self, step):
+        """The agent asked for a graceful stop: persist, tell it, exit 0."""
+        try:
+            self.flush()
+        except SnapshotError as e:
+            sys.stderr.write("efdl: persisting the final snapshot failed: %s\n" % e)
+        if self._control is not None:
+            self._control.notify_stopping(step if isinstance(step, int) else 0, snapshot=True)
+        raise SystemExit(0)
+
+    def _install_exit_hooks(self):
+        if not self._writer:
+            return
+        ref = weakref.ref(self)
+
+        def flush_at_exit():
+            state = ref()
+            if state is not None:
+                try:
+                    state.flush()
+                except Exception as e:  # noqa: BLE001 - at exit: report, do not raise
+                    sys.stderr.write("efdl: persisting the last snapshot at exit failed: %s\n" % e)
+
+        atexit.register(flush_at_exit)
+        # SIGTERM (suspend, node shutdown): persist the newest snapshot, then exit. Only when the
+        # program has not installed its own handler, and only from the main thread (Python's rule).
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                def on_sigterm(signum, frame):
+                    flush_at_exit()
+                    raise SystemExit(128 + signum)
+                signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,177 @@
+// efdl._efdl: the Python face of the C++ core (today: the snapshot engine).
+//
+// Statuses become Python exceptions only here: SnapshotError (a RuntimeError) carrying the
+// Status message. Long operations (commit, restore, flush) release the GIL.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "efdl/snapshot.h"
+
+namespace py = pybind11;
+namespace snap = efdl::snapshot;
+
+namespace {
+
+// Set once at module import; the exception type object lives as long as the module.
+PyObject* g_snapshot_error = nullptr;  // NOLINT: Python exception types are process-wide
+
+[[noreturn]] void Raise(const efdl::Status& s) {
+  PyErr_SetString(g_snapshot_error, s.message().c_str());
+  throw py::error_already_set();
+}
+
+template <class T>
+T Unwrap(efdl::Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(r).value();
+}
+
+void Check(const efdl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+using TensorTuple = std::tuple<std::string, std::string, std::vector<int64_t>, uint64_t>;
+
+py::list TensorsOf(const snap::Manifest& m) {
+  py::list out;
+  for (const auto& t : m.tensors) out.append(py::make_tuple(t.name, t.dtype, t.shape, t.nbytes));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_efdl, m) {
+  m.doc() = "EFDL's C++ core: in-memory snapshots with asynchronous persistence";
+  static py::exception<std::runtime_error> snapshot_error(m, "SnapshotError");
+  g_snapshot_error = snapshot_error.ptr();
+
+  py::class_<snap::SnapshotRef>(m, "SnapshotRef")
+      .def_property_readonly("source",
+                             [](const snap::SnapshotRef& r) {
+                               return r.source == snap::SnapshotRef::Source::kMemory ? "memory"
+                                                                                     : "storage";
+                             })
+      .def_readonly("path", &snap::SnapshotRef::path)
+      .def_readonly("slot", &snap::SnapshotRef::slot)
+      .def_property_readonly("seq", [](const snap::SnapshotRef& r) { return r.manifest.seq; })
+      .def_property_readonly("step", [](const snap::SnapshotRef& r) { return r.manifest.step; })
+      .def_property_readonly("wall_time",
+                             [](const snap::SnapshotRef& r) { return r.manifest.wall_time; })
+      .def_property_readonly("job", [](const snap::SnapshotRef& r) { return r.manifest.job; })
+      .def_property_readonly("meta_json",
+                             [](const snap::SnapshotRef& r) { return r.manifest.meta_json; })
+      .def_property_readonly("tensors",
+                             [](const snap::SnapshotRef& r) { return TensorsOf(r.manifest); })
+      .def("__repr__", [](const snap::SnapshotRef& r) {
+        return "<SnapshotRef " + std::string(r.source == snap::SnapshotRef::Source::kMemory
+                                                 ? "memory"
+                                                 : "storage") +
+               " seq=" + std::to_string(r.manifest.seq) + " step=" +
+               std::to_string(r.manifest.step) + ">";
+      });
+
+  py::class_<snap::SnapshotEngine>(m, "SnapshotEngine")
+      .def(py::init([](std::string job_id, std::string scope, std::string arena_path,
+                       std::string storage_dir, int num_slots, int keep, bool persist,
+                       int copy_threads, int persist_min_interval_ms) {
+             snap::EngineOptions o;
+             o.job_id = std::move(job_id);
+             o.scope = std::move(scope);
+             o.arena_path = std::move(arena_path);
+             o.storage_dir = std::move(storage_dir);
+             o.num_slots = num_slots;
+             o.keep = keep;
+             o.persist = persist;
+             o.copy_threads = copy_threads;
+             o.persist_min_interval = std::chrono::milliseconds(persist_min_interval_ms);
+             return Unwrap(snap::SnapshotEngine::Open(std::move(o)));
+           }),
+           py::arg("job_id"), py::arg("scope"), py::arg("arena_path"), py::arg("storage_dir"),
+           py::arg("num_slots") = 2, py::arg("keep") = 2, py::arg("persist") = true,
+           py::arg("copy_threads") = 0, py::arg("persist_min_interval_ms") = 0)
+      .def(
+          "set_layout",
+          [](snap::SnapshotEngine& e, const std::vector<TensorTuple>& tensors) {
+            std::vector<snap::TensorEntry> entries;
+            entries.reserve(tensors.size());
+            for (const auto& [name, dtype, shape, nbytes] : tensors) {
+              entries.push_back({name, dtype, shape, 0, nbytes});
+            }
+            Check(e.SetLayout(std::move(entries)));
+          },
+          "Fixes the tensors (name, dtype, shape, nbytes) of the following commits.")
+      .def(
+          "commit",
+          [](snap::SnapshotEngine& e, const std::vector<uintptr_t>& ptrs, int64_t step,
+             const std::string& meta_json, const py::object& fill) {
+            std::vector<snap::TensorSource> sources(ptrs.size());
+            for (size_t i = 0; i < ptrs.size(); ++i) {
+              sources[i].data = reinterpret_cast<const void*>(ptrs[i]);
+            }
+            snap::FillFn fill_fn;
+            if (!fill.is_none()) {
+              fill_fn = [&fill](size_t index, void* dst) -> efdl::Status {
+                py::gil_scoped_acquire gil;
+                try {
+                  fill(index, reinterpret_cast<uintptr_t>(dst));
+                } catch (py::error_already_set& err) {
+                  return efdl::Status::Internal(std::string("device-to-host copy failed: ") +
+                                                err.what());
+                }
+                return efdl::Status::OK();
+              };
+            }
+            efdl::Result<uint64_t> r = efdl::Status::Internal("not run");
+            {
+              py::gil_scoped_release release;
+              r = e.Commit(sources, step, meta_json, fill_fn);
+            }
+            return Unwrap(std::move(r));
+          },
+          py::arg("ptrs"), py::arg("step"), py::arg("meta_json"), py::arg("fill") = py::none(),
+          "Copies the tensors at ptrs (0: call fill(index, address)) into shared memory and "
+          "publishes them; returns the snapshot's seq.")
+      .def(
+          "flush",
+          [](snap::SnapshotEngine& e, double timeout_s) {
+            efdl::Status s;
+            {
+              py::gil_scoped_release release;
+              s = e.Flush(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+            }
+            Check(s);
+          },
+          py::arg("timeout_s") = 60.0)
+      .def("last_persist_error",
+           [](const snap::SnapshotEngine& e) -> py::object {
+             efdl::Status s = e.LastPersistStatus();
+             if (s.ok()) return py::none();
+             return py::str(s.message());
+           })
+      .def("candidates",
+           [](snap::SnapshotEngine& e) {
+             py::gil_scoped_release release;
+             return e.Candidates();
+           })
+      .def(
+          "restore",
+          [](snap::SnapshotEngine& e, const snap::SnapshotRef& ref,
+             const std::vector<uintptr_t>& ptrs) {
+            std::vector<void*> dst(ptrs.size());
+            for (size_t i = 0; i < ptrs.size(); ++i) dst[i] = reinterpret_cast<void*>(ptrs[i]);
+            efdl::Status s;
+            {
+              py::gil_scoped_release release;
+              s = e.Restore(ref, dst);
+            }
+            Check(s);
+          },
+          py::arg("ref"), py::arg("ptrs"))
+      .def_property_readonly("next_seq", &snap::SnapshotEngine::next_seq);
+}

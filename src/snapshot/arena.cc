@@ -1,0 +1,273 @@
+#include "snapshot/arena.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "snapshot/layout.h"
+
+namespace efdl::snapshot {
+
+namespace {
+
+constexpr char kMagic[8] = {'E', 'F', 'D', 'L', 'A', 'R', 'N', '1'};
+constexpr uint32_t kVersion = 1;
+
+enum SlotState : uint32_t { kEmpty = 0, kWriting = 1, kReady = 2 };
+
+template <class T>
+std::atomic_ref<T> A(T& v) {
+  return std::atomic_ref<T>(v);
+}
+
+}  // namespace
+
+// Lives at offset 0 of the mapping; every field is naturally aligned so std::atomic_ref works
+// across processes.
+struct SnapshotArena::Header {
+  struct alignas(64) Slot {
+    uint32_t state;
+    uint32_t pin_pid;
+    uint64_t seq;
+    int64_t step;
+    uint64_t manifest_len;
+    uint64_t data_len;
+    uint64_t checksum;
+    uint64_t checksum_seq;  // seq that `checksum` belongs to; 0: none
+  };
+  char magic[8];
+  uint32_t version;
+  uint32_t num_slots;
+  uint64_t manifest_capacity;
+  uint64_t data_capacity;
+  uint64_t slot_stride;
+  uint64_t total_bytes;
+  Slot slots[kMaxSlots];
+};
+
+SnapshotArena::SnapshotArena(std::string path, std::string file_path, uint8_t* base,
+                             uint64_t size, ino_t inode)
+    : path_(std::move(path)), file_path_(std::move(file_path)), base_(base), size_(size),
+      inode_(inode) {}
+
+SnapshotArena::~SnapshotArena() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+  // A never-installed arena is garbage: nobody else can find it.
+  if (file_path_ != path_) ::unlink(file_path_.c_str());
+}
+
+SnapshotArena::Header* SnapshotArena::header() const {
+  static_assert(sizeof(Header) <= kPageBytes);
+  return reinterpret_cast<Header*>(base_);
+}
+int SnapshotArena::num_slots() const { return static_cast<int>(header()->num_slots); }
+uint64_t SnapshotArena::manifest_capacity() const { return header()->manifest_capacity; }
+uint64_t SnapshotArena::data_capacity() const { return header()->data_capacity; }
+
+Result<std::unique_ptr<SnapshotArena>> SnapshotArena::Create(const std::string& path,
+                                                             int num_slots,
+                                                             uint64_t manifest_capacity,
+                                                             uint64_t data_capacity) {
+  if (num_slots < 2 || num_slots > kMaxSlots) {
+    return Status::InvalidArgument(
+        fmt::format("snapshot arena needs 2..{} slots, got {}", kMaxSlots, num_slots));
+  }
+  manifest_capacity = AlignUp(std::max<uint64_t>(manifest_capacity, kPageBytes), kPageBytes);
+  data_capacity = AlignUp(std::max<uint64_t>(data_capacity, kPageBytes), kPageBytes);
+  const uint64_t stride = manifest_capacity + data_capacity;
+  const uint64_t total = kPageBytes + stride * static_cast<uint64_t>(num_slots);
+  std::string tmp = fmt::format("{}.new-{}", path, ::getpid());
+  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return Status::IOError(fmt::format("cannot create snapshot arena {}: {}", tmp,
+                                       std::strerror(errno)));
+  }
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(total));
+  if (err != 0) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return Status::IOError(fmt::format(
+        "cannot reserve {} MiB of shared memory for snapshots at {}: {} (enlarge /dev/shm, e.g. "
+        "docker --shm-size, or lower the state size)",
+        total >> 20, tmp, std::strerror(err)));
+  }
+  void* base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  struct stat st {};
+  ::fstat(fd, &st);
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    ::unlink(tmp.c_str());
+    return Status::IOError(fmt::format("cannot map snapshot arena {}: {}", tmp,
+                                       std::strerror(errno)));
+  }
+  auto* h = static_cast<Header*>(base);
+  std::memset(h, 0, sizeof(Header));
+  h->version = kVersion;
+  h->num_slots = static_cast<uint32_t>(num_slots);
+  h->manifest_capacity = manifest_capacity;
+  h->data_capacity = data_capacity;
+  h->slot_stride = stride;
+  h->total_bytes = total;
+  std::memcpy(h->magic, kMagic, sizeof(kMagic));
+  return std::unique_ptr<SnapshotArena>(
+      new SnapshotArena(path, tmp, static_cast<uint8_t*>(base), total, st.st_ino));
+}
+
+Result<std::unique_ptr<SnapshotArena>> SnapshotArena::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::NotFound(fmt::format("no snapshot arena at {}", path));
+    return Status::IOError(fmt::format("cannot open snapshot arena {}: {}", path,
+                                       std::strerror(errno)));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < kPageBytes) {
+    ::close(fd);
+    return Status::Corruption(fmt::format("{} is not a snapshot arena (too small)", path));
+  }
+  const auto size = static_cast<uint64_t>(st.st_size);
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    return Status::IOError(fmt::format("cannot map snapshot arena {}: {}", path,
+                                       std::strerror(errno)));
+  }
+  std::unique_ptr<SnapshotArena> arena(
+      new SnapshotArena(path, path, static_cast<uint8_t*>(base), size, st.st_ino));
+  const Header* h = arena->header();
+  if (std::memcmp(h->magic, kMagic, sizeof(kMagic)) != 0 || h->version != kVersion ||
+      h->num_slots < 2 || h->num_slots > kMaxSlots ||
+      h->total_bytes != size || h->slot_stride != h->manifest_capacity + h->data_capacity ||
+      kPageBytes + h->slot_stride * h->num_slots != size) {
+    return Status::Corruption(fmt::format(
+        "{} is not a snapshot arena of this EFDL version (remove it to start fresh)", path));
+  }
+  return arena;
+}
+
+Status SnapshotArena::Install() {
+  if (file_path_ == path_) return Status::OK();
+  if (::rename(file_path_.c_str(), path_.c_str()) != 0) {
+    return Status::IOError(fmt::format("cannot install snapshot arena {}: {}", path_,
+                                       std::strerror(errno)));
+  }
+  file_path_ = path_;
+  return Status::OK();
+}
+
+uint8_t* SnapshotArena::manifest_area(int slot) const {
+  return base_ + kPageBytes + header()->slot_stride * static_cast<uint64_t>(slot);
+}
+uint8_t* SnapshotArena::data_area(int slot) const {
+  return manifest_area(slot) + header()->manifest_capacity;
+}
+
+bool SnapshotArena::PinnedByLiveProcess(int slot) const {
+  auto& s = header()->slots[slot];
+  uint32_t pid = A(s.pin_pid).load();
+  if (pid == 0) return false;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  return true;
+}
+
+Result<int> SnapshotArena::BeginWrite() {
+  Header* h = header();
+  const int n = num_slots();
+  // Preference: empty/abandoned slots, then ready ones oldest first; the newest ready slot last.
+  std::vector<std::pair<uint64_t, int>> order;
+  int newest = -1;
+  uint64_t newest_seq = 0;
+  for (int i = 0; i < n; ++i) {
+    uint32_t st = A(h->slots[i].state).load();
+    uint64_t seq = st == kReady ? A(h->slots[i].seq).load() : 0;
+    if (st == kReady && (newest < 0 || seq > newest_seq)) {
+      newest = i;
+      newest_seq = seq;
+    }
+    order.emplace_back(seq, i);
+  }
+  std::sort(order.begin(), order.end());
+  if (newest >= 0) {
+    std::erase_if(order, [&](const auto& p) { return p.second == newest; });
+    order.emplace_back(newest_seq, newest);
+  }
+  for (const auto& [seq, i] : order) {
+    auto& s = h->slots[i];
+    uint32_t before = A(s.state).exchange(kWriting);  // seq_cst: pairs with Pin()'s store
+    if (!PinnedByLiveProcess(i)) return i;
+    A(s.state).store(before);  // untouched: give it back as it was
+  }
+  return Status::FailedPrecondition("every snapshot slot is pinned by a reader");
+}
+
+void SnapshotArena::Publish(int slot, uint64_t seq, int64_t step, uint64_t manifest_len,
+                            uint64_t data_len) {
+  auto& s = header()->slots[slot];
+  A(s.seq).store(seq, std::memory_order_relaxed);
+  A(s.step).store(step, std::memory_order_relaxed);
+  A(s.manifest_len).store(manifest_len, std::memory_order_relaxed);
+  A(s.data_len).store(data_len, std::memory_order_relaxed);
+  A(s.state).store(kReady, std::memory_order_release);
+}
+
+void SnapshotArena::Abandon(int slot) { A(header()->slots[slot].state).store(kEmpty); }
+
+std::vector<SlotInfo> SnapshotArena::ReadySlots() const {
+  std::vector<SlotInfo> out;
+  for (int i = 0; i < num_slots(); ++i) {
+    auto& s = header()->slots[i];
+    if (A(s.state).load(std::memory_order_acquire) != kReady) continue;
+    SlotInfo info{i, A(s.seq).load(std::memory_order_relaxed),
+                  A(s.step).load(std::memory_order_relaxed),
+                  A(s.manifest_len).load(std::memory_order_relaxed),
+                  A(s.data_len).load(std::memory_order_relaxed)};
+    if (!StillReady(i, info.seq)) continue;
+    if (info.manifest_len > manifest_capacity() || info.data_len > data_capacity()) continue;
+    out.push_back(info);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seq > b.seq; });
+  return out;
+}
+
+bool SnapshotArena::StillReady(int slot, uint64_t seq) const {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  auto& s = header()->slots[slot];
+  return A(s.state).load() == kReady && A(s.seq).load() == seq;
+}
+
+bool SnapshotArena::Pin(int slot, uint64_t seq) {
+  auto& s = header()->slots[slot];
+  const auto me = static_cast<uint32_t>(::getpid());
+  uint32_t cur = A(s.pin_pid).load();
+  if (cur != 0 && cur != me && PinnedByLiveProcess(slot)) return false;
+  if (!A(s.pin_pid).compare_exchange_strong(cur, me)) return false;
+  if (StillReady(slot, seq)) return true;  // seq_cst load after the pin store (see BeginWrite)
+  A(s.pin_pid).store(0);
+  return false;
+}
+
+void SnapshotArena::Unpin(int slot) { A(header()->slots[slot].pin_pid).store(0); }
+
+void SnapshotArena::SetChecksum(int slot, uint64_t seq, uint64_t checksum) {
+  auto& s = header()->slots[slot];
+  A(s.checksum).store(checksum, std::memory_order_relaxed);
+  A(s.checksum_seq).store(seq, std::memory_order_release);
+}
+
+std::optional<uint64_t> SnapshotArena::Checksum(int slot, uint64_t seq) const {
+  auto& s = header()->slots[slot];
+  if (A(s.checksum_seq).load(std::memory_order_acquire) != seq) return std::nullopt;
+  uint64_t c = A(s.checksum).load(std::memory_order_relaxed);
+  if (A(s.checksum_seq).load() != seq) return std::nullopt;
+  return c;
+}
+
+}  // namespace efdl::snapshot

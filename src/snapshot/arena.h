@@ -1,0 +1,95 @@
+// SnapshotArena: a shared-memory file (normally under /dev/shm, mode 0600) holding N slots, each a
+// manifest area plus a data area, with a header page that says which slots hold a complete
+// snapshot. The file outlives the process that wrote it, so a restarted worker (or the node's
+// agent) finds the newest snapshot by path.
+//
+// Protocol (single writer, any number of readers and pinners, across processes):
+// - The writer marks a slot kWriting (seq_cst), then checks its pin; a pinned slot is left alone.
+//   It never picks the newest ready slot unless every other slot is pinned, so the newest complete
+//   snapshot survives a writer that dies mid-copy. Publish() stores seq/lengths and then kReady
+//   (release): a reader never sees a half-written slot as ready.
+// - A persister pins a ready slot (stores its pid, seq_cst) and then re-checks state and seq;
+//   while pinned the writer does not touch it. Pins of dead processes are ignored.
+// - Readers that do not pin use the seqlock check StillReady(slot, seq) after copying.
+//
+// Thread-safety: the object is immutable after creation except through the atomics in the
+// mapping; one thread writes (BeginWrite/Publish), any thread may read, pin and unpin.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "efdl/status.h"
+
+namespace efdl::snapshot {
+
+inline constexpr int kMaxSlots = 4;
+inline constexpr uint64_t kPageBytes = 4096;
+
+struct SlotInfo {
+  int slot = -1;
+  uint64_t seq = 0;
+  int64_t step = 0;
+  uint64_t manifest_len = 0;
+  uint64_t data_len = 0;
+};
+
+class SnapshotArena {
+ public:
+  // Creates a new arena at `path` + ".new-<pid>", sized and pre-faulted (posix_fallocate, so a full
+  // /dev/shm is an error here rather than a SIGBUS later). Install() renames it over `path`.
+  static Result<std::unique_ptr<SnapshotArena>> Create(const std::string& path, int num_slots,
+                                                       uint64_t manifest_capacity,
+                                                       uint64_t data_capacity);
+  // Maps an existing arena (NotFound when there is none; Corruption on a foreign file).
+  static Result<std::unique_ptr<SnapshotArena>> Open(const std::string& path);
+  ~SnapshotArena();
+  SnapshotArena(const SnapshotArena&) = delete;
+  SnapshotArena& operator=(const SnapshotArena&) = delete;
+
+  // Atomically replaces whatever arena is at the final path with this one.
+  Status Install();
+
+  const std::string& path() const { return path_; }
+  ino_t inode() const { return inode_; }
+  int num_slots() const;
+  uint64_t manifest_capacity() const;
+  uint64_t data_capacity() const;
+
+  // Writer side. BeginWrite returns the slot to fill (marked kWriting), or FailedPrecondition
+  // when every slot is pinned.
+  Result<int> BeginWrite();
+  uint8_t* manifest_area(int slot) const;
+  uint8_t* data_area(int slot) const;
+  void Publish(int slot, uint64_t seq, int64_t step, uint64_t manifest_len, uint64_t data_len);
+  void Abandon(int slot);  // back to kEmpty after a failed fill
+
+  // Reader side. Ready slots, highest seq first.
+  std::vector<SlotInfo> ReadySlots() const;
+  bool StillReady(int slot, uint64_t seq) const;
+  bool Pin(int slot, uint64_t seq);
+  void Unpin(int slot);
+  // A checksum computed by a pinner for (slot, seq); readers verify with it when present.
+  void SetChecksum(int slot, uint64_t seq, uint64_t checksum);
+  std::optional<uint64_t> Checksum(int slot, uint64_t seq) const;
+
+ private:
+  struct Header;
+  SnapshotArena(std::string path, std::string file_path, uint8_t* base, uint64_t size,
+                ino_t inode);
+  Header* header() const;
+  bool PinnedByLiveProcess(int slot) const;
+
+  std::string path_;       // final path
+  std::string file_path_;  // where the file is now (differs from path_ until Install)
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  ino_t inode_ = 0;
+};
+
+}  // namespace efdl::snapshot

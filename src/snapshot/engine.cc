@@ -1,0 +1,317 @@
+// SnapshotEngine: the writer's side (commit into the arena) plus restore and the in-process
+// persister. See include/efdl/snapshot.h.
+#include <sys/time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "efdl/snapshot.h"
+#include "snapshot/arena.h"
+#include "snapshot/hash.h"
+#include "snapshot/layout.h"
+#include "snapshot/parallel.h"
+#include "snapshot/persister.h"
+#include "snapshot/snapshot_file.h"
+#include "snapshot/store.h"
+
+namespace efdl::snapshot {
+
+namespace {
+
+// Commits smaller than this are copied on the caller's thread: waking workers costs more.
+constexpr uint64_t kParallelCopyBytes = uint64_t{4} << 20;
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool SameLayout(const std::vector<TensorEntry>& a, const std::vector<TensorEntry>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].name != b[i].name || a[i].dtype != b[i].dtype || a[i].shape != b[i].shape ||
+        a[i].nbytes != b[i].nbytes) {
+      return false;
+    }
+  }
+  return true;
+}
+
+class Engine final : public SnapshotEngine {
+ public:
+  explicit Engine(EngineOptions options)
+      : options_(std::move(options)),
+        runner_(options_.copy_threads > 0
+                    ? options_.copy_threads
+                    : static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())))) {
+    if (!options_.storage_dir.empty()) {
+      store_ = std::make_unique<SnapshotStore>(options_.env, options_.storage_dir, options_.keep);
+      if (options_.persist) {
+        PersisterOptions p;
+        p.arena_path = options_.arena_path;
+        p.storage_dir = options_.storage_dir;
+        p.keep = options_.keep;
+        p.env = options_.env;
+        p.min_interval = options_.persist_min_interval;
+        persister_ = std::make_unique<Persister>(std::move(p));
+        persister_->Start();
+      }
+    }
+  }
+
+  Status Init() {
+    auto arena = SnapshotArena::Open(options_.arena_path);
+    if (arena.ok()) {
+      arena_ = std::move(arena).value();
+      for (const auto& s : arena_->ReadySlots()) next_seq_ = std::max(next_seq_, s.seq + 1);
+    } else if (!arena.status().IsNotFound()) {
+      EFDL_LOG_WARN("snapshot: ignoring the shared-memory arena: {}", arena.status().message());
+    }
+    if (store_) {
+      auto entries = store_->List();
+      if (!entries.empty()) next_seq_ = std::max(next_seq_, entries.front().seq + 1);
+    }
+    return Status::OK();
+  }
+
+  Status SetLayout(std::vector<TensorEntry> tensors) override {
+    if (SameLayout(tensors, layout_)) return Status::OK();
+    layout_ = std::move(tensors);
+    data_bytes_ = AssignOffsets(layout_);
+    pieces_ = PiecesOf(layout_);
+    Manifest m;
+    m.tensors = layout_;
+    // Cache the tensor list's JSON: it is most of the manifest and does not change per commit.
+    std::string full = m.Serialize();
+    size_t begin = full.find("\"tensors\":");
+    size_t end = full.rfind(",\"meta\":");
+    tensors_json_ = full.substr(begin, end - begin);
+    return Status::OK();
+  }
+
+  const std::vector<TensorEntry>& layout() const override { return layout_; }
+
+  std::string ManifestText(uint64_t seq, int64_t step, std::string_view meta_json) const {
+    nlohmann::json head = {{"format", "efdl-snapshot/1"}, {"job", options_.job_id},
+                           {"seq", seq},                 {"step", step},
+                           {"wall_time", WallSeconds()}, {"scope", options_.scope},
+                           {"data_bytes", data_bytes_}};
+    std::string out = head.dump();
+    out.pop_back();
+    out += ',';
+    out += tensors_json_;
+    out += ",\"meta\":";
+    out += meta_json.empty() ? std::string_view("{}") : meta_json;
+    out += '}';
+    return out;
+  }
+
+  Result<uint64_t> Commit(const std::vector<TensorSource>& sources, int64_t step,
+                          std::string_view meta_json, const FillFn& fill) override {
+    if (sources.size() != layout_.size()) {
+      return Status::InvalidArgument(fmt::format(
+          "commit got {} tensors but the layout has {}", sources.size(), layout_.size()));
+    }
+    const uint64_t seq = next_seq_;
+    const std::string text = ManifestText(seq, step, meta_json);
+    std::unique_ptr<SnapshotArena> fresh;
+    SnapshotArena* arena = arena_.get();
+    if (arena == nullptr || arena->num_slots() != options_.num_slots ||
+        arena->data_capacity() < data_bytes_ || arena->manifest_capacity() < text.size()) {
+      // Grow: fill a new arena and only then rename it over the old one, so the newest complete
+      // snapshot is in shared memory at every moment.
+      auto created = SnapshotArena::Create(options_.arena_path, options_.num_slots,
+                                           text.size() * 2 + (uint64_t{64} << 10),
+                                           data_bytes_ + data_bytes_ / 8);
+      if (!created.ok()) return created.status();
+      fresh = std::move(created).value();
+      arena = fresh.get();
+    }
+    auto slot = arena->BeginWrite();
+    if (!slot.ok()) return slot.status();
+    uint8_t* data = arena->data_area(*slot);
+    for (size_t i = 0; i < sources.size(); ++i) {
+      if (sources[i].data != nullptr || layout_[i].nbytes == 0) continue;
+      Status s = fill ? fill(i, data + layout_[i].offset)
+                      : Status::InvalidArgument(
+                            fmt::format("tensor '{}' has no data to commit", layout_[i].name));
+      if (!s.ok()) {
+        arena->Abandon(*slot);
+        return s;
+      }
+    }
+    auto copy_piece = [&](size_t i) {
+      const Piece& p = pieces_[i];
+      const void* src = sources[p.tensor].data;
+      if (src == nullptr || p.length == 0) return;
+      std::memcpy(data + p.offset,
+                  static_cast<const uint8_t*>(src) + (p.offset - layout_[p.tensor].offset),
+                  p.length);
+    };
+    if (data_bytes_ >= kParallelCopyBytes) {
+      runner_.Run(pieces_.size(), copy_piece);
+    } else {
+      for (size_t i = 0; i < pieces_.size(); ++i) copy_piece(i);
+    }
+    std::memcpy(arena->manifest_area(*slot), text.data(), text.size());
+    arena->Publish(*slot, seq, step, text.size(), data_bytes_);
+    if (fresh) {
+      EFDL_RETURN_IF_ERROR(fresh->Install());
+      arena_ = std::move(fresh);
+    }
+    next_seq_ = seq + 1;
+    if (persister_) persister_->Notify();
+    return seq;
+  }
+
+  Status Flush(std::chrono::milliseconds timeout) override {
+    if (persister_) return persister_->Flush(timeout);
+    if (!store_) return Status::OK();
+    Persister once({options_.arena_path, options_.storage_dir, options_.keep, options_.env});
+    return once.Flush(timeout);
+  }
+
+  Status LastPersistStatus() const override {
+    return persister_ ? persister_->last_status() : Status::OK();
+  }
+
+  std::vector<SnapshotRef> Candidates() override {
+    std::vector<SnapshotRef> out;
+    if (auto arena = SnapshotArena::Open(options_.arena_path); arena.ok()) {
+      for (const auto& slot : (*arena)->ReadySlots()) {
+        std::string text(reinterpret_cast<const char*>((*arena)->manifest_area(slot.slot)),
+                         slot.manifest_len);
+        auto m = Manifest::Parse(text);
+        if (!m.ok() || !m->Validate().ok() || m->data_bytes != slot.data_len ||
+            !(*arena)->StillReady(slot.slot, slot.seq)) {
+          continue;
+        }
+        out.push_back({SnapshotRef::Source::kMemory, options_.arena_path, slot.slot,
+                       std::move(m).value()});
+      }
+    }
+    if (store_) {
+      for (const auto& e : store_->List()) {
+        auto info = store_->ReadInfo(e.path);
+        if (!info.ok()) {
+          EFDL_LOG_WARN("snapshot: skipping {}: {}", e.path, info.status().message());
+          continue;
+        }
+        out.push_back({SnapshotRef::Source::kStorage, e.path, -1, std::move(info->manifest)});
+      }
+    }
+    std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      return a.manifest.seq > b.manifest.seq;  // memory before storage on equal seq (stable)
+    });
+    return out;
+  }
+
+  Status Restore(const SnapshotRef& ref, const std::vector<void*>& dst) override {
+    if (dst.size() != ref.manifest.tensors.size()) {
+      return Status::InvalidArgument(fmt::format("restore got {} destinations for {} tensors",
+                                                 dst.size(), ref.manifest.tensors.size()));
+    }
+    return ref.source == SnapshotRef::Source::kMemory ? RestoreFromMemory(ref, dst)
+                                                      : RestoreFromStorage(ref, dst);
+  }
+
+  uint64_t next_seq() const override { return next_seq_; }
+
+ private:
+  Status RestoreFromMemory(const SnapshotRef& ref, const std::vector<void*>& dst) {
+    auto opened = SnapshotArena::Open(ref.path);
+    if (!opened.ok()) return opened.status();
+    SnapshotArena& arena = **opened;
+    const uint64_t seq = ref.manifest.seq;
+    const bool pinned = arena.Pin(ref.slot, seq);
+    if (!pinned && !arena.StillReady(ref.slot, seq)) {
+      return Status::Unavailable(fmt::format("snapshot seq {} was replaced while restoring", seq));
+    }
+    const auto& tensors = ref.manifest.tensors;
+    auto pieces = PiecesOf(tensors);
+    const auto expected = arena.Checksum(ref.slot, seq);
+    std::vector<uint64_t> hashes(pieces.size());
+    const uint8_t* data = arena.data_area(ref.slot);
+    auto body = [&](size_t i) {
+      const Piece& p = pieces[i];
+      const uint8_t* src = data + p.offset;
+      auto* out = static_cast<uint8_t*>(dst[p.tensor]);
+      if (out != nullptr) out += p.offset - tensors[p.tensor].offset;
+      if (!expected) {
+        if (out != nullptr && p.length > 0) std::memcpy(out, src, p.length);
+      } else if (out != nullptr) {
+        hashes[i] = CopyAndHash64(out, src, p.length, p.Seed());
+      } else {
+        hashes[i] = Hash64(src, p.length, p.Seed());
+      }
+    };
+    if (ref.manifest.data_bytes >= kParallelCopyBytes) {
+      runner_.Run(pieces.size(), body);
+    } else {
+      for (size_t i = 0; i < pieces.size(); ++i) body(i);
+    }
+    const bool intact = arena.StillReady(ref.slot, seq);
+    if (pinned) arena.Unpin(ref.slot);
+    if (!intact) {
+      return Status::Unavailable(fmt::format("snapshot seq {} was replaced while restoring", seq));
+    }
+    if (expected && FoldPieceHashes(hashes) != *expected) {
+      return Status::Corruption(
+          fmt::format("snapshot seq {} in {} failed its checksum", seq, ref.path));
+    }
+    return Status::OK();
+  }
+
+  Status RestoreFromStorage(const SnapshotRef& ref, const std::vector<void*>& dst) {
+    Env* env = options_.env != nullptr ? options_.env : Env::Posix();
+    auto file = env->NewRandomAccessFile(ref.path);
+    if (!file.ok()) return file.status();
+    auto info = ReadSnapshotInfo(**file, ref.path);
+    if (!info.ok()) return info.status();
+    if (info->manifest.seq != ref.manifest.seq) {
+      return Status::Unavailable(fmt::format("{} changed while restoring", ref.path));
+    }
+    // Verify first so a corrupt file never leaves half-overwritten tensors behind.
+    EFDL_RETURN_IF_ERROR(VerifySnapshotData(**file, *info, ref.path, &runner_));
+    return ReadSnapshotTensors(**file, *info, dst, &runner_);
+  }
+
+  EngineOptions options_;
+  ParallelRunner runner_;
+  std::unique_ptr<SnapshotStore> store_;
+  std::unique_ptr<Persister> persister_;  // declared after runner_/store_: stopped first
+  std::unique_ptr<SnapshotArena> arena_;
+  std::vector<TensorEntry> layout_;
+  std::vector<Piece> pieces_;
+  uint64_t data_bytes_ = 0;
+  std::string tensors_json_;
+  uint64_t next_seq_ = 1;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<SnapshotEngine>> SnapshotEngine::Open(EngineOptions options) {
+  if (options.job_id.empty()) return Status::InvalidArgument("snapshot engine needs a job id");
+  if (options.arena_path.empty()) {
+    return Status::InvalidArgument("snapshot engine needs an arena path");
+  }
+  if (options.num_slots < 2 || options.num_slots > kMaxSlots) {
+    return Status::InvalidArgument(
+        fmt::format("snapshot slots must be 2..{}, got {}", kMaxSlots, options.num_slots));
+  }
+  if (options.keep < 1) {
+    return Status::InvalidArgument(
+        fmt::format("snapshots to keep must be at least 1, got {}", options.keep));
+  }
+  auto engine = std::make_unique<Engine>(std::move(options));
+  EFDL_RETURN_IF_ERROR(engine->Init());
+  return std::unique_ptr<SnapshotEngine>(std::move(engine));
+}
+
+}  // namespace efdl::snapshot

@@ -1,0 +1,162 @@
+#include "snapshot/persister.h"
+
+#include <sys/stat.h>
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "efdl/snapshot.h"
+#include "snapshot/snapshot_file.h"
+
+namespace efdl::snapshot {
+
+Persister::Persister(PersisterOptions options)
+    : options_(std::move(options)),
+      store_(options_.env, options_.storage_dir, options_.keep) {
+  auto entries = store_.List();
+  if (!entries.empty()) persisted_seq_ = entries.front().seq;
+}
+
+Persister::~Persister() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Persister::Start() {
+  if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+}
+
+void Persister::Notify() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++notified_;
+  }
+  cv_.notify_all();
+}
+
+Status Persister::last_status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_status_;
+}
+
+uint64_t Persister::persisted_seq() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return persisted_seq_;
+}
+
+void Persister::Loop() {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, options_.poll_interval, [&] { return stop_ || notified_ != seen; });
+      if (stop_) return;
+      seen = notified_;
+    }
+    if (options_.min_interval.count() > 0) {
+      // Rate limit: sleep out the rest of the interval (interruptible by stop).
+      std::unique_lock<std::mutex> lock(mu_);
+      auto due = last_write_ + options_.min_interval;
+      cv_.wait_until(lock, due, [&] { return stop_; });
+      if (stop_) return;
+    }
+    (void)PersistNewestOnce();
+  }
+}
+
+Result<bool> Persister::PersistNewestOnce() {
+  std::lock_guard<std::mutex> lock(persist_mu_);
+  auto r = PersistLocked();
+  std::lock_guard<std::mutex> state(mu_);
+  if (r.ok()) {
+    last_status_ = Status::OK();
+    last_logged_error_.clear();
+  } else {
+    last_status_ = r.status();
+    if (last_logged_error_ != r.status().message()) {
+      last_logged_error_ = r.status().message();
+      EFDL_LOG_WARN("snapshot persistence failed, the previous snapshot is kept and training "
+                    "continues: {}", r.status().message());
+    }
+  }
+  return r;
+}
+
+Result<bool> Persister::PersistLocked() {
+  // (Re)open the arena when absent or replaced by a larger one.
+  struct stat st {};
+  if (::stat(options_.arena_path.c_str(), &st) != 0) return false;  // nothing committed yet
+  if (!arena_ || arena_->inode() != st.st_ino) {
+    auto opened = SnapshotArena::Open(options_.arena_path);
+    if (!opened.ok()) return opened.status();
+    arena_ = std::move(opened).value();
+  }
+  uint64_t done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done = persisted_seq_;
+  }
+  for (const SlotInfo& slot : arena_->ReadySlots()) {
+    if (slot.seq <= done) return false;
+    if (!arena_->Pin(slot.slot, slot.seq)) continue;  // overwritten meanwhile: try the next
+    Status s;
+    std::string text(reinterpret_cast<const char*>(arena_->manifest_area(slot.slot)),
+                     slot.manifest_len);
+    auto manifest = Manifest::Parse(text);
+    if (!manifest.ok()) {
+      s = manifest.status().WithContext(fmt::format("{} slot {}", arena_->path(), slot.slot));
+    } else if (manifest->data_bytes != slot.data_len || !manifest->Validate().ok()) {
+      s = Status::Corruption(fmt::format("{} slot {} has an inconsistent manifest",
+                                         arena_->path(), slot.slot));
+    } else {
+      const uint8_t* data = arena_->data_area(slot.slot);
+      auto checksum = arena_->Checksum(slot.slot, slot.seq);
+      if (!checksum) {
+        checksum = ChecksumOfRegion(manifest->tensors, data, nullptr);
+        arena_->SetChecksum(slot.slot, slot.seq, *checksum);
+      }
+      s = store_.Write(*manifest, data, *checksum);
+      std::lock_guard<std::mutex> lock(mu_);
+      last_write_ = std::chrono::steady_clock::now();
+    }
+    arena_->Unpin(slot.slot);
+    if (!s.ok()) return s;
+    std::lock_guard<std::mutex> lock(mu_);
+    persisted_seq_ = std::max(persisted_seq_, slot.seq);
+    cv_.notify_all();
+    EFDL_LOG_DEBUG("snapshot seq {} step {} persisted to {}", slot.seq, slot.step, store_.dir());
+    return true;
+  }
+  return false;
+}
+
+Status Persister::Flush(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  uint64_t target = 0;
+  {
+    struct stat st {};
+    if (::stat(options_.arena_path.c_str(), &st) != 0) return Status::OK();
+    auto arena = SnapshotArena::Open(options_.arena_path);
+    if (!arena.ok()) return arena.status();
+    auto slots = (*arena)->ReadySlots();
+    if (slots.empty()) return Status::OK();
+    target = slots.front().seq;
+  }
+  for (;;) {
+    if (persisted_seq() >= target) return Status::OK();
+    auto r = PersistNewestOnce();
+    if (!r.ok()) return r.status();
+    if (persisted_seq() >= target) return Status::OK();
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status::DeadlineExceeded(
+          fmt::format("snapshot seq {} was not persisted within {} ms", target, timeout.count()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+}  // namespace efdl::snapshot

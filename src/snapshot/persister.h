@@ -1,0 +1,72 @@
+// Persister: copies the newest snapshot of an arena to a SnapshotStore, off the training path.
+//
+// Works on an arena path, not an object, so the same class runs on a background thread of the
+// worker (no agent) or in the node's agent for its workers' arenas; it re-opens the arena when
+// the writer replaced it (grown). The slot being written is pinned, so commits continue into the
+// other slot meanwhile. Failures (a full disk) are logged once each, kept in last_status(), and
+// retried on the next commit; the previous snapshot in storage stays.
+//
+// Thread-safety: all public methods are thread-safe. The destructor stops and joins the thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "efdl/status.h"
+#include "snapshot/arena.h"
+#include "snapshot/parallel.h"
+#include "snapshot/store.h"
+
+namespace efdl::snapshot {
+
+struct PersisterOptions {
+  std::string arena_path;
+  std::string storage_dir;
+  int keep = 2;
+  Env* env = nullptr;
+  std::chrono::milliseconds min_interval{0};    // at most one write per interval (0: no limit)
+  std::chrono::milliseconds poll_interval{500}; // also look without Notify (writer elsewhere)
+};
+
+class Persister {
+ public:
+  explicit Persister(PersisterOptions options);
+  ~Persister();
+  Persister(const Persister&) = delete;
+  Persister& operator=(const Persister&) = delete;
+
+  void Start();  // the background thread
+  void Notify(); // a commit was published
+  // Persists the newest ready snapshot if storage does not have it yet. Returns true when it wrote
+  // one. Used by the thread, Flush, and callers without a thread (the agent on shutdown).
+  Result<bool> PersistNewestOnce();
+  // Waits until the newest snapshot committed before the call is in storage (or the timeout).
+  Status Flush(std::chrono::milliseconds timeout);
+  Status last_status() const;
+  uint64_t persisted_seq() const;
+
+ private:
+  void Loop();
+  Result<bool> PersistLocked();  // persist_mu_ held
+
+  PersisterOptions options_;
+  SnapshotStore store_;
+  std::mutex persist_mu_;                     // one persist at a time (thread or Flush)
+  std::unique_ptr<SnapshotArena> arena_;      // guarded by persist_mu_
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;                         // guarded by mu_
+  uint64_t notified_ = 0;                     // guarded by mu_
+  uint64_t persisted_seq_ = 0;                // guarded by mu_
+  Status last_status_;                        // guarded by mu_
+  std::string last_logged_error_;             // guarded by mu_
+  std::chrono::steady_clock::time_point last_write_{};  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace efdl::snapshot

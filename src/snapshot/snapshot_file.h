@@ -1,0 +1,46 @@
+// The on-storage snapshot file:
+//
+//   [0, 64)            FileHeader: magic "EFDLSNAP", version, lengths, manifest hash,
+//                      data checksum, and a hash of the header itself
+//   [64, 64+M)         manifest (JSON, see Manifest::Serialize)
+//   [data_offset, +D)  data region, byte-identical to an arena slot's (data_offset is 4 KiB aligned)
+//
+// A file is only ever created under a temporary name and renamed into place after fsync, so a
+// reader sees either a complete file or none; the hashes catch everything else (truncation, a
+// torn copy on a shared mount, bit rot).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "efdl/snapshot.h"
+#include "snapshot/env.h"
+#include "snapshot/parallel.h"
+
+namespace efdl::snapshot {
+
+struct SnapshotFileInfo {
+  Manifest manifest;
+  uint64_t data_offset = 0;
+  uint64_t data_checksum = 0;
+  uint64_t file_bytes = 0;
+};
+
+// Writes header, manifest and the data region to `file` (no sync: the caller syncs).
+Status WriteSnapshotFile(WritableFile* file, const Manifest& manifest, const uint8_t* data,
+                         uint64_t data_checksum);
+// Reads and checks header and manifest (not the data).
+Result<SnapshotFileInfo> ReadSnapshotInfo(const RandomAccessFile& file, const std::string& path);
+// Hashes the data region and compares with the header's checksum.
+Status VerifySnapshotData(const RandomAccessFile& file, const SnapshotFileInfo& info,
+                          const std::string& path, ParallelRunner* runner);
+// Reads tensor i into dst[i] (nullptr: skip). Does not verify: call VerifySnapshotData first.
+Status ReadSnapshotTensors(const RandomAccessFile& file, const SnapshotFileInfo& info,
+                           const std::vector<void*>& dst, ParallelRunner* runner);
+
+// The data checksum of a region laid out as `tensors` says (parallel over pieces).
+uint64_t ChecksumOfRegion(const std::vector<TensorEntry>& tensors, const uint8_t* data,
+                          ParallelRunner* runner);
+
+}  // namespace efdl::snapshot
