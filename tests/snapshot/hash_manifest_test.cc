@@ -1,0 +1,116 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "efdl/snapshot.h"
+#include "snapshot/hash.h"
+#include "snapshot/layout.h"
+#include "snapshot/parallel.h"
+#include "snapshot/snapshot_file.h"
+
+namespace efdl::snapshot {
+namespace {
+
+std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = static_cast<uint8_t>(gen());
+  return v;
+}
+
+TEST(Hash, CopyAndHashCopiesAndAgreesWithHashForEverySize) {
+  for (size_t n : {0, 1, 7, 8, 31, 32, 33, 100, 4095, 4096, 4097, 100000, (1 << 20) + 13}) {
+    auto src = RandomBytes(n, static_cast<uint32_t>(n));
+    std::vector<uint8_t> dst(n + 1, 0xAB);
+    uint64_t h = CopyAndHash64(dst.data(), src.data(), n, 42);
+    EXPECT_EQ(h, Hash64(src.data(), n, 42)) << n;
+    EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin())) << n;
+    EXPECT_EQ(dst[n], 0xAB) << "wrote past the end at n=" << n;
+  }
+}
+
+TEST(Hash, AnySingleBitFlipOrSeedChangeChangesTheHash) {
+  auto data = RandomBytes(1000, 1);
+  const uint64_t h = Hash64(data.data(), data.size(), 0);
+  EXPECT_NE(h, Hash64(data.data(), data.size(), 1));
+  EXPECT_NE(h, Hash64(data.data(), data.size() - 1, 0));
+  for (size_t byte = 0; byte < data.size(); byte += 37) {
+    for (int bit = 0; bit < 8; ++bit) {
+      data[byte] ^= static_cast<uint8_t>(1 << bit);
+      EXPECT_NE(h, Hash64(data.data(), data.size(), 0)) << byte << ":" << bit;
+      data[byte] ^= static_cast<uint8_t>(1 << bit);
+    }
+  }
+}
+
+TEST(Layout, PiecesCoverEveryTensorByteOnceAndChecksumIgnoresThreadCount) {
+  std::vector<TensorEntry> t = {{"a", "float32", {3}, 0, 12},
+                                {"empty", "float32", {0}, 0, 0},
+                                {"big", "uint8", {}, 0, 3 * kPieceBytes + 5}};
+  const uint64_t total = AssignOffsets(t);
+  EXPECT_EQ(t[0].offset, 0u);
+  EXPECT_EQ(t[1].offset % kTensorAlign, 0u);
+  EXPECT_GE(total, t[2].offset + t[2].nbytes);
+  auto pieces = PiecesOf(t);
+  ASSERT_EQ(pieces.size(), 1u + 1u + 4u);
+  uint64_t covered = 0;
+  for (const auto& p : pieces) covered += p.length;
+  EXPECT_EQ(covered, 12u + 3 * kPieceBytes + 5);
+  auto data = RandomBytes(total, 3);
+  ParallelRunner one(1), four(4);
+  EXPECT_EQ(ChecksumOfRegion(t, data.data(), &one), ChecksumOfRegion(t, data.data(), &four));
+  const uint64_t before = ChecksumOfRegion(t, data.data(), &four);
+  data[t[2].offset + 2 * kPieceBytes + 1] ^= 1;
+  EXPECT_NE(before, ChecksumOfRegion(t, data.data(), &four));
+}
+
+TEST(Parallel, RunsEveryIndexExactlyOnceAcrossManyRuns) {
+  ParallelRunner runner(3);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<std::atomic<int>> hits(37);
+    runner.Run(hits.size(), [&](size_t i) { hits[i]++; });
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+  }
+}
+
+TEST(Manifest, RoundTripKeepsEveryField) {
+  Manifest m;
+  m.job = "job-1";
+  m.seq = 17;
+  m.step = -3;
+  m.wall_time = 1234.5;
+  m.scope = "rank2";
+  m.tensors = {{"model/w", "float32", {2, 3}, 0, 24}, {"kw/x", "int64", {}, 64, 8}};
+  m.data_bytes = 128;
+  m.meta_json = R"({"kwargs":{"epoch":10}})";
+  auto parsed = Manifest::Parse(m.Serialize());
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->job, "job-1");
+  EXPECT_EQ(parsed->seq, 17u);
+  EXPECT_EQ(parsed->step, -3);
+  EXPECT_EQ(parsed->scope, "rank2");
+  EXPECT_DOUBLE_EQ(parsed->wall_time, 1234.5);
+  ASSERT_EQ(parsed->tensors.size(), 2u);
+  EXPECT_EQ(parsed->tensors[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(parsed->tensors[1].offset, 64u);
+  EXPECT_EQ(parsed->meta_json, R"({"kwargs":{"epoch":10}})");
+  EXPECT_TRUE(parsed->Validate().ok());
+}
+
+TEST(Manifest, RejectsGarbageOverlapsAndOutOfRangeTensors) {
+  EXPECT_EQ(Manifest::Parse("not json").status().code(), Status::Code::kCorruption);
+  EXPECT_EQ(Manifest::Parse(R"({"format":"other"})").status().code(), Status::Code::kCorruption);
+  EXPECT_EQ(Manifest::Parse(R"({"format":"efdl-snapshot/1","job":"j"})").status().code(),
+            Status::Code::kCorruption);
+  Manifest m;
+  m.data_bytes = 100;
+  m.tensors = {{"a", "uint8", {64}, 0, 64}, {"b", "uint8", {64}, 32, 64}};
+  EXPECT_EQ(m.Validate().code(), Status::Code::kCorruption);
+  m.tensors = {{"a", "uint8", {64}, 64, 64}};
+  EXPECT_EQ(m.Validate().code(), Status::Code::kCorruption);
+}
+
+}  // namespace
+}  // namespace efdl::snapshot

@@ -1,0 +1,287 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <numeric>
+
+#include "common/net.h"
+#include "efdl/snapshot.h"
+#include "snapshot/arena.h"
+#include "snapshot/layout.h"
+#include "snapshot/store.h"
+#include "tests/snapshot/fault_env.h"
+
+namespace efdl::snapshot {
+namespace {
+
+using testing::FaultEnv;
+
+Manifest MakeManifest(uint64_t seq, std::vector<uint8_t>* data, uint8_t fill) {
+  Manifest m;
+  m.job = "j";
+  m.seq = seq;
+  m.step = static_cast<int64_t>(seq);
+  m.tensors = {{"a", "uint8", {1000}, 0, 1000}, {"b", "uint8", {3000}, 0, 3000}};
+  m.data_bytes = AssignOffsets(m.tensors);
+  data->assign(m.data_bytes, fill);
+  for (size_t i = 0; i < data->size(); ++i) (*data)[i] = static_cast<uint8_t>(fill + i);
+  return m;
+}
+
+Status WriteOne(SnapshotStore& store, uint64_t seq, uint8_t fill) {
+  std::vector<uint8_t> data;
+  Manifest m = MakeManifest(seq, &data, fill);
+  return store.Write(m, data.data(), ChecksumOfRegion(m.tensors, data.data(), nullptr));
+}
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dir = TempDir::Create("efdl-store-test");
+    ASSERT_TRUE(dir.ok());
+    dir_ = std::move(dir).value();
+  }
+  std::string Dir() const { return dir_.path() + "/job"; }
+  TempDir dir_;
+  FaultEnv env_;
+};
+
+TEST_F(StoreTest, WritesVerifiableFilesAndKeepsTheLastK) {
+  SnapshotStore store(&env_, Dir(), 2);
+  for (uint64_t seq = 1; seq <= 4; ++seq) ASSERT_TRUE(WriteOne(store, seq, 7).ok());
+  auto list = store.List();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0].seq, 4u);
+  EXPECT_EQ(list[1].seq, 3u);
+  for (const auto& e : list) EXPECT_TRUE(store.Verify(e.path, nullptr).ok()) << e.path;
+  auto names = env_.GetChildren(Dir());
+  ASSERT_TRUE(names.ok());
+  EXPECT_EQ(names->size(), 2u) << "temporaries left behind";
+}
+
+TEST_F(StoreTest, CrashBetweenWriteAndRenameKeepsThePreviousSnapshot) {
+  SnapshotStore store(&env_, Dir(), 2);
+  ASSERT_TRUE(WriteOne(store, 1, 1).ok());
+  env_.fail_rename = true;
+  EXPECT_FALSE(WriteOne(store, 2, 2).ok());
+  env_.fail_rename = false;
+  auto list = store.List();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].seq, 1u);
+  EXPECT_TRUE(store.Verify(list[0].path, nullptr).ok());
+  // A real crash leaves its temporary; the next writer on this host removes it (its pid is gone).
+  std::string stale = Dir() + "/.tmp-" + HostName() + "-999999999-2.efdl";
+  std::ofstream(stale) << "partial";
+  ASSERT_TRUE(WriteOne(store, 3, 3).ok());
+  EXPECT_FALSE(env_.FileExists(stale));
+  EXPECT_EQ(store.List().front().seq, 3u);
+}
+
+TEST_F(StoreTest, FullDiskIsReportedAndThePreviousSnapshotIsKept) {
+  SnapshotStore store(&env_, Dir(), 2);
+  ASSERT_TRUE(WriteOne(store, 1, 1).ok());
+  env_.space_left = 2000;  // less than one snapshot
+  Status s = WriteOne(store, 2, 2);
+  EXPECT_EQ(s.code(), Status::Code::kIOError);
+  EXPECT_NE(s.message().find("no space left"), std::string::npos) << s.message();
+  env_.space_left = -1;
+  auto list = store.List();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_TRUE(store.Verify(list[0].path, nullptr).ok());
+  EXPECT_EQ(env_.GetChildren(Dir())->size(), 1u) << "partial temporary left behind";
+}
+
+TEST_F(StoreTest, TruncatedAndBitFlippedFilesAreCorruption) {
+  SnapshotStore store(&env_, Dir(), 3);
+  ASSERT_TRUE(WriteOne(store, 1, 1).ok());
+  ASSERT_TRUE(WriteOne(store, 2, 2).ok());
+  const std::string p1 = store.List()[1].path, p2 = store.List()[0].path;
+  ASSERT_EQ(::truncate(p2.c_str(), 5000), 0);
+  EXPECT_EQ(store.ReadInfo(p2).status().code(), Status::Code::kCorruption);
+  ASSERT_EQ(::truncate(p2.c_str(), 30), 0);
+  EXPECT_EQ(store.ReadInfo(p2).status().code(), Status::Code::kCorruption);
+  {
+    std::fstream f(p1, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096 + 1500);
+    f.put('\x7f');
+  }
+  EXPECT_TRUE(store.ReadInfo(p1).ok()) << "header and manifest are intact";
+  EXPECT_EQ(store.Verify(p1, nullptr).code(), Status::Code::kCorruption);
+}
+
+class EngineTest : public StoreTest {
+ protected:
+  void SetUp() override {
+    StoreTest::SetUp();
+    arena_ = dir_.path() + "/e.arena";
+  }
+  std::unique_ptr<SnapshotEngine> Open(bool persist = true) {
+    EngineOptions o;
+    o.job_id = "j";
+    o.arena_path = arena_;
+    o.storage_dir = Dir();
+    o.persist = persist;
+    o.env = &env_;
+    auto e = SnapshotEngine::Open(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(e).value();
+  }
+  static std::vector<TensorEntry> Layout(size_t n) {
+    return {{"w", "float32", {static_cast<int64_t>(n)}, 0, n * 4}, {"step", "int64", {}, 0, 8}};
+  }
+  static Result<uint64_t> CommitValues(SnapshotEngine& e, const std::vector<float>& w,
+                                       int64_t step) {
+    return e.Commit({{w.data()}, {&step}}, step, R"({"k":1})");
+  }
+  std::string arena_;
+};
+
+TEST_F(EngineTest, RestoresTheNewestCommitFromMemoryAfterTheWriterIsGone) {
+  std::vector<float> w(5000);
+  {
+    auto e = Open(/*persist=*/false);
+    ASSERT_TRUE(e->SetLayout(Layout(w.size())).ok());
+    for (int64_t step = 1; step <= 3; ++step) {
+      std::iota(w.begin(), w.end(), static_cast<float>(step));
+      ASSERT_TRUE(CommitValues(*e, w, step).ok());
+    }
+  }
+  auto e = Open(false);
+  auto c = e->Candidates();
+  ASSERT_FALSE(c.empty());
+  EXPECT_EQ(c[0].source, SnapshotRef::Source::kMemory);
+  EXPECT_EQ(c[0].manifest.step, 3);
+  EXPECT_EQ(c[0].manifest.meta_json, R"({"k":1})");
+  std::vector<float> out(w.size());
+  int64_t step = 0;
+  ASSERT_TRUE(e->Restore(c[0], {out.data(), &step}).ok());
+  EXPECT_EQ(out, w);
+  EXPECT_EQ(step, 3);
+  EXPECT_EQ(e->next_seq(), 4u) << "seq must continue after a restart";
+}
+
+TEST_F(EngineTest, FlushPersistsAndStorageRestoreVerifiesTheChecksum) {
+  std::vector<float> w(300000);
+  std::iota(w.begin(), w.end(), 0.5f);
+  {
+    auto e = Open();
+    ASSERT_TRUE(e->SetLayout(Layout(w.size())).ok());
+    ASSERT_TRUE(CommitValues(*e, w, 7).ok());
+    ASSERT_TRUE(e->Flush(std::chrono::seconds(30)).ok());
+  }
+  ASSERT_EQ(::unlink(arena_.c_str()), 0);  // the node is gone: only storage is left
+  auto e = Open(false);
+  auto c = e->Candidates();
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].source, SnapshotRef::Source::kStorage);
+  std::vector<float> out(w.size());
+  int64_t step = 0;
+  ASSERT_TRUE(e->Restore(c[0], {out.data(), &step}).ok());
+  EXPECT_EQ(out, w);
+  EXPECT_EQ(step, 7);
+}
+
+TEST_F(EngineTest, CorruptNewestFileIsRejectedBeforeTouchingTheDestination) {
+  std::vector<float> w(1000, 1.0f);
+  {
+    auto e = Open();
+    ASSERT_TRUE(e->SetLayout(Layout(w.size())).ok());
+    ASSERT_TRUE(CommitValues(*e, w, 1).ok());
+    ASSERT_TRUE(e->Flush(std::chrono::seconds(30)).ok());
+    std::fill(w.begin(), w.end(), 2.0f);
+    ASSERT_TRUE(CommitValues(*e, w, 2).ok());
+    ASSERT_TRUE(e->Flush(std::chrono::seconds(30)).ok());
+  }
+  ::unlink(arena_.c_str());
+  SnapshotStore store(&env_, Dir(), 2);
+  {
+    std::fstream f(store.List()[0].path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096 + 100);
+    f.put('\x01');
+  }
+  auto e = Open(false);
+  auto c = e->Candidates();
+  ASSERT_EQ(c.size(), 2u);
+  std::vector<float> out(w.size(), -1.0f);
+  int64_t step = -1;
+  EXPECT_EQ(e->Restore(c[0], {out.data(), &step}).code(), Status::Code::kCorruption);
+  EXPECT_EQ(out[0], -1.0f) << "a corrupt snapshot wrote into the destination";
+  ASSERT_TRUE(e->Restore(c[1], {out.data(), &step}).ok());
+  EXPECT_EQ(out[999], 1.0f);
+  EXPECT_EQ(step, 1);
+}
+
+TEST_F(EngineTest, FullDiskDoesNotStopCommitsAndIsReported) {
+  std::vector<float> w(100000, 3.0f);
+  auto e = Open();
+  ASSERT_TRUE(e->SetLayout(Layout(w.size())).ok());
+  ASSERT_TRUE(CommitValues(*e, w, 1).ok());
+  ASSERT_TRUE(e->Flush(std::chrono::seconds(30)).ok());
+  env_.space_left = 10000;
+  for (int64_t step = 2; step < 20; ++step) ASSERT_TRUE(CommitValues(*e, w, step).ok());
+  Status s = e->Flush(std::chrono::seconds(30));
+  EXPECT_EQ(s.code(), Status::Code::kIOError) << s.ToString();
+  EXPECT_NE(e->LastPersistStatus().message().find("no space left"), std::string::npos);
+  SnapshotStore store(&env_, Dir(), 2);
+  ASSERT_EQ(store.List().size(), 1u);
+  EXPECT_EQ(store.List()[0].seq, 1u);
+  EXPECT_TRUE(store.Verify(store.List()[0].path, nullptr).ok());
+  env_.space_left = -1;  // space freed: the next flush catches up
+  ASSERT_TRUE(CommitValues(*e, w, 20).ok());
+  ASSERT_TRUE(e->Flush(std::chrono::seconds(30)).ok());
+  EXPECT_TRUE(e->LastPersistStatus().ok());
+}
+
+TEST_F(EngineTest, GrowingTheStateReplacesTheArenaAndKeepsRestoring) {
+  auto e = Open(false);
+  std::vector<float> small(10, 1.0f), big(200000, 2.0f);
+  ASSERT_TRUE(e->SetLayout(Layout(small.size())).ok());
+  ASSERT_TRUE(CommitValues(*e, small, 1).ok());
+  ASSERT_TRUE(e->SetLayout(Layout(big.size())).ok());
+  ASSERT_TRUE(CommitValues(*e, big, 2).ok());
+  auto c = e->Candidates();
+  ASSERT_FALSE(c.empty());
+  EXPECT_EQ(c[0].manifest.step, 2);
+  std::vector<float> out(big.size());
+  int64_t step = 0;
+  ASSERT_TRUE(e->Restore(c[0], {out.data(), &step}).ok());
+  EXPECT_EQ(out, big);
+  EXPECT_EQ(e->Commit({{nullptr}}, 3, "{}").status().code(), Status::Code::kInvalidArgument);
+}
+
+TEST_F(EngineTest, CommitsContinueWhileAReaderHoldsASlot) {
+  auto e = Open(false);
+  std::vector<float> w(1000, 1.0f);
+  ASSERT_TRUE(e->SetLayout(Layout(w.size())).ok());
+  ASSERT_TRUE(CommitValues(*e, w, 1).ok());
+  auto arena = SnapshotArena::Open(arena_);
+  ASSERT_TRUE(arena.ok());
+  auto held = (*arena)->ReadySlots().at(0);
+  ASSERT_TRUE((*arena)->Pin(held.slot, held.seq));  // as the persister does
+  for (int64_t step = 2; step < 6; ++step) {
+    std::fill(w.begin(), w.end(), static_cast<float>(step));
+    ASSERT_TRUE(CommitValues(*e, w, step).ok());
+  }
+  EXPECT_TRUE((*arena)->StillReady(held.slot, held.seq));
+  float first;
+  std::memcpy(&first, (*arena)->data_area(held.slot), sizeof(first));
+  EXPECT_EQ(first, 1.0f);
+  EXPECT_EQ(e->Candidates().at(0).manifest.step, 5);
+  (*arena)->Unpin(held.slot);
+}
+
+TEST(EngineOptions, BadOptionsAreInvalidArgument) {
+  EngineOptions o;
+  EXPECT_EQ(SnapshotEngine::Open(o).status().code(), Status::Code::kInvalidArgument);
+  o.job_id = "j";
+  o.arena_path = "/tmp/x.arena";
+  o.num_slots = 9;
+  EXPECT_EQ(SnapshotEngine::Open(o).status().code(), Status::Code::kInvalidArgument);
+  o.num_slots = 2;
+  o.keep = 0;
+  EXPECT_EQ(SnapshotEngine::Open(o).status().code(), Status::Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace efdl::snapshot
