@@ -14,6 +14,11 @@ int main(int argc, char** argv) {
   efdl::cli::CommandRunner runner;
 
   efdl::cli::RegisterEtcdCommand(app, runner);
+  efdl::cli::RegisterPlanCommand(app, runner);
+#ifdef EFDL_CLI_WITH_AGENT
+  efdl::cli::RegisterRunCommand(app, runner);
+  efdl::cli::RegisterStatusCommand(app, runner);
+#endif
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,220 @@
+#include "agent/run_config.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "common/net.h"
+#include "common/subprocess.h"
+
+namespace efdl::agent {
+
+namespace {
+
+Result<int> ParsePositiveInt(std::string_view text, std::string_view what) {
+  int value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < 1) {
+    return Status::InvalidArgument(
+        fmt::format("{} '{}' is not a positive whole number", what, text));
+  }
+  return value;
+}
+
+std::chrono::milliseconds Millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000.0)));
+}
+
+bool IsLoopback(const std::string& endpoint) {
+  std::string host = endpoint.substr(0, endpoint.rfind(':'));
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1";
+}
+
+}  // namespace
+
+Result<NodeRange> ParseNodeRange(std::string_view spec) {
+  NodeRange r;
+  size_t colon = spec.find(':');
+  auto bad = [&](const Status& s) {
+    return Status::InvalidArgument(fmt::format(
+        "--nnodes '{}': {}; expected N or MIN:MAX, e.g. --nnodes 2:4", spec, s.message()));
+  };
+  if (colon == std::string_view::npos) {
+    auto n = ParsePositiveInt(spec, "node count");
+    if (!n.ok()) return bad(n.status());
+    r.min = r.max = *n;
+    return r;
+  }
+  auto lo = ParsePositiveInt(spec.substr(0, colon), "MIN");
+  if (!lo.ok()) return bad(lo.status());
+  auto hi = ParsePositiveInt(spec.substr(colon + 1), "MAX");
+  if (!hi.ok()) return bad(hi.status());
+  if (*lo > *hi) {
+    return Status::InvalidArgument(fmt::format(
+        "--nnodes '{}': MIN {} is greater than MAX {}; give MIN <= MAX", spec, *lo, *hi));
+  }
+  r.min = *lo;
+  r.max = *hi;
+  return r;
+}
+
+Status ValidateId(std::string_view what, std::string_view id) {
+  auto allowed = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '.' || c == '_' || c == '-';
+  };
+  bool ok = !id.empty() && id.size() <= 128 && id[0] != '.' && id[0] != '-';
+  for (char c : id) ok = ok && allowed(c);
+  if (!ok) {
+    return Status::InvalidArgument(fmt::format(
+        "{} '{}' is not valid: use 1-128 letters, digits, '.', '_' or '-', not starting with "
+        "'.' or '-'", what, id));
+  }
+  return Status::OK();
+}
+
+int DefaultNprocPerNode() {
+  if (const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES"); cvd != nullptr) {
+    std::string_view s(cvd);
+    int n = 0;
+    size_t start = 0;
+    while (start <= s.size()) {
+      size_t end = s.find(',', start);
+      if (end == std::string_view::npos) end = s.size();
+      std::string_view item = s.substr(start, end - start);
+      if (item == "-1") break;  // CUDA stops at the first invalid index
+      if (!item.empty()) ++n;
+      start = end + 1;
+    }
+    return n > 0 ? n : 1;
+  }
+  int n = 0;
+  if (DIR* d = ::opendir("/dev")) {
+    while (dirent* e = ::readdir(d)) {
+      std::string_view name(e->d_name);
+      if (name.size() > 6 && name.substr(0, 6) == "nvidia" &&
+          name.find_first_not_of("0123456789", 6) == std::string_view::npos) {
+        ++n;
+      }
+    }
+    ::closedir(d);
+  }
+  return n > 0 ? n : 1;
+}
+
+std::string DefaultNodeId() {
+  std::string host;
+  for (char c : HostName()) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '_' || c == '-';
+    host.push_back(ok ? c : '-');
+  }
+  if (host.empty() || host[0] == '-') host = "node" + host;
+  if (host.size() > 100) host.resize(100);
+  std::random_device rd;
+  return fmt::format("{}-{}-{:04x}", host, ::getpid(), rd() & 0xffff);
+}
+
+Result<RunPlan> PlanRun(const RunFlags& f) {
+  RunPlan plan;
+  if (f.command.empty()) {
+    return Status::InvalidArgument(
+        "no training command given: efdl run [OPTIONS] -- COMMAND [ARGS...]");
+  }
+  if (auto exe = FindProgram(f.command[0]); !exe.ok()) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: give the training program as an existing command or path after '--'",
+        exe.status().message()));
+  }
+  EFDL_ASSIGN_OR_RETURN(NodeRange nodes, ParseNodeRange(f.nnodes));
+  plan.embedded_etcd = f.etcd_endpoints.empty();
+  std::string job = f.job_id;
+  if (job.empty()) {
+    if (!plan.embedded_etcd) {
+      return Status::InvalidArgument(
+          "--job is required with --etcd: every node of a job passes the same --job ID (or "
+          "sets EFDL_JOB_ID)");
+    }
+    job = "default";
+  }
+  EFDL_RETURN_IF_ERROR(ValidateId("job id", job));
+  if (plan.embedded_etcd && nodes.max > 1) {
+    return Status::InvalidArgument(fmt::format(
+        "--nnodes {} needs an etcd shared by the nodes: pass --etcd HOST:PORT (or set "
+        "EFDL_ETCD_ENDPOINTS); without it efdl runs a single-node job", f.nnodes));
+  }
+  std::string node_id = f.node_id.empty() ? DefaultNodeId() : f.node_id;
+  EFDL_RETURN_IF_ERROR(ValidateId("node id", node_id));
+  if (f.nproc_per_node < 0) {
+    return Status::InvalidArgument(fmt::format(
+        "--nproc-per-node {} is negative; give a positive count (0 or unset: one per GPU)",
+        f.nproc_per_node));
+  }
+  auto positive = [](double v, const char* flag) -> Status {
+    if (!(v > 0) || !std::isfinite(v)) {
+      return Status::InvalidArgument(fmt::format("{} {} must be a positive number of seconds",
+                                                 flag, v));
+    }
+    return Status::OK();
+  };
+  EFDL_RETURN_IF_ERROR(positive(f.ttl_s, "--ttl"));
+  if (f.ttl_s < 1) {
+    return Status::InvalidArgument(fmt::format(
+        "--ttl {} is below etcd's lease granularity; give at least 1 second", f.ttl_s));
+  }
+  EFDL_RETURN_IF_ERROR(positive(f.join_timeout_s, "--join-timeout"));
+  EFDL_RETURN_IF_ERROR(positive(f.stop_grace_s, "--stop-grace"));
+  if (!(f.last_call_s >= 0) || !std::isfinite(f.last_call_s)) {
+    return Status::InvalidArgument(
+        fmt::format("--last-call {} must be zero or a positive number of seconds", f.last_call_s));
+  }
+  if (f.max_restarts < 0) {
+    return Status::InvalidArgument(
+        fmt::format("--max-restarts {} is negative; give 0 or more", f.max_restarts));
+  }
+
+  std::error_code ec;
+  auto absolute = [&](const std::string& p) {
+    return p.empty() ? p : std::filesystem::absolute(p, ec).lexically_normal().string();
+  };
+
+  AgentOptions& a = plan.agent;
+  a.job_id = job;
+  a.node_id = node_id;
+  a.command = f.command;
+  a.nproc = f.nproc_per_node > 0 ? f.nproc_per_node : DefaultNprocPerNode();
+  a.min_nodes = nodes.min;
+  a.max_nodes = nodes.max;
+  a.max_restarts = f.max_restarts;
+  a.stop_grace = Millis(f.stop_grace_s);
+  a.log_dir = absolute(f.log_dir);
+  a.snapshot_dir = absolute(f.snapshot_dir);
+
+  rdzv::RendezvousOptions& r = plan.rendezvous;
+  r.job_id = job;
+  r.node_id = node_id;
+  bool loopback = plan.embedded_etcd;
+  if (!loopback) {
+    loopback = true;
+    for (const auto& e : f.etcd_endpoints) loopback = loopback && IsLoopback(e);
+  }
+  r.advertise_addr = !f.advertise_addr.empty() ? f.advertise_addr
+                     : loopback                ? "127.0.0.1"
+                                               : HostName();
+  r.nproc = a.nproc;
+  r.min_nodes = nodes.min;
+  r.max_nodes = nodes.max;
+  r.ttl = Millis(f.ttl_s);
+  r.last_call = Millis(f.last_call_s);
+  r.join_timeout = Millis(f.join_timeout_s);
+  return plan;
+}
+
+}  // namespace efdl::agent

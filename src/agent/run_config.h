@@ -1,0 +1,56 @@
+// `efdl run`'s flags turned into the options of the agent and its rendezvous, with every check
+// done before anything starts (one clear line per mistake).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "agent/agent.h"
+#include "efdl/status.h"
+#include "rendezvous/rendezvous.h"
+
+namespace efdl::agent {
+
+// The flags as the user gave them (after environment fallbacks).
+struct RunFlags {
+  std::vector<std::string> etcd_endpoints;   // parsed; empty: a private embedded etcd
+  std::string job_id;                        // empty: "default" without --etcd, else an error
+  std::string nnodes = "1:1";
+  int nproc_per_node = 0;                    // 0: visible GPUs, else 1
+  std::string node_id;                       // empty: host name plus a unique suffix
+  std::string advertise_addr;                // empty: 127.0.0.1 for loopback etcd, else host
+  double ttl_s = 10;
+  double last_call_s = 3;
+  double join_timeout_s = 600;
+  int max_restarts = 3;
+  double stop_grace_s = 10;
+  std::string log_dir;
+  std::string snapshot_dir = "efdl-snapshots";
+  std::vector<std::string> command;
+};
+
+struct RunPlan {
+  AgentOptions agent;
+  rdzv::RendezvousOptions rendezvous;
+  bool embedded_etcd = false;
+};
+
+struct NodeRange {
+  int min = 1;
+  int max = 1;
+};
+
+// "N" or "MIN:MAX", 1 <= MIN <= MAX.
+Result<NodeRange> ParseNodeRange(std::string_view spec);
+// Job and node ids become etcd key segments and file names: 1-128 of [A-Za-z0-9._-], not
+// starting with '.' or '-'.
+Status ValidateId(std::string_view what, std::string_view id);
+// Visible GPUs: CUDA_VISIBLE_DEVICES when set, else /dev/nvidia<N> device files, else 1.
+int DefaultNprocPerNode();
+// "<host>-<pid>-<4 random hex>": unique among agents on one machine and across restarts.
+std::string DefaultNodeId();
+// Validates everything and resolves defaults; looks the command up in PATH.
+Result<RunPlan> PlanRun(const RunFlags& flags);
+
+}  // namespace efdl::agent

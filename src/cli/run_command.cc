@@ -1,0 +1,137 @@
+// `efdl run`: the node agent. See `efdl run --help` and docs/control-protocol.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "agent/agent.h"
+#include "agent/run_config.h"
+#include "cli/commands.h"
+#include "common/log.h"
+#include "efdl/embedded_etcd.h"
+#include "efdl/etcd.h"
+#include "rendezvous/rendezvous.h"
+
+namespace efdl::cli {
+
+namespace {
+
+struct RunArgs {
+  std::string etcd;
+  agent::RunFlags flags;
+};
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "efdl run: error: %s\n", message.c_str());
+  return code;
+}
+
+// A pending SIGTERM/SIGINT, taken without blocking; both are blocked in every thread of the
+// agent (the mask is set before any thread starts), so they wait here instead of killing us.
+int TakePendingShutdownSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  timespec zero{0, 0};
+  int sig = ::sigtimedwait(&set, nullptr, &zero);
+  return sig > 0 ? sig : 0;
+}
+
+int RunAgent(const RunArgs& args) {
+  agent::RunFlags flags = args.flags;
+  if (!args.etcd.empty()) {
+    auto endpoints = etcd::ParseEndpoints(args.etcd);
+    if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
+    flags.etcd_endpoints = *endpoints;
+  }
+  auto plan = agent::PlanRun(flags);
+  if (!plan.ok()) return Fail(2, plan.status().message());
+
+  // Before any thread exists (gRPC's, ours): every thread inherits the mask.
+  sigset_t shutdown_signals;
+  sigemptyset(&shutdown_signals);
+  sigaddset(&shutdown_signals, SIGTERM);
+  sigaddset(&shutdown_signals, SIGINT);
+  ::pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  std::unique_ptr<EmbeddedEtcd> embedded;
+  std::vector<std::string> endpoints = flags.etcd_endpoints;
+  if (plan->embedded_etcd) {
+    auto started = EmbeddedEtcd::Start({});
+    if (!started.ok()) {
+      return Fail(1, "cannot start the private etcd (no --etcd given): " +
+                         started.status().message());
+    }
+    embedded = std::move(started).value();
+    endpoints = {embedded->endpoint()};
+    EFDL_LOG_INFO("no --etcd given: started a private etcd at {} for a single-node job",
+                  embedded->endpoint());
+  }
+  etcd::ClientOptions client_options;
+  client_options.endpoints = endpoints;
+  auto client = etcd::Connect(client_options);
+  if (!client.ok()) {
+    return Fail(2, fmt::format("cannot reach etcd at {}: {}; check --etcd (or "
+                               "EFDL_ETCD_ENDPOINTS) and that etcd is running",
+                               fmt::join(endpoints, ","), client.status().message()));
+  }
+  auto rendezvous = rdzv::NewEtcdRendezvous(**client, plan->rendezvous);
+  plan->agent.poll_signal = TakePendingShutdownSignal;
+  int code;
+  {
+    agent::Agent node(plan->agent, *rendezvous);
+    code = node.Run();
+  }
+  rendezvous.reset();  // before the client it uses
+  return code;
+}
+
+}  // namespace
+
+void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
+  auto args = std::make_shared<RunArgs>();
+  agent::RunFlags& f = args->flags;
+  CLI::App* run = app.add_subcommand(
+      "run", "Run this node's share of an elastic job: efdl run [OPTIONS] -- COMMAND [ARGS...]");
+  OptionWithEnv(run, "--etcd", args->etcd,
+                "etcd endpoints HOST:PORT[,HOST:PORT...]; none: a private etcd, single node",
+                "EFDL_ETCD_ENDPOINTS");
+  OptionWithEnv(run, "--job", f.job_id, "job id shared by all nodes of the job", "EFDL_JOB_ID");
+  OptionWithEnv(run, "--nnodes", f.nnodes, "nodes in the job: N or MIN:MAX (default 1:1)",
+                "EFDL_NNODES");
+  OptionWithEnv(run, "--nproc-per-node", f.nproc_per_node,
+                "worker processes on this node (default: visible GPUs, else 1)",
+                "EFDL_NPROC_PER_NODE");
+  OptionWithEnv(run, "--node-id", f.node_id,
+                "this node's unique id (default: host name plus a unique suffix)",
+                "EFDL_NODE_ID");
+  OptionWithEnv(run, "--advertise-addr", f.advertise_addr,
+                "address other nodes reach this one at (MASTER_ADDR when rank 0)",
+                "EFDL_ADVERTISE_ADDR");
+  OptionWithEnv(run, "--ttl", f.ttl_s, "seconds before a silent node is declared dead",
+                "EFDL_TTL");
+  OptionWithEnv(run, "--last-call", f.last_call_s,
+                "seconds to wait for more nodes once MIN are there", "EFDL_LAST_CALL");
+  OptionWithEnv(run, "--join-timeout", f.join_timeout_s,
+                "seconds to wait below MIN nodes before giving up", "EFDL_JOIN_TIMEOUT");
+  OptionWithEnv(run, "--max-restarts", f.max_restarts,
+                "worker failures this node tolerates before leaving the job",
+                "EFDL_MAX_RESTARTS");
+  OptionWithEnv(run, "--stop-grace", f.stop_grace_s,
+                "seconds a stopping worker gets before SIGTERM, and again before SIGKILL",
+                "EFDL_STOP_GRACE");
+  OptionWithEnv(run, "--log-dir", f.log_dir,
+                "also write each worker's output to DIR/<node id>/round-R.rank-N.log",
+                "EFDL_LOG_DIR");
+  OptionWithEnv(run, "--snapshot-dir", f.snapshot_dir,
+                "snapshot storage given to workers as EFDL_SNAPSHOT_DIR", "EFDL_SNAPSHOT_DIR");
+  run->add_option("command", f.command, "the training command, after --")->expected(-1);
+  run->callback([args, &runner] { runner.Set([args] { return RunAgent(*args); }); });
+}
+
+}  // namespace efdl::cli

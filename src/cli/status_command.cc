@@ -1,0 +1,64 @@
+// `efdl status`: a job's members, standbys, round and recent events, read from etcd.
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "efdl/etcd.h"
+#include "rendezvous/job_status.h"
+
+namespace efdl::cli {
+
+namespace {
+
+struct StatusArgs {
+  std::string etcd;
+  std::string job;
+  bool json = false;
+};
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "efdl status: error: %s\n", message.c_str());
+  return code;
+}
+
+int ShowStatus(const StatusArgs& args) {
+  if (args.etcd.empty()) {
+    return Fail(2, "--etcd HOST:PORT is required (or set EFDL_ETCD_ENDPOINTS): a job run "
+                   "without --etcd keeps its state in a private etcd nobody else can read");
+  }
+  auto endpoints = etcd::ParseEndpoints(args.etcd);
+  if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
+  etcd::ClientOptions options;
+  options.endpoints = *endpoints;
+  auto client = etcd::Connect(options);
+  if (!client.ok()) {
+    return Fail(1, fmt::format("cannot reach etcd at {}: {}", args.etcd,
+                               client.status().message()));
+  }
+  auto status = rdzv::ReadJobStatus(**client, args.job);
+  if (!status.ok()) return Fail(1, status.status().message());
+  std::string text = args.json ? status->ToJson() + "\n" : status->ToText();
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  if (!status->exists) {
+    return Fail(1, fmt::format("no job '{}' in etcd at {}: check --job and --etcd", args.job,
+                               args.etcd));
+  }
+  return 0;
+}
+
+}  // namespace
+
+void RegisterStatusCommand(CLI::App& app, CommandRunner& runner) {
+  auto args = std::make_shared<StatusArgs>();
+  CLI::App* cmd = app.add_subcommand("status", "Show a job's nodes, round and recent events");
+  OptionWithEnv(cmd, "--etcd", args->etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
+                "EFDL_ETCD_ENDPOINTS");
+  OptionWithEnv(cmd, "--job", args->job, "the job id", "EFDL_JOB_ID")->required();
+  cmd->add_flag("--json", args->json, "one JSON object instead of a table");
+  cmd->callback([args, &runner] { runner.Set([args] { return ShowStatus(*args); }); });
+}
+
+}  // namespace efdl::cli

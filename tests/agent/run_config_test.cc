@@ -1,0 +1,125 @@
+#include "agent/run_config.h"
+
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+namespace efdl::agent {
+namespace {
+
+RunFlags Valid() {
+  RunFlags f;
+  f.etcd_endpoints = {"127.0.0.1:2379"};
+  f.job_id = "job-1";
+  f.nnodes = "2:3";
+  f.nproc_per_node = 2;
+  f.node_id = "node-a";
+  f.command = {"sh", "-c", "true"};
+  return f;
+}
+
+TEST(RunConfigTest, NodeRangeAcceptsNAndMinMax) {
+  auto one = ParseNodeRange("4");
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->min, 4);
+  EXPECT_EQ(one->max, 4);
+  auto range = ParseNodeRange("2:5");
+  ASSERT_TRUE(range.ok());
+  EXPECT_EQ(range->min, 2);
+  EXPECT_EQ(range->max, 5);
+}
+
+TEST(RunConfigTest, NodeRangeRejectsMinAboveMaxAndJunk) {
+  auto inverted = ParseNodeRange("3:2");
+  ASSERT_FALSE(inverted.ok());
+  EXPECT_NE(inverted.status().message().find("MIN 3 is greater than MAX 2"), std::string::npos);
+  for (const char* bad : {"", "0", "-1", "a:b", "2:", ":3", "1:2:3", "1.5"}) {
+    EXPECT_FALSE(ParseNodeRange(bad).ok()) << bad;
+  }
+}
+
+TEST(RunConfigTest, IdsMustBeSafeAsEtcdKeySegments) {
+  EXPECT_TRUE(ValidateId("job id", "my-job_1.v2").ok());
+  for (const char* bad : {"", "a/b", "has space", "..", ".hidden", "-x", "ü"}) {
+    Status s = ValidateId("job id", bad);
+    EXPECT_FALSE(s.ok()) << bad;
+  }
+  EXPECT_FALSE(ValidateId("job id", std::string(129, 'a')).ok());
+}
+
+TEST(RunConfigTest, ValidFlagsBecomeAgentAndRendezvousOptions) {
+  auto plan = PlanRun(Valid());
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_FALSE(plan->embedded_etcd);
+  EXPECT_EQ(plan->agent.nproc, 2);
+  EXPECT_EQ(plan->agent.min_nodes, 2);
+  EXPECT_EQ(plan->agent.max_nodes, 3);
+  EXPECT_EQ(plan->rendezvous.nproc, 2);
+  EXPECT_EQ(plan->rendezvous.advertise_addr, "127.0.0.1");  // loopback etcd
+  EXPECT_EQ(plan->rendezvous.ttl, std::chrono::seconds(10));
+  EXPECT_EQ(plan->agent.snapshot_dir.front(), '/');          // made absolute for the workers
+}
+
+TEST(RunConfigTest, MissingCommandIsAClearError) {
+  RunFlags f = Valid();
+  f.command = {"efdl-surely-not-a-command"};
+  auto plan = PlanRun(f);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("efdl-surely-not-a-command"), std::string::npos);
+  f.command.clear();
+  EXPECT_FALSE(PlanRun(f).ok());
+}
+
+TEST(RunConfigTest, WithoutEtcdTheJobIsSingleNodeWithADefaultId) {
+  RunFlags f = Valid();
+  f.etcd_endpoints.clear();
+  f.job_id.clear();
+  f.nnodes = "1";
+  auto plan = PlanRun(f);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan->embedded_etcd);
+  EXPECT_EQ(plan->agent.job_id, "default");
+  f.nnodes = "2:3";
+  auto multi = PlanRun(f);
+  ASSERT_FALSE(multi.ok());
+  EXPECT_NE(multi.status().message().find("--etcd"), std::string::npos);
+}
+
+TEST(RunConfigTest, JobIdIsRequiredWithASharedEtcd) {
+  RunFlags f = Valid();
+  f.job_id.clear();
+  auto plan = PlanRun(f);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("--job"), std::string::npos);
+}
+
+TEST(RunConfigTest, NonsenseDurationsAreRejected) {
+  for (auto mutate : std::vector<void (*)(RunFlags&)>{
+           [](RunFlags& f) { f.ttl_s = 0; }, [](RunFlags& f) { f.ttl_s = 0.5; },
+           [](RunFlags& f) { f.stop_grace_s = -1; }, [](RunFlags& f) { f.join_timeout_s = 0; },
+           [](RunFlags& f) { f.last_call_s = -1; }, [](RunFlags& f) { f.max_restarts = -1; },
+           [](RunFlags& f) { f.nproc_per_node = -2; }}) {
+    RunFlags f = Valid();
+    mutate(f);
+    EXPECT_FALSE(PlanRun(f).ok());
+  }
+}
+
+TEST(RunConfigTest, DefaultNodeIdsAreValidAndUnique) {
+  std::string a = DefaultNodeId(), b = DefaultNodeId();
+  EXPECT_TRUE(ValidateId("node id", a).ok()) << a;
+  EXPECT_NE(a, b);
+}
+
+TEST(RunConfigTest, NprocDefaultsToVisibleGpus) {
+  const char* saved = std::getenv("CUDA_VISIBLE_DEVICES");
+  std::string keep = saved ? saved : "";
+  ::setenv("CUDA_VISIBLE_DEVICES", "0,1,3", 1);
+  EXPECT_EQ(DefaultNprocPerNode(), 3);
+  ::setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  EXPECT_EQ(DefaultNprocPerNode(), 1);
+  if (saved) ::setenv("CUDA_VISIBLE_DEVICES", keep.c_str(), 1); else ::unsetenv("CUDA_VISIBLE_DEVICES");
+}
+
+}  // namespace
+}  // namespace efdl::agent
