@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -32,8 +33,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def clean_env():
+def clean_environment():
     """os.environ minus launcher variables, with PYTHONPATH pointing at the source tree."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = PYTHON_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
@@ -42,39 +42,60 @@ def clean_env():
     return env
 
 
-@pytest.fixture
-def spawn_ranks(clean_env):
-    """spawn_ranks(argv, world_size, timeout=60, env=None) -> list of CompletedProcess-likes.
+def run_ranks(argv, world_size, started, timeout=60, env=None, rank_env=None):
+    """Runs world_size processes of `argv` as ranks of one gloo group on loopback and returns
+    their CompletedProcess results in rank order.
 
-    Starts world_size processes of `argv` as ranks of one gloo group on loopback (RANK,
-    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), waits for all of
-    them at most `timeout` seconds, and kills every one still running at the end (by pid).
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (one node
+    unless rank_env(rank) returns overrides) on top of clean_environment() and `env`. Waits at
+    most `timeout` seconds in all, then kills them. Every process is appended to `started`, so
+    the caller can kill leftovers (by pid) if it is interrupted.
     """
-    started = []
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        proc_env = clean_environment()
+        proc_env.update(env or {})
+        proc_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port))
+        if rank_env is not None:
+            proc_env.update(rank_env(rank))
+        procs.append(subprocess.Popen(argv, env=proc_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        started.append(procs[-1])
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            kill_all(procs)
+            raise AssertionError("rank processes did not finish within %ss" % timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
 
-    def spawn(argv, world_size, timeout=60, env=None):
-        port = free_port()
-        for rank in range(world_size):
-            rank_env = dict(clean_env)
-            rank_env.update(env or {})
-            rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port))
-            started.append(subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True))
-        results = []
-        for proc in started:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for p in started:
-                    p.kill()
-                raise AssertionError("rank processes did not finish within %ss" % timeout)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        return results
 
-    yield spawn
-    for proc in started:
+def kill_all(procs):
+    for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def clean_env():
+    return clean_environment()
+
+
+@pytest.fixture
+def spawn_ranks():
+    """spawn_ranks(argv, world_size, timeout=60, env=None, rank_env=None): run_ranks() whose
+    processes are killed when the test ends."""
+    started = []
+
+    def spawn(argv, world_size, timeout=60, env=None, rank_env=None):
+        return run_ranks(argv, world_size, started, timeout, env, rank_env)
+
+    yield spawn
+    kill_all(started)

@@ -1,0 +1,13 @@
+"""Horovod for TensorFlow under EFDL: `from efdl.backend.horovod.tensorflow import hvd`.
+
+Needs real Horovod built with TensorFlow (EFDL has no TensorFlow layer); the agent provides the
+HOROVOD_* variables its Gloo controller reads. State for TensorFlow is not provided.
+"""
+
+from efdl.backend.horovod import import_native
+
+hvd = import_native("horovod.tensorflow",
+                    "install TensorFlow, then Horovod built with it "
+                    "(HOROVOD_WITH_TENSORFLOW=1 pip install horovod)")
+
+__all__ = ["hvd"]

@@ -1,0 +1,83 @@
+"""Horovod for PyTorch under EFDL.
+
+    from efdl.backend.horovod.torch import hvd          # instead of: import horovod.torch as hvd
+    import efdl.backend.horovod.torch as efdl           # init, get_rank, ..., data, State
+
+`hvd` is the real horovod.torch when it is installed (and EFDL_HOROVOD is not `torch`); the
+agent provides the HOROVOD_* variables its Gloo controller reads. Otherwise it is EFDL's
+Horovod-API layer over torch.distributed (see _layer.py and docs/horovod.md).
+"""
+
+from efdl import data, resume
+from efdl.backend import _env
+from efdl.backend.horovod import choice, import_native
+from efdl.resume import exact_resume, resume_step
+
+_INSTALL_HINT = ("install Horovod built with PyTorch (HOROVOD_WITH_PYTORCH=1 pip install horovod) "
+                 "or set EFDL_HOROVOD=torch to use EFDL's layer over torch.distributed")
+
+
+def _select():
+    if choice() == "torch":
+        from efdl.backend.horovod.torch import _layer
+        return _layer, False
+    try:
+        return import_native("horovod.torch", _INSTALL_HINT), True
+    except ImportError:
+        if choice() == "native":
+            raise
+        from efdl.backend.horovod.torch import _layer
+        return _layer, False
+
+
+hvd, NATIVE = _select()
+
+__all__ = ["hvd", "NATIVE", "init", "is_initialized", "get_rank", "get_world_size",
+           "get_local_rank", "get_local_world_size", "data", "resume", "resume_step",
+           "exact_resume"]
+
+
+def init(timeout=None, backend=None):
+    """hvd.init() for this round. `timeout` / `backend` apply to EFDL's layer only (they are
+    accepted and ignored with real Horovod, which takes HOROVOD_GLOO_TIMEOUT_SECONDS)."""
+    if NATIVE:
+        hvd.init()
+        return
+    hvd.start(timeout=timeout, backend=backend)
+
+
+def is_initialized():
+    return hvd.is_initialized()
+
+
+def get_rank():
+    return hvd.rank() if hvd.is_initialized() else _env.env_int("HOROVOD_RANK", _env.rank())
+
+
+def get_world_size():
+    if hvd.is_initialized():
+        return hvd.size()
+    return _env.env_int("HOROVOD_SIZE", _env.world_size(), minimum=1)
+
+
+def get_local_rank():
+    if hvd.is_initialized():
+        return hvd.local_rank()
+    return _env.env_int("HOROVOD_LOCAL_RANK", _env.local_rank())
+
+
+def get_local_world_size():
+    if hvd.is_initialized():
+        return hvd.local_size()
+    return _env.env_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(), minimum=1)
+
+
+def __getattr__(name):
+    # State lives with the torch backend (same snapshot engine for both APIs).
+    if name == "State":
+        from efdl.backend import torch as torch_backend
+        if hasattr(torch_backend, "State"):
+            return torch_backend.State
+        raise AttributeError("efdl.backend.horovod.torch.State: efdl.backend.torch has no State "
+                             "yet (python/efdl/state.py)")
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
