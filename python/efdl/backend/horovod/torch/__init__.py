@@ -72,12 +72,12 @@ def get_local_world_size():
     return _env.env_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(), minimum=1)
 
 
+# State and its errors live with the torch backend (one snapshot engine for both APIs).
+_FROM_TORCH_BACKEND = ("State", "SnapshotError", "SnapshotMismatchError")
+
+
 def __getattr__(name):
-    # State lives with the torch backend (same snapshot engine for both APIs).
-    if name == "State":
+    if name in _FROM_TORCH_BACKEND:
         from efdl.backend import torch as torch_backend
-        if hasattr(torch_backend, "State"):
-            return torch_backend.State
-        raise AttributeError("efdl.backend.horovod.torch.State: efdl.backend.torch has no State "
-                             "yet (python/efdl/state.py)")
+        return getattr(torch_backend, name)
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
