@@ -264,24 +264,45 @@ def test_single_process_api_and_clear_errors(clean_env):
     assert out["native"] is False
 
 
-def test_real_horovod_is_used_when_importable(clean_env, tmp_path):
+SELECTION = textwrap.dedent("""
+    import importlib, json, os, sys, warnings
+    base = dict(os.environ)
+    results = []
+    for case in json.loads(sys.argv[1]):
+        os.environ.clear(); os.environ.update(base); os.environ.update(case)
+        for name in [m for m in sys.modules if m.startswith("efdl.backend.horovod")]:
+            del sys.modules[name]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                e = importlib.import_module("efdl.backend.horovod.torch")
+                results.append([e.hvd.__name__, e.NATIVE, [str(w.message) for w in caught]])
+            except ImportError as error:
+                results.append(["ImportError", str(error)])
+    print("RESULT " + json.dumps(results))
+""")
+
+
+def test_real_horovod_is_chosen_only_when_it_can_join_the_job(clean_env, tmp_path):
     # Horovod cannot be installed here; a stand-in package only shows which module `hvd` is.
     package = tmp_path / "horovod"
     (package / "torch").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "torch" / "__init__.py").write_text("MARK = 'stand-in horovod.torch'\n")
+    (package / "torch" / "__init__.py").write_text("")
     env = dict(clean_env, PYTHONPATH=str(tmp_path) + os.pathsep + clean_env["PYTHONPATH"])
-    code = ("import efdl.backend.horovod.torch as e; import horovod.torch as h; "
-            "print(e.hvd is h, e.NATIVE, e.hvd.MARK)")
-    proc = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True", "stand-in",
-                                                           "horovod.torch"], proc.stderr
-    forced = subprocess.run([PYTHON, "-c", "import efdl.backend.horovod.torch as e; "
-                             "print(e.hvd.__name__, e.NATIVE)"],
-                            env=dict(env, EFDL_HOROVOD="torch"), capture_output=True, text=True,
-                            timeout=120)
-    assert forced.stdout.split() == ["efdl.backend.horovod.torch._layer", "False"], forced.stderr
+    multi = dict(RANK="0", WORLD_SIZE="2")
+    hvd_env = dict(multi, HOROVOD_RANK="0", HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1")
+    cases = [{}, dict(EFDL_HOROVOD="torch"), hvd_env, multi, dict(multi, EFDL_HOROVOD="native")]
+    proc = subprocess.run([PYTHON, "-c", SELECTION, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    single, forced, served, unserved, native = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    layer = "efdl.backend.horovod.torch._layer"
+    assert single == ["horovod.torch", True, []]
+    assert forced == [layer, False, []]
+    assert served == ["horovod.torch", True, []]
+    assert unserved[:2] == [layer, False] and "would train each worker alone" in unserved[2][0]
+    assert native[0] == "ImportError" and "EFDL_HOROVOD=native" in native[1]
 
 
 @pytest.mark.parametrize("module", ["efdl.backend.horovod.tensorflow",

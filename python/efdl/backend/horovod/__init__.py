@@ -9,6 +9,8 @@ Horovod), `torch` (always the layer).
 import importlib
 import os
 
+from efdl.backend import _env
+
 _CHOICES = ("auto", "native", "torch")
 
 
@@ -26,3 +28,19 @@ def import_native(module, install_hint):
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError("%s is not importable (%s): %s" % (module, e, install_hint)) from None
+
+
+def native_env_problem():
+    """Why real Horovod cannot join this job, or None.
+
+    A worker of a multi-process job started by the agent (RANK / WORLD_SIZE) needs the HOROVOD_*
+    variables for Horovod's Gloo controller; without them hvd.init() would silently make every
+    worker a 1-process job.
+    """
+    if not _env.has_launcher_env() or _env.world_size() <= 1:
+        return None
+    if os.environ.get("HOROVOD_RANK") and os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+        return None
+    return ("WORLD_SIZE=%d but no HOROVOD_RANK / HOROVOD_GLOO_RENDEZVOUS_ADDR: this agent does "
+            "not serve Horovod's rendezvous, so real Horovod would train each worker alone"
+            % _env.world_size())

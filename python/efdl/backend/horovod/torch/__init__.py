@@ -8,9 +8,11 @@ agent provides the HOROVOD_* variables its Gloo controller reads. Otherwise it i
 Horovod-API layer over torch.distributed (see _layer.py and docs/horovod.md).
 """
 
+import warnings
+
 from efdl import data, resume
 from efdl.backend import _env
-from efdl.backend.horovod import choice, import_native
+from efdl.backend.horovod import choice, import_native, native_env_problem
 from efdl.resume import exact_resume, resume_step
 
 _INSTALL_HINT = ("install Horovod built with PyTorch (HOROVOD_WITH_PYTORCH=1 pip install horovod) "
@@ -22,12 +24,21 @@ def _select():
         from efdl.backend.horovod.torch import _layer
         return _layer, False
     try:
-        return import_native("horovod.torch", _INSTALL_HINT), True
+        native = import_native("horovod.torch", _INSTALL_HINT)
     except ImportError:
         if choice() == "native":
             raise
         from efdl.backend.horovod.torch import _layer
         return _layer, False
+    problem = native_env_problem()
+    if problem is None:
+        return native, True
+    if choice() == "native":
+        raise ImportError("EFDL_HOROVOD=native: " + problem)
+    warnings.warn(problem + "; using EFDL's Horovod layer over torch.distributed instead",
+                  RuntimeWarning)
+    from efdl.backend.horovod.torch import _layer
+    return _layer, False
 
 
 hvd, NATIVE = _select()

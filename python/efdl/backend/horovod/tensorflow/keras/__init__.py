@@ -3,10 +3,13 @@
 Needs real Horovod built with TensorFlow (see efdl.backend.horovod.tensorflow).
 """
 
-from efdl.backend.horovod import import_native
+from efdl.backend.horovod import import_native, native_env_problem
 
 hvd = import_native("horovod.tensorflow.keras",
                     "install TensorFlow, then Horovod built with it "
                     "(HOROVOD_WITH_TENSORFLOW=1 pip install horovod)")
+
+if native_env_problem() is not None:
+    raise ImportError("%s cannot join this job: %s" % (__name__, native_env_problem()))
 
 __all__ = ["hvd"]
