@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +29,15 @@ struct RendezvousOptions {
   std::chrono::milliseconds ttl{std::chrono::seconds(10)};
   std::chrono::milliseconds last_call{std::chrono::seconds(3)};
   std::chrono::milliseconds join_timeout{std::chrono::seconds(600)};
+  // Added by the rendezvous owner (protocol tuning; defaults suit real jobs and tests):
+  // after a proposal, nodes that sent no ack while no other ack came for this long are left out
+  // of the round (a crashed node whose lease is still alive must not hold the job up).
+  std::chrono::milliseconds liveness_window{400};
+  // Deputy j of the coordinator waits j x takeover_step before replacing a vanished coordinator.
+  std::chrono::milliseconds takeover_step{250};
+  // Optional: called on an internal thread right after an event was queued (must not block);
+  // lets one thread serve many Rendezvous objects (the simulator) instead of one per WaitEvent.
+  std::function<void()> on_event;
 };
 
 // Where this node stands in a formed round.
@@ -63,7 +73,8 @@ class Rendezvous {
  public:
   virtual ~Rendezvous() = default;
   // Registers the node (lease + key) and starts following the job. Fails with a clear message
-  // when etcd is unreachable or the job is already complete.
+  // when etcd is unreachable, the ids are invalid or the node id is taken. A job that is already
+  // complete is not an error (issue 3: late agents exit 0): the first event is kJobComplete.
   virtual Status Join() = 0;
   // The next event, or nullopt after `timeout`.
   virtual std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) = 0;
@@ -75,6 +86,10 @@ class Rendezvous {
   virtual void Leave() = 0;
 };
 
+// `client` must outlive the returned object. The protocol is described in
+// src/rendezvous/protocol.h. Destroying the object leaves the job (as Leave()).
+// kRoundStarted with assignment.standby = true means: registered, but the job is at MAX; start
+// no workers and wait for the next event.
 std::unique_ptr<Rendezvous> NewEtcdRendezvous(etcd::Client& client, RendezvousOptions options);
 
 }  // namespace efdl::rdzv

@@ -1,0 +1,141 @@
+#include "rendezvous/job_status.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <map>
+
+#include "rendezvous/protocol.h"
+
+namespace efdl::rdzv {
+
+using nlohmann::json;
+
+Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id) {
+  EFDL_RETURN_IF_ERROR(ValidateId("job id", job_id));
+  JobKeys keys(job_id);
+  auto snap = client.Txn({}, {etcd::TxnOp::Get(keys.round), etcd::TxnOp::Get(keys.status),
+                              etcd::TxnOp::Get(keys.nodes, true), etcd::TxnOp::Get(keys.ack, true),
+                              etcd::TxnOp::Get(keys.complete)});
+  if (!snap.ok()) return snap.status().WithContext(fmt::format("cannot read job {}", job_id));
+  if (snap->gets.size() != 5) return Status::Internal("etcd answered a short transaction");
+  JobStatus out;
+  out.job_id = job_id;
+  out.complete = !snap->gets[4].kvs.empty();
+  if (snap->gets[0].kvs.empty()) return out;
+  out.exists = true;
+  auto round = RoundRecord::Decode(snap->gets[0].kvs[0].value);
+  if (!round.ok()) return round.status();
+  out.round = round->round;
+  out.phase = PhaseName(round->phase);
+  out.coordinator = round->coordinator;
+  out.world_size = round->world_size;
+  out.nnodes = round->nnodes;
+  out.master_addr = round->master_addr;
+  out.master_port = round->master_port;
+  out.message = round->message;
+
+  std::map<std::string, NodeStatus> live;
+  for (const auto& kv : snap->gets[2].kvs) {
+    NodeStatus n;
+    n.id = kv.key.substr(keys.nodes.size());
+    auto rec = NodeRecord::Decode(kv.value);
+    if (rec.ok()) {
+      n.addr = rec->addr;
+      n.nproc = rec->nproc;
+    }
+    n.state = "waiting";
+    live[n.id] = n;
+  }
+  for (const auto& kv : snap->gets[3].kvs) {
+    auto it = live.find(kv.key.substr(keys.ack.size()));
+    auto rec = AckRecord::Decode(kv.value);
+    if (it == live.end() || !rec.ok()) continue;
+    it->second.last_report = AckStateName(rec->state);
+    it->second.last_report_round = rec->round;
+    it->second.restarts = rec->restarts;
+  }
+  if (!snap->gets[1].kvs.empty()) {
+    json st = json::parse(snap->gets[1].kvs[0].value, nullptr, false);
+    if (st.is_object()) {
+      for (const auto& m : st.value("members", json::array())) {
+        if (!m.is_object()) continue;
+        std::string id = m.value("id", "");
+        auto it = live.find(id);
+        NodeStatus n = it != live.end() ? it->second : NodeStatus{};
+        n.id = id;
+        if (n.addr.empty()) n.addr = m.value("addr", "");
+        if (n.nproc == 0) n.nproc = m.value("nproc", 0);
+        n.node_rank = m.value("rank", -1);
+        n.state = it != live.end() ? "member" : "gone";
+        if (it != live.end()) live.erase(it);
+        out.members.push_back(n);
+      }
+      for (const auto& s : st.value("standbys", json::array())) {
+        if (!s.is_string()) continue;
+        auto it = live.find(s.get<std::string>());
+        if (it == live.end()) continue;
+        it->second.state = "standby";
+        out.standbys.push_back(it->second);
+        live.erase(it);
+      }
+      for (const auto& e : st.value("events", json::array())) {
+        if (e.is_object()) out.events.push_back({e.value("time", ""), e.value("message", "")});
+      }
+    }
+  }
+  for (auto& [id, n] : live) out.waiting.push_back(n);
+  std::sort(out.members.begin(), out.members.end(),
+            [](const NodeStatus& a, const NodeStatus& b) { return a.node_rank < b.node_rank; });
+  return out;
+}
+
+namespace {
+json NodeJson(const NodeStatus& n) {
+  return {{"id", n.id},         {"addr", n.addr},
+          {"nproc", n.nproc},   {"node_rank", n.node_rank},
+          {"state", n.state},   {"last_report", n.last_report},
+          {"last_report_round", n.last_report_round}, {"restarts", n.restarts}};
+}
+}  // namespace
+
+std::string JobStatus::ToJson() const {
+  json j = {{"job_id", job_id},       {"exists", exists},     {"round", round},
+            {"phase", phase},         {"coordinator", coordinator},
+            {"world_size", world_size}, {"nnodes", nnodes},   {"master_addr", master_addr},
+            {"master_port", master_port}, {"complete", complete}, {"message", message}};
+  for (const auto* list : {&members, &standbys, &waiting}) {
+    json arr = json::array();
+    for (const auto& n : *list) arr.push_back(NodeJson(n));
+    j[list == &members ? "members" : list == &standbys ? "standbys" : "waiting"] = arr;
+  }
+  json ev = json::array();
+  for (const auto& e : events) ev.push_back({{"time", e.time}, {"message", e.message}});
+  j["events"] = ev;
+  return j.dump(2);
+}
+
+std::string JobStatus::ToText() const {
+  if (!exists) return fmt::format("job {}: no node has registered\n", job_id);
+  std::string out = fmt::format(
+      "job {}: round {} ({}){}, world size {}, {} node(s), master {}:{}\n", job_id, round, phase,
+      complete ? ", COMPLETE" : "", world_size, nnodes, master_addr, master_port);
+  out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", "NODE", "ADDRESS",
+                     "PROCS", "RANK", "STATE", "LAST REPORT", "RESTARTS");
+  for (const auto* list : {&members, &standbys, &waiting}) {
+    for (const auto& n : *list) {
+      out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", n.id, n.addr,
+                         n.nproc, n.node_rank >= 0 ? std::to_string(n.node_rank) : "-", n.state,
+                         n.last_report.empty()
+                             ? "-"
+                             : fmt::format("{} r{}", n.last_report, n.last_report_round),
+                         n.restarts);
+    }
+  }
+  if (!events.empty()) out += "recent events:\n";
+  for (const auto& e : events) out += fmt::format("  {} {}\n", e.time, e.message);
+  return out;
+}
+
+}  // namespace efdl::rdzv

@@ -1,0 +1,55 @@
+// A job's state as `efdl status` shows it, read from etcd in one request.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "efdl/etcd.h"
+#include "efdl/status.h"
+
+namespace efdl::rdzv {
+
+struct NodeStatus {
+  std::string id;
+  std::string addr;
+  int nproc = 0;
+  int node_rank = -1;          // -1: not a member of the current round
+  // "member" (in the formed round), "standby", "waiting" (registered, not placed yet), or
+  // "gone" (a member of the last formed round whose lease ended).
+  std::string state;
+  std::string last_report;     // the node's latest report: ack, done, failed, leaving (or "")
+  int64_t last_report_round = 0;
+  int restarts = 0;            // worker failures this node reported
+};
+
+struct JobEvent {
+  std::string time;            // ISO-8601 UTC
+  std::string message;
+};
+
+struct JobStatus {
+  std::string job_id;
+  bool exists = false;         // false: no agent ever registered this job
+  int64_t round = 0;
+  std::string phase;           // gathering | proposed | active | complete
+  std::string coordinator;
+  int world_size = 0;
+  int nnodes = 0;
+  std::string master_addr;
+  int master_port = 0;
+  bool complete = false;
+  std::string message;         // why the round last changed
+  std::vector<NodeStatus> members;    // in rank order (including "gone" ones)
+  std::vector<NodeStatus> standbys;
+  std::vector<NodeStatus> waiting;
+  std::vector<JobEvent> events;       // recent membership and round events, oldest first
+
+  std::string ToJson() const;         // one JSON object, stable field names
+  std::string ToText() const;         // a human-readable multi-line table
+};
+
+// Reads the job's status; NotFound-free: a job nobody registered gives exists = false.
+Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id);
+
+}  // namespace efdl::rdzv

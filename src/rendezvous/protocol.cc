@@ -1,0 +1,195 @@
+#include "rendezvous/protocol.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+namespace efdl::rdzv {
+
+using nlohmann::json;
+
+JobKeys::JobKeys(const std::string& job_id)
+    : prefix("/efdl/" + job_id + "/"),
+      nodes(prefix + "nodes/"),
+      assign(prefix + "assign/"),
+      ack(prefix + "ack/"),
+      round(prefix + "round"),
+      status(prefix + "status"),
+      complete(prefix + "complete") {}
+
+Status ValidateId(const std::string& what, const std::string& id) {
+  if (id.empty() || id.size() > 128) {
+    return Status::InvalidArgument(
+        fmt::format("{} '{}' must be 1 to 128 characters long", what, id));
+  }
+  for (char ch : id) {
+    bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '.' || ch == '_' || ch == '-';
+    if (!ok) {
+      return Status::InvalidArgument(fmt::format(
+          "{} '{}' contains '{}': use only letters, digits, '.', '_' and '-'", what, id, ch));
+    }
+  }
+  return Status::OK();
+}
+
+namespace {
+constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete"};
+constexpr const char* kAckNames[] = {"ack", "done", "failed", "leaving"};
+
+template <class T>
+Result<T> ParseWith(const std::string& what, const std::string& text, auto&& fill) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) {
+    return Status::Corruption(fmt::format("{} record is not a JSON object: '{}'", what, text));
+  }
+  T out;
+  if (!fill(j, out)) {
+    return Status::Corruption(fmt::format("{} record has bad fields: '{}'", what, text));
+  }
+  return out;
+}
+
+// Reads an optional field with the expected JSON type; false on a type mismatch.
+template <class V>
+bool Field(const json& j, const char* name, V& out) {
+  auto it = j.find(name);
+  if (it == j.end() || it->is_null()) return true;
+  if constexpr (std::is_same_v<V, bool>) {
+    if (!it->is_boolean()) return false;
+  } else if constexpr (std::is_integral_v<V>) {
+    if (!it->is_number_integer()) return false;
+  } else if constexpr (std::is_same_v<V, std::string>) {
+    if (!it->is_string()) return false;
+  } else {
+    if (!it->is_array()) return false;
+  }
+  out = it->template get<V>();
+  return true;
+}
+}  // namespace
+
+const char* PhaseName(Phase phase) { return kPhaseNames[static_cast<int>(phase)]; }
+const char* AckStateName(AckState state) { return kAckNames[static_cast<int>(state)]; }
+
+std::string RoundRecord::Encode() const {
+  json j = {{"r", round}, {"ph", PhaseName(phase)}, {"c", coordinator}};
+  if (!deputies.empty()) j["d"] = deputies;
+  if (graceful) j["g"] = true;
+  if (phase == Phase::kActive) {
+    j["w"] = world_size;
+    j["n"] = nnodes;
+    j["ma"] = master_addr;
+    j["mp"] = master_port;
+  }
+  if (!message.empty()) j["msg"] = message;
+  return j.dump();
+}
+
+Result<RoundRecord> RoundRecord::Decode(const std::string& text) {
+  return ParseWith<RoundRecord>("round", text, [](const json& j, RoundRecord& r) {
+    std::string ph;
+    bool ok = Field(j, "r", r.round) && Field(j, "ph", ph) && Field(j, "c", r.coordinator) &&
+              Field(j, "d", r.deputies) && Field(j, "g", r.graceful) &&
+              Field(j, "w", r.world_size) && Field(j, "n", r.nnodes) &&
+              Field(j, "ma", r.master_addr) && Field(j, "mp", r.master_port) &&
+              Field(j, "msg", r.message);
+    if (!ok) return false;
+    for (int i = 0; i < 4; ++i) {
+      if (ph == kPhaseNames[i]) {
+        r.phase = static_cast<Phase>(i);
+        return true;
+      }
+    }
+    return false;
+  });
+}
+
+std::string NodeRecord::Encode() const { return json{{"addr", addr}, {"nproc", nproc}}.dump(); }
+
+Result<NodeRecord> NodeRecord::Decode(const std::string& text) {
+  return ParseWith<NodeRecord>("node", text, [](const json& j, NodeRecord& n) {
+    return Field(j, "addr", n.addr) && Field(j, "nproc", n.nproc) && n.nproc > 0;
+  });
+}
+
+std::string AssignRecord::Encode() const {
+  json j = {{"r", round}};
+  if (standby) {
+    j["sb"] = true;
+  } else {
+    j["rank"] = node_rank;
+    j["off"] = rank_offset;
+  }
+  return j.dump();
+}
+
+Result<AssignRecord> AssignRecord::Decode(const std::string& text) {
+  return ParseWith<AssignRecord>("assign", text, [](const json& j, AssignRecord& a) {
+    return Field(j, "r", a.round) && Field(j, "rank", a.node_rank) &&
+           Field(j, "off", a.rank_offset) && Field(j, "sb", a.standby);
+  });
+}
+
+std::string AckRecord::Encode() const {
+  json j = {{"r", round}, {"st", AckStateName(state)}};
+  if (port != 0) j["port"] = port;
+  if (restarts != 0) j["rs"] = restarts;
+  return j.dump();
+}
+
+Result<AckRecord> AckRecord::Decode(const std::string& text) {
+  return ParseWith<AckRecord>("ack", text, [](const json& j, AckRecord& a) {
+    std::string st;
+    if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
+          Field(j, "rs", a.restarts))) {
+      return false;
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (st == kAckNames[i]) {
+        a.state = static_cast<AckState>(i);
+        return true;
+      }
+    }
+    return false;
+  });
+}
+
+Plan PlanRound(const std::vector<Candidate>& candidates,
+               const std::map<std::string, int>& previous_rank, const PlanLimits& limits) {
+  std::vector<const Candidate*> order;
+  order.reserve(candidates.size());
+  for (const auto& c : candidates) order.push_back(&c);
+  auto key = [&](const Candidate* c) {
+    auto it = previous_rank.find(c->id);
+    return it != previous_rank.end() ? std::pair<int, int64_t>(0, it->second)
+                                     : std::pair<int, int64_t>(1, c->create_revision);
+  };
+  std::sort(order.begin(), order.end(),
+            [&](const Candidate* a, const Candidate* b) { return key(a) < key(b); });
+
+  Plan plan;
+  int offset = 0;
+  for (const Candidate* c : order) {
+    bool fits = static_cast<int>(plan.members.size()) < limits.max_nodes &&
+                (limits.world_size <= 0 || offset + c->nproc <= limits.world_size);
+    if (!fits) {
+      plan.standbys.push_back(c->id);
+      continue;
+    }
+    if (plan.members.empty()) {
+      plan.master_addr = c->addr;
+      plan.master_port = c->port;
+    }
+    plan.members.push_back({c->id, static_cast<int>(plan.members.size()), offset, c->nproc});
+    offset += c->nproc;
+  }
+  plan.world_size = offset;
+  plan.formed = static_cast<int>(plan.members.size()) >= limits.min_nodes &&
+                !plan.members.empty() &&
+                (limits.world_size <= 0 || offset == limits.world_size);
+  return plan;
+}
+
+}  // namespace efdl::rdzv

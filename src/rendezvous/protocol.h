@@ -1,0 +1,159 @@
+// The masterless rendezvous protocol: etcd keys, their records, and the pure round planner.
+//
+// KEYS (P = /efdl/<job>/)
+//   P nodes/<node>   lease-bound; {addr, nproc}. create_revision = join order.
+//   P round          the one small record every node watches (~200 bytes, size independent of N):
+//                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, msg}.
+//   P assign/<node>  written by the coordinator only; {r, rank, off, sb}: this node's place in
+//                    round r. Each node watches only its own assign key.
+//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, rs (restarts)}. Written
+//                    by the node itself; only the coordinator watches the ack/ prefix.
+//   P status         written by the coordinator once per round for `efdl status` (never watched).
+//   P complete       present once every member of a round reported success.
+//
+// ROUND LIFE (phases of P round)
+//   gathering(r)  the coordinator waits for >= MIN registered nodes, then for MAX or --last-call.
+//   proposed(r)   every registered node acks r with a freshly picked free port. The coordinator
+//                 waits until every node it knows acked, or until no new ack came for the
+//                 liveness window; nodes that did not ack are left out (they re-announce with a
+//                 late ack, which counts as a join).
+//   active(r)     the coordinator wrote assign/<node> for every acked node (batched txns of at
+//                 most 128 puts, etcd's default --max-txn-ops), then the round record with the
+//                 master address/port (the rank-0 node's offer). A node starts when it has both.
+//   complete      every member of the active round acked `done`.
+//
+// ONE WRITER, CAS EVERYWHERE. Every write of P round is a txn guarded by the mod_revision the
+// writer last saw, so exactly one proposer wins each change. Whoever wins a proposal becomes the
+// coordinator (field c) and watches nodes/ and ack/; a coordinator that loses a CAS re-reads
+// and steps down if c is no longer itself. Proposers other than the coordinator:
+//   - the first node to Join creates P round (create-only) and coordinates gathering;
+//   - a node whose workers failed (ReportWorkerFailure) proposes r+1 itself: the failure usually
+//     means a peer died, and that peer may be the coordinator, whose lease would take a TTL to
+//     expire. Redundant reports lose the CAS and just ack;
+//   - up to 3 deputies named in P round (the oldest other nodes) watch the coordinator's node
+//     key; when it is deleted, deputy j waits j x 250 ms, and, if P round still names the dead
+//     coordinator, takes over by CAS (no herd: N-4 nodes never wake up for it);
+//   - a joining node that finds P round's coordinator key missing takes over by CAS.
+//
+// STABLE RANKS. Members of the previous round keep their relative order; new members go after
+// them in join order (create_revision); at most MAX members, the rest are standbys.
+//
+// COST PER ROUND (N nodes): 1 proposal + N acks + ceil(N/128) assignment txns + 1 activation +
+// 1 status write: N + N/128 + 3 requests. Watch events: N (proposal) + N (acks, to the
+// coordinator only) + N (each node its own assignment) + N (activation). Bytes O(N) in total;
+// nothing of size O(N) is sent to more than one node.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "efdl/status.h"
+
+namespace efdl::rdzv {
+
+// Key layout of one job.
+struct JobKeys {
+  explicit JobKeys(const std::string& job_id);
+  std::string prefix;          // /efdl/<job>/
+  std::string nodes;           // prefix + "nodes/"
+  std::string assign;          // prefix + "assign/"
+  std::string ack;             // prefix + "ack/"
+  std::string round;
+  std::string status;
+  std::string complete;
+  std::string Node(const std::string& id) const { return nodes + id; }
+  std::string Assign(const std::string& id) const { return assign + id; }
+  std::string Ack(const std::string& id) const { return ack + id; }
+};
+
+// Job ids and node ids become parts of etcd keys and file names: [A-Za-z0-9._-], 1..128 chars.
+Status ValidateId(const std::string& what, const std::string& id);
+
+enum class Phase { kGathering, kProposed, kActive, kComplete };
+const char* PhaseName(Phase phase);
+
+struct RoundRecord {
+  int64_t round = 0;
+  Phase phase = Phase::kGathering;
+  std::string coordinator;
+  std::vector<std::string> deputies;
+  bool graceful = false;       // the change that ended the previous round was orderly
+  int world_size = 0;          // active: sum of nproc
+  int nnodes = 0;              // active: members
+  std::string master_addr;     // active
+  uint16_t master_port = 0;    // active
+  std::string message;         // why the round changed (for logs)
+
+  std::string Encode() const;
+  static Result<RoundRecord> Decode(const std::string& text);
+};
+
+struct NodeRecord {
+  std::string addr;
+  int nproc = 1;
+  std::string Encode() const;
+  static Result<NodeRecord> Decode(const std::string& text);
+};
+
+struct AssignRecord {
+  int64_t round = 0;
+  int node_rank = 0;
+  int rank_offset = 0;
+  bool standby = false;
+  std::string Encode() const;
+  static Result<AssignRecord> Decode(const std::string& text);
+};
+
+enum class AckState { kAck, kDone, kFailed, kLeaving };
+const char* AckStateName(AckState state);
+
+struct AckRecord {
+  int64_t round = 0;
+  AckState state = AckState::kAck;
+  uint16_t port = 0;           // kAck: a free port this node offers as MASTER_PORT
+  int restarts = 0;            // worker failures this node reported so far
+  std::string Encode() const;
+  static Result<AckRecord> Decode(const std::string& text);
+};
+
+// One node the planner may place.
+struct Candidate {
+  std::string id;
+  int64_t create_revision = 0;  // join order
+  int nproc = 1;
+  std::string addr;
+  uint16_t port = 0;             // its offered master port
+};
+
+struct PlannedNode {
+  std::string id;
+  int node_rank = 0;
+  int rank_offset = 0;
+  int nproc = 0;
+};
+
+struct Plan {
+  bool formed = false;           // false: too few nodes (or procs, in fragmented mode)
+  std::vector<PlannedNode> members;   // in rank order
+  std::vector<std::string> standbys;
+  int world_size = 0;
+  std::string master_addr;
+  uint16_t master_port = 0;
+};
+
+struct PlanLimits {
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int world_size = 0;            // >0: members' nproc must sum to exactly this
+};
+
+// Orders and caps the candidates: previous members (`previous_rank`: node id -> its node rank
+// in the last round) first in their old order, then the others in join order; the first MAX
+// (or, in fragmented mode, the longest prefix whose procs fit world_size) are members. O(N log N).
+Plan PlanRound(const std::vector<Candidate>& candidates,
+               const std::map<std::string, int>& previous_rank, const PlanLimits& limits);
+
+}  // namespace efdl::rdzv
