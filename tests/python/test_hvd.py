@@ -305,6 +305,16 @@ def test_real_horovod_is_chosen_only_when_it_can_join_the_job(clean_env, tmp_pat
     assert native[0] == "ImportError" and "EFDL_HOROVOD=native" in native[1]
 
 
+def test_horovod_backend_offers_the_torch_backends_state():
+    import efdl.backend.horovod.torch as hvd_backend
+    import efdl.backend.torch as torch_backend
+    try:
+        expected = torch_backend.State
+    except (AttributeError, ImportError) as e:
+        pytest.skip("efdl.backend.torch.State is not available here: %s" % e)
+    assert hvd_backend.State is expected
+
+
 @pytest.mark.parametrize("module", ["efdl.backend.horovod.tensorflow",
                                     "efdl.backend.horovod.tensorflow.keras"])
 def test_tensorflow_backends_without_horovod_say_what_to_install(clean_env, module):
