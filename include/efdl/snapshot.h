@@ -104,7 +104,8 @@ class SnapshotEngine {
   // warning. Does not verify data checksums (Restore does).
   virtual std::vector<SnapshotRef> Candidates() = 0;
   // Copies tensor i of `ref` into dst[i] (nullptr: skip) and verifies its checksum. On a storage
-  // snapshot the checksum is verified before anything is written to dst.
+  // snapshot the checksum is verified before anything is written to dst; with every dst null,
+  // Restore only verifies.
   virtual Status Restore(const SnapshotRef& ref, const std::vector<void*>& dst) = 0;
   // The seq the next commit gets (continues after every snapshot seen at Open).
   virtual uint64_t next_seq() const = 0;

@@ -391,12 +391,16 @@ class State:
                 continue
             tensors = {}
             kw = [t for t in ref.tensors if t[0].startswith("kw/")]
-            if kw:
-                try:
+            try:
+                if ref.source == "storage":
+                    # Verify the whole file now, so a corrupt one is skipped before anything
+                    # (kwargs now, the model later) is restored from it.
+                    self._engine.restore(ref, [0] * len(ref.tensors))
+                if kw:
                     tensors = self._read_tensors(ref, kw)
-                except SnapshotError as e:
-                    warnings.warn("efdl: skipping snapshot seq %d in %s: %s" % (ref.seq, ref.path, e))
-                    continue
+            except SnapshotError as e:
+                warnings.warn("efdl: skipping snapshot seq %d in %s: %s" % (ref.seq, ref.path, e))
+                continue
             self._restored = ref
             self._restored_meta = meta
             values = dict(meta.get("kwargs", {}))

@@ -277,8 +277,14 @@ class Engine final : public SnapshotEngine {
     if (info->manifest.seq != ref.manifest.seq) {
       return Status::Unavailable(fmt::format("{} changed while restoring", ref.path));
     }
-    // Verify first so a corrupt file never leaves half-overwritten tensors behind.
-    EFDL_RETURN_IF_ERROR(VerifySnapshotData(**file, *info, ref.path, &runner_));
+    // Verify first so a corrupt file never leaves half-overwritten tensors behind. A file that
+    // was just verified (a Restore with no destinations, then the real one) is not hashed twice:
+    // files are immutable once renamed into place.
+    if (verified_path_ != ref.path || verified_seq_ != ref.manifest.seq) {
+      EFDL_RETURN_IF_ERROR(VerifySnapshotData(**file, *info, ref.path, &runner_));
+      verified_path_ = ref.path;
+      verified_seq_ = ref.manifest.seq;
+    }
     return ReadSnapshotTensors(**file, *info, dst, &runner_);
   }
 
@@ -292,6 +298,8 @@ class Engine final : public SnapshotEngine {
   uint64_t data_bytes_ = 0;
   std::string tensors_json_;
   uint64_t next_seq_ = 1;
+  std::string verified_path_;
+  uint64_t verified_seq_ = 0;
 };
 
 }  // namespace

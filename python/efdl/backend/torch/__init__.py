@@ -50,5 +50,14 @@ def get_local_world_size():
     return _env.local_world_size()
 
 
-# State (python/efdl/state.py, owned by the snapshot engineer) is re-exported here:
-# `from efdl.state import State` goes on the line below once that module exists.
+# State lives in python/efdl/state.py; it needs the compiled efdl._efdl, so it is imported on
+# first use (efdl.State), not with this module.
+_STATE_NAMES = ("State", "SnapshotError", "SnapshotMismatchError")
+__all__ += list(_STATE_NAMES)
+
+
+def __getattr__(name):
+    if name in _STATE_NAMES:
+        from efdl import state
+        return getattr(state, name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
