@@ -10,10 +10,8 @@ Horovod-API layer over torch.distributed (see _layer.py and docs/horovod.md).
 
 import warnings
 
-from efdl import data, resume
 from efdl.backend import _env
 from efdl.backend.horovod import choice, import_native, native_env_problem
-from efdl.resume import exact_resume, resume_step
 
 _INSTALL_HINT = ("install Horovod built with PyTorch (HOROVOD_WITH_PYTORCH=1 pip install horovod) "
                  "or set EFDL_HOROVOD=torch to use EFDL's layer over torch.distributed")
@@ -42,6 +40,10 @@ def _select():
 
 
 hvd, NATIVE = _select()
+
+# After the choice, so that a failed `native` choice fails before torch is imported.
+from efdl import data, resume  # noqa: E402
+from efdl.resume import exact_resume, resume_step  # noqa: E402
 
 __all__ = ["hvd", "NATIVE", "init", "is_initialized", "get_rank", "get_world_size",
            "get_local_rank", "get_local_world_size", "data", "resume", "resume_step",
