@@ -1,0 +1,70 @@
+// A real etcd server (Debian's /usr/bin/etcd) run as our child on loopback: for tests, and for
+// single-machine use (`efdl etcd`, and `efdl run` without a given etcd).
+//
+// Ownership: the EmbeddedEtcd owns the etcd process (stopped by the destructor) and, when it
+// made it, the temporary data directory (removed by the destructor). etcd's output goes to
+// `log_path()` inside the data directory. The child is spawned with die_with_parent: it is
+// killed when the thread that called Start()/Restart() exits, so call them from a thread that
+// lives as long as the etcd should. Not thread-safe: one owner drives it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "efdl/status.h"
+
+namespace efdl {
+
+struct EmbeddedEtcdOptions {
+  std::string data_dir;             // empty: a fresh temporary directory, removed at the end
+  std::string host = "127.0.0.1";   // listen and advertise address (loopback by default)
+  uint16_t client_port = 0;         // 0: a free port
+  uint16_t peer_port = 0;           // 0: a free port
+  std::string name = "efdl";        // member name
+  std::string binary = "etcd";      // looked up in PATH
+  std::chrono::milliseconds start_timeout{std::chrono::seconds(20)};
+};
+
+class EmbeddedEtcd {
+ public:
+  // Starts etcd and waits until it serves a real request. With automatic ports, a port taken
+  // by someone else between picking and binding is retried with fresh ports.
+  static Result<std::unique_ptr<EmbeddedEtcd>> Start(EmbeddedEtcdOptions options);
+
+  EmbeddedEtcd(const EmbeddedEtcd&) = delete;
+  EmbeddedEtcd& operator=(const EmbeddedEtcd&) = delete;
+  ~EmbeddedEtcd();  // Stop(), then removes a temporary data directory
+
+  // "127.0.0.1:23790": what clients connect to.
+  std::string endpoint() const;
+  uint16_t client_port() const { return client_port_; }
+  uint16_t peer_port() const { return peer_port_; }
+  const std::string& data_dir() const { return data_dir_; }
+  std::string log_path() const;
+  bool running();
+  int pid() const;
+
+  // SIGTERM, then SIGKILL after `grace`; waits until the process is gone. Idempotent.
+  Status Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
+  // SIGKILL at once (a crash, for tests); waits until the process is gone.
+  Status Kill();
+  // Starts again on the same data directory and ports (after Stop or Kill); waits until
+  // healthy. Data written before survives.
+  Status Restart();
+
+ private:
+  explicit EmbeddedEtcd(EmbeddedEtcdOptions options);
+  Status Launch();
+  Status WaitHealthy();
+
+  struct Impl;
+  EmbeddedEtcdOptions options_;
+  std::string data_dir_;
+  uint16_t client_port_ = 0;
+  uint16_t peer_port_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace efdl

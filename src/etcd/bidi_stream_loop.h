@@ -1,0 +1,286 @@
+// One thread that serves one gRPC bidi stream at a time, re-opening it (on the next endpoint
+// after a failure) for as long as its owner wants a stream. The watch and keep-alive engines
+// are built on it: all their stream traffic, timers and callbacks run on this one thread, driven
+// by a completion queue, so nothing ever blocks on a read while a timer is due.
+//
+// Contract for subclasses: the hooks run on the loop thread only; Send() and stream_up() may be
+// called on the loop thread only; Wake() from any thread. A subclass calls StartThread() at the
+// end of its constructor and StopThread() at the start of its destructor, so that the thread
+// never runs a hook on a half-built or half-destroyed object.
+#pragma once
+
+#include <grpcpp/alarm.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/log.h"
+#include "etcd/channel_set.h"
+
+namespace efdl::etcd {
+
+using SteadyClock = std::chrono::steady_clock;
+using TimePoint = SteadyClock::time_point;
+
+template <class Req, class Resp>
+class BidiStreamLoop {
+ public:
+  BidiStreamLoop(const BidiStreamLoop&) = delete;
+  BidiStreamLoop& operator=(const BidiStreamLoop&) = delete;
+
+  // Makes the loop run its OnTick soon (new work from another thread).
+  void Wake() {
+    std::lock_guard<std::mutex> lock(wake_mu_);
+    if (wake_pending_ || stopping_) return;
+    wake_pending_ = true;
+    wake_alarm_.Set(&cq_, gpr_now(GPR_CLOCK_MONOTONIC), &wake_tag_);
+  }
+
+  bool OnLoopThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+ protected:
+  using Stream = grpc::ClientAsyncReaderWriter<Req, Resp>;
+
+  BidiStreamLoop(std::shared_ptr<ChannelSet> channels, std::string name)
+      : channels_(std::move(channels)), name_(std::move(name)) {}
+  virtual ~BidiStreamLoop() = default;
+
+  void StartThread() { thread_ = std::thread([this] { Run(); }); }
+  // Idempotent; must not be called on the loop thread.
+  void StopThread() {
+    {
+      std::lock_guard<std::mutex> lock(wake_mu_);
+      if (stopping_) return;  // the queue may be shut down already: no more alarms
+      stopping_ = true;
+      if (!wake_pending_) {
+        wake_pending_ = true;
+        wake_alarm_.Set(&cq_, gpr_now(GPR_CLOCK_MONOTONIC), &wake_tag_);
+      }
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Whether a stream should be open now (e.g. there is something to watch).
+  virtual bool WantStream() = 0;
+  // Starts the call on `endpoint` (not yet started: the loop calls StartCall).
+  virtual std::unique_ptr<Stream> Prepare(EndpointChannel& endpoint, grpc::ClientContext* context,
+                                          grpc::CompletionQueue* cq) = 0;
+  // The stream is open: (re)send what the server must know.
+  virtual void OnStreamUp() = 0;
+  virtual void OnResponse(const Resp& response) = 0;
+  // The stream broke (or is being closed): whatever was in flight on it is gone.
+  virtual void OnStreamDown() = 0;
+  // Commands and timers; returns when it next needs to run.
+  virtual TimePoint OnTick(TimePoint now) = 0;
+
+  // Queues a request on the open stream; false when no stream is up.
+  bool Send(Req request) {
+    if (!stream_ || !stream_->up || stream_->broken) return false;
+    stream_->outbox.push_back(std::move(request));
+    PumpWrites();
+    return true;
+  }
+  bool stream_up() const { return stream_ && stream_->up && !stream_->broken; }
+  const std::string& stream_endpoint() const { return channels_->at(stream_->endpoint).address; }
+
+ private:
+  enum class Op { kStart, kRead, kWrite, kFinish, kWake };
+  struct Tag {
+    Op op;
+  };
+  struct Attempt {
+    explicit Attempt(size_t e) : endpoint(e) {}
+    size_t endpoint;
+    grpc::ClientContext context;
+    std::unique_ptr<Stream> rw;
+    Resp response;
+    grpc::Status final_status;
+    std::deque<Req> outbox;
+    bool up = false, broken = false, got_response = false;
+    bool start_pending = false, read_pending = false, write_pending = false;
+    bool finish_started = false, finished = false;
+    Tag start_tag{Op::kStart}, read_tag{Op::kRead}, write_tag{Op::kWrite},
+        finish_tag{Op::kFinish};
+  };
+
+  void Run() {
+    bool stop = false;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(wake_mu_);
+        stop = stopping_;
+      }
+      if (stop) break;
+      TimePoint now = SteadyClock::now();
+      TimePoint wake = OnTick(now);
+      now = SteadyClock::now();
+      if (!stream_ && WantStream()) {
+        if (now >= reconnect_at_) {
+          Open();
+        } else {
+          wake = std::min(wake, reconnect_at_);
+        }
+      }
+      void* tag = nullptr;
+      bool ok = false;
+      auto next = cq_.AsyncNext(&tag, &ok, ToGpr(wake));
+      if (next == grpc::CompletionQueue::SHUTDOWN) break;
+      if (next == grpc::CompletionQueue::GOT_EVENT) Handle(static_cast<Tag*>(tag), ok);
+    }
+    // Close the stream and let every pending operation complete before the queue goes.
+    if (stream_) {
+      stream_->context.TryCancel();
+      Break();
+      while (stream_) {
+        void* tag = nullptr;
+        bool ok = false;
+        if (!cq_.Next(&tag, &ok)) break;
+        Handle(static_cast<Tag*>(tag), ok);
+      }
+    }
+    cq_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  void Open() {
+    size_t endpoint = channels_->preferred();
+    stream_ = std::make_unique<Attempt>(endpoint);
+    // Ask the member to end the stream when it loses its raft leader, so we move to another
+    // member instead of waiting on one that cannot serve (as etcd's own client does).
+    stream_->context.AddMetadata("hasleader", "true");
+    stream_->rw = Prepare(channels_->at(endpoint), &stream_->context, &cq_);
+    stream_->start_pending = true;
+    stream_->rw->StartCall(&stream_->start_tag);
+  }
+
+  void Handle(Tag* tag, bool ok) {
+    if (tag == &wake_tag_) {
+      std::lock_guard<std::mutex> lock(wake_mu_);
+      wake_pending_ = false;
+      return;
+    }
+    Attempt& s = *stream_;
+    switch (tag->op) {
+      case Op::kStart:
+        s.start_pending = false;
+        if (!ok || s.broken) {
+          Break();
+          break;
+        }
+        s.up = true;
+        s.read_pending = true;
+        s.rw->Read(&s.response, &s.read_tag);
+        OnStreamUp();
+        PumpWrites();
+        break;
+      case Op::kRead:
+        s.read_pending = false;
+        if (!ok || s.broken) {
+          Break();
+          break;
+        }
+        if (!s.got_response) {
+          s.got_response = true;
+          channels_->MarkGood(s.endpoint);
+          backoff_ = kMinBackoff;
+        }
+        OnResponse(s.response);
+        if (!s.broken) {
+          s.read_pending = true;
+          s.rw->Read(&s.response, &s.read_tag);
+        }
+        break;
+      case Op::kWrite:
+        s.write_pending = false;
+        if (!ok || s.broken) {
+          Break();
+          break;
+        }
+        s.outbox.pop_front();
+        PumpWrites();
+        break;
+      case Op::kFinish:
+        s.finished = true;
+        break;
+      case Op::kWake:
+        break;
+    }
+    MaybeFinish();
+  }
+
+  void PumpWrites() {
+    Attempt& s = *stream_;
+    if (!s.up || s.broken || s.write_pending || s.outbox.empty()) return;
+    s.write_pending = true;
+    s.rw->Write(s.outbox.front(), &s.write_tag);
+  }
+
+  // Marks the stream dead; it is finished and dropped once no operation is pending on it.
+  void Break() {
+    Attempt& s = *stream_;
+    if (s.broken) return;
+    bool was_up = s.up;
+    s.broken = true;
+    s.up = false;
+    s.context.TryCancel();
+    if (was_up) OnStreamDown();
+  }
+
+  void MaybeFinish() {
+    if (!stream_) return;
+    Attempt& s = *stream_;
+    if (!s.broken || s.start_pending || s.read_pending || s.write_pending) return;
+    if (!s.finish_started) {
+      s.finish_started = true;
+      s.rw->Finish(&s.final_status, &s.finish_tag);
+      return;
+    }
+    if (!s.finished) return;
+    const std::string& address = channels_->at(s.endpoint).address;
+    if (s.final_status.error_code() != grpc::StatusCode::CANCELLED || !s.got_response) {
+      EFDL_LOG_DEBUG("etcd {} stream to {} ended: {} ({})", name_, address,
+                     s.final_status.error_message(), static_cast<int>(s.final_status.error_code()));
+    }
+    channels_->MarkBad(s.endpoint);
+    reconnect_at_ = SteadyClock::now() + backoff_;
+    backoff_ = std::min(backoff_ * 2, kMaxBackoff);
+    stream_.reset();
+  }
+
+  static gpr_timespec ToGpr(TimePoint t) {
+    if (t == TimePoint::max()) return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    int64_t micros =
+        std::chrono::duration_cast<std::chrono::microseconds>(t - SteadyClock::now()).count();
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                        gpr_time_from_micros(std::max<int64_t>(micros, 0), GPR_TIMESPAN));
+  }
+
+  static constexpr std::chrono::milliseconds kMinBackoff{50};
+  static constexpr std::chrono::milliseconds kMaxBackoff{1000};
+
+  const std::shared_ptr<ChannelSet> channels_;
+  const std::string name_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<Attempt> stream_;  // loop thread only
+  TimePoint reconnect_at_{};
+  std::chrono::milliseconds backoff_{kMinBackoff};
+
+  std::mutex wake_mu_;
+  bool wake_pending_ = false;  // guarded by wake_mu_
+  bool stopping_ = false;      // guarded by wake_mu_
+  grpc::Alarm wake_alarm_;     // set under wake_mu_
+  Tag wake_tag_{Op::kWake};
+
+  std::thread thread_;
+};
+
+}  // namespace efdl::etcd

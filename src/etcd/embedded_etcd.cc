@@ -1,0 +1,197 @@
+#include "efdl/embedded_etcd.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "common/log.h"
+#include "common/net.h"
+#include "common/subprocess.h"
+#include "etcd/grpc_client.h"
+
+namespace efdl {
+
+namespace {
+
+// The last non-empty line of etcd's log, to put the reason into an error message.
+std::string LastLogLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::string last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  if (last.size() > 300) last = last.substr(0, 300) + "...";
+  return last;
+}
+
+bool LogSaysAddressInUse(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("address already in use") != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+struct EmbeddedEtcd::Impl {
+  TempDir temp_dir;  // set when we made the data directory
+  Subprocess process;
+};
+
+EmbeddedEtcd::EmbeddedEtcd(EmbeddedEtcdOptions options)
+    : options_(std::move(options)), impl_(std::make_unique<Impl>()) {}
+
+EmbeddedEtcd::~EmbeddedEtcd() {
+  Status s = Stop();
+  if (!s.ok()) EFDL_LOG_WARN("embedded etcd: {}", s.ToString());
+}
+
+std::string EmbeddedEtcd::endpoint() const {
+  return fmt::format("{}:{}", options_.host, client_port_);
+}
+
+std::string EmbeddedEtcd::log_path() const { return data_dir_ + "/etcd.log"; }
+
+bool EmbeddedEtcd::running() {
+  if (!impl_->process.running()) return false;
+  return !impl_->process.Poll().has_value();
+}
+
+int EmbeddedEtcd::pid() const { return impl_->process.pid(); }
+
+Result<std::unique_ptr<EmbeddedEtcd>> EmbeddedEtcd::Start(EmbeddedEtcdOptions options) {
+  std::unique_ptr<EmbeddedEtcd> etcd(new EmbeddedEtcd(std::move(options)));
+  const EmbeddedEtcdOptions& o = etcd->options_;
+  if (o.data_dir.empty()) {
+    EFDL_ASSIGN_OR_RETURN(etcd->impl_->temp_dir, TempDir::Create("efdl-etcd"));
+    etcd->data_dir_ = etcd->impl_->temp_dir.path();
+  } else {
+    std::error_code ec;
+    std::filesystem::create_directories(o.data_dir, ec);
+    if (ec) {
+      return Status::IOError(fmt::format("cannot create etcd data directory '{}': {}",
+                                         o.data_dir, ec.message()));
+    }
+    etcd->data_dir_ = std::filesystem::absolute(o.data_dir).string();
+  }
+  const bool auto_ports = o.client_port == 0 || o.peer_port == 0;
+  constexpr int kAttempts = 3;
+  Status last;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    if (o.client_port == 0) {
+      EFDL_ASSIGN_OR_RETURN(etcd->client_port_, PickFreePort(o.host));
+    } else {
+      etcd->client_port_ = o.client_port;
+    }
+    if (o.peer_port == 0) {
+      do {
+        EFDL_ASSIGN_OR_RETURN(etcd->peer_port_, PickFreePort(o.host));
+      } while (etcd->peer_port_ == etcd->client_port_);
+    } else {
+      etcd->peer_port_ = o.peer_port;
+    }
+    std::filesystem::remove(etcd->log_path());  // a fresh log: errors quote this run's output
+    last = etcd->Launch();
+    if (last.ok()) return etcd;
+    // Someone took a port we picked a moment ago: pick again.
+    if (!auto_ports || !LogSaysAddressInUse(etcd->log_path())) break;
+    EFDL_LOG_INFO("embedded etcd: port taken, retrying with other ports");
+  }
+  return last;
+}
+
+Status EmbeddedEtcd::Launch() {
+  EFDL_ASSIGN_OR_RETURN(std::string binary, FindProgram(options_.binary));
+  const std::string client_url = fmt::format("http://{}:{}", options_.host, client_port_);
+  const std::string peer_url = fmt::format("http://{}:{}", options_.host, peer_port_);
+  SpawnOptions spawn;
+  spawn.argv = {binary,
+                "--name", options_.name,
+                "--data-dir", data_dir_ + "/member-data",
+                "--listen-client-urls", client_url,
+                "--advertise-client-urls", client_url,
+                "--listen-peer-urls", peer_url,
+                "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", fmt::format("{}={}", options_.name, peer_url),
+                "--initial-cluster-state", "new",
+                "--logger", "zap",
+                "--log-outputs", "stderr"};
+  // Debian's etcd reads ETCD_* variables too; keep the caller's from changing our setup.
+  for (const char* var : {"ETCD_NAME", "ETCD_DATA_DIR", "ETCD_LISTEN_CLIENT_URLS",
+                          "ETCD_ADVERTISE_CLIENT_URLS", "ETCD_INITIAL_CLUSTER",
+                          "ETCD_LISTEN_PEER_URLS", "ETCD_INITIAL_ADVERTISE_PEER_URLS",
+                          "ETCD_INITIAL_CLUSTER_STATE"}) {
+    spawn.env_unset.push_back(var);
+  }
+  spawn.stdout_mode = SpawnOptions::Stdio::kFile;
+  spawn.stdout_path = log_path();
+  spawn.stderr_to_stdout = true;
+  EFDL_ASSIGN_OR_RETURN(impl_->process, Subprocess::Spawn(spawn));
+  Status healthy = WaitHealthy();
+  if (!healthy.ok()) {
+    impl_->process.Stop(std::chrono::seconds(2));
+    return healthy;
+  }
+  EFDL_LOG_DEBUG("embedded etcd pid {} serving {} (data {})", impl_->process.pid(), endpoint(),
+                 data_dir_);
+  return Status::OK();
+}
+
+Status EmbeddedEtcd::WaitHealthy() {
+  const auto deadline = std::chrono::steady_clock::now() + options_.start_timeout;
+  etcd::ClientOptions client_options;
+  client_options.endpoints = {endpoint()};
+  etcd::GrpcClient client(client_options, client_options.endpoints);
+  Status last_error = Status::Unavailable("nothing listens on the client port yet");
+  while (true) {
+    if (auto exited = impl_->process.Poll()) {
+      return Status::Unavailable(fmt::format(
+          "etcd {} during start-up ({}); see {}: {}", DescribeWaitStatus(*exited), endpoint(),
+          log_path(), LastLogLine(log_path())));
+    }
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    if (TcpConnectable(options_.host, client_port_, 100)) {
+      // A real request: the member has joined its one-member cluster and serves reads.
+      auto revision = client.Ping(std::min(left, std::chrono::milliseconds(1000)));
+      if (revision.ok()) return Status::OK();
+      last_error = revision.status();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return Status::DeadlineExceeded(fmt::format(
+      "etcd at {} did not become healthy within {} ms ({}); see {}: {}", endpoint(),
+      options_.start_timeout.count(), last_error.message(), log_path(), LastLogLine(log_path())));
+}
+
+Status EmbeddedEtcd::Stop(std::chrono::milliseconds grace) {
+  if (!impl_->process.running()) return Status::OK();
+  int wait_status = impl_->process.Stop(grace);
+  // SIGTERM is how we ask it to stop: exiting from it is a clean stop.
+  if (!WaitStatusSuccess(wait_status) &&
+      !(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGTERM)) {
+    EFDL_LOG_DEBUG("embedded etcd at {} stopped: {}", endpoint(), DescribeWaitStatus(wait_status));
+  }
+  return Status::OK();
+}
+
+Status EmbeddedEtcd::Kill() {
+  if (!impl_->process.running()) return Status::OK();
+  EFDL_RETURN_IF_ERROR(impl_->process.Signal(SIGKILL));
+  impl_->process.Wait();
+  return Status::OK();
+}
+
+Status EmbeddedEtcd::Restart() {
+  EFDL_RETURN_IF_ERROR(Stop());
+  return Launch();
+}
+
+}  // namespace efdl

@@ -1,0 +1,73 @@
+// The keep-alive engine: every lease kept alive by one client, renewed over one LeaseKeepAlive
+// stream by one thread (never a caller's or a Python thread).
+//
+// Each kept lease has a local expiry: the send time of the oldest unanswered renewal plus the
+// TTL the server granted in its last answer, so it is never later than the server's own expiry.
+// A lease is lost — and its owner told, once — when a renewal is answered with TTL <= 0 (the
+// server no longer has it) or when the local expiry passes without a successful renewal (the
+// cluster could not be reached in time).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "efdl/etcd.h"
+#include "etcd/bidi_stream_loop.h"
+#include "rpc.grpc.pb.h"
+
+namespace efdl::etcd {
+
+class KeepAliveEngine final
+    : public BidiStreamLoop<etcdserverpb::LeaseKeepAliveRequest,
+                            etcdserverpb::LeaseKeepAliveResponse> {
+ public:
+  explicit KeepAliveEngine(std::shared_ptr<ChannelSet> channels);
+  ~KeepAliveEngine() override;
+
+  // Starts renewing `lease_id` (granted for `ttl_seconds`, known to live until `expires_at`).
+  // `lost` is set and `on_lost` run (on the engine thread) when the lease is lost. Returns a
+  // token for Remove.
+  int64_t Add(int64_t lease_id, int64_t ttl_seconds, TimePoint expires_at,
+              std::function<void()> on_lost, std::shared_ptr<std::atomic<bool>> lost);
+  // Stops renewing. Unless called from on_lost itself, waits until that callback is not
+  // running; it never runs afterwards.
+  void Remove(int64_t token);
+  void Shutdown();
+
+ private:
+  struct Entry {
+    int64_t lease_id = 0;
+    int64_t ttl_seconds = 0;
+    TimePoint expires_at;
+    TimePoint next_renewal;
+    std::optional<TimePoint> unanswered_since;  // send time of the oldest unanswered renewal
+    std::shared_ptr<std::function<void()>> on_lost;
+    std::shared_ptr<std::atomic<bool>> lost;
+  };
+
+  bool WantStream() override;
+  std::unique_ptr<Stream> Prepare(EndpointChannel& endpoint, grpc::ClientContext* context,
+                                  grpc::CompletionQueue* cq) override;
+  void OnStreamUp() override {}
+  void OnResponse(const etcdserverpb::LeaseKeepAliveResponse& response) override;
+  void OnStreamDown() override;
+  TimePoint OnTick(TimePoint now) override;
+
+  // Moves `token` out of the table as lost; its callback is then run by NotifyLost.
+  void MarkLost(int64_t token, std::vector<std::pair<int64_t, Entry>>& out);
+  void NotifyLost(std::unique_lock<std::mutex>& lock, std::vector<std::pair<int64_t, Entry>>& lost);
+
+  std::mutex mu_;
+  std::condition_variable notified_;
+  std::map<int64_t, Entry> entries_;  // by token; guarded by mu_
+  int64_t next_token_ = 1;            // mu_
+  int64_t notifying_ = 0;             // token whose on_lost runs now; mu_
+};
+
+}  // namespace efdl::etcd

@@ -1,0 +1,76 @@
+// The watch engine: every watch of one client multiplexed on one Watch stream, served by one
+// thread that also runs the callbacks.
+//
+// Resumption: each watch remembers the first revision it has not delivered yet (the start
+// revision, then last event's mod_revision + 1, or a progress notification's revision + 1).
+// When the stream breaks, every watch is re-created on the next stream from that revision, and
+// events below it are dropped should the server send them again: nothing is lost or repeated.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "efdl/etcd.h"
+#include "etcd/bidi_stream_loop.h"
+#include "rpc.grpc.pb.h"
+
+namespace efdl::etcd {
+
+class WatchEngine final
+    : public BidiStreamLoop<etcdserverpb::WatchRequest, etcdserverpb::WatchResponse> {
+ public:
+  explicit WatchEngine(std::shared_ptr<ChannelSet> channels);
+  ~WatchEngine() override;
+
+  // Registers a watch delivering every event from `start_revision` (> 0) on; returns its id.
+  int64_t Add(std::string key, std::string range_end, int64_t start_revision,
+              bool progress_notify, WatchCallback callback);
+  // Ends a watch. Unless called from a callback (on the loop thread), waits until the watch's
+  // callback is not running; it never runs again afterwards.
+  void Remove(int64_t id);
+  // Stops the thread (idempotent). Watches still registered then deliver nothing more.
+  void Shutdown();
+
+ private:
+  enum class Phase { kWaiting, kCreating, kActive };
+  struct Entry {
+    std::string key;
+    std::string range_end;
+    bool progress_notify = false;
+    int64_t next_revision = 0;  // first revision not delivered yet
+    std::shared_ptr<WatchCallback> callback;
+    Phase phase = Phase::kWaiting;
+    int64_t server_id = -1;     // on the current stream, once created
+  };
+
+  bool WantStream() override;
+  std::unique_ptr<Stream> Prepare(EndpointChannel& endpoint, grpc::ClientContext* context,
+                                  grpc::CompletionQueue* cq) override;
+  void OnStreamUp() override {}
+  void OnResponse(const etcdserverpb::WatchResponse& response) override;
+  void OnStreamDown() override;
+  TimePoint OnTick(TimePoint now) override;
+
+  // Runs the callback of `id` with `update` outside the lock; `lock` is held on entry and exit.
+  void Deliver(std::unique_lock<std::mutex>& lock, int64_t id, const WatchUpdate& update);
+  void SendCancel(int64_t server_id);
+
+  std::mutex mu_;
+  std::condition_variable delivered_;
+  std::map<int64_t, Entry> entries_;  // guarded by mu_
+  std::deque<int64_t> cancels_;       // server ids to cancel on the current stream; mu_
+  int64_t next_id_ = 1;               // mu_
+  int64_t delivering_ = 0;            // id whose callback runs now; mu_
+
+  // Loop thread only: local ids in the order their create requests went out on this stream
+  // (etcd answers creates in order), and the server's ids of the created ones.
+  std::deque<int64_t> creating_;
+  std::map<int64_t, int64_t> local_by_server_id_;
+};
+
+}  // namespace efdl::etcd
