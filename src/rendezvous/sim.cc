@@ -1,0 +1,430 @@
+#include "rendezvous/sim.h"
+
+#include <sys/resource.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "common/log.h"
+#include "rendezvous/protocol.h"
+#include "rendezvous/rendezvous.h"
+
+namespace efdl::rdzv {
+
+void TrafficCounters::Reset() {
+  requests = 0;
+  bytes_sent = 0;
+  bytes_received = 0;
+  watch_events = 0;
+  watches_started = 0;
+}
+
+namespace {
+int64_t KvBytes(const etcd::KeyValue& kv) {
+  return static_cast<int64_t>(kv.key.size() + kv.value.size());
+}
+int64_t OpBytes(const std::vector<etcd::TxnOp>& ops) {
+  int64_t n = 0;
+  for (const auto& op : ops) n += static_cast<int64_t>(op.key.size() + op.value.size());
+  return n;
+}
+}  // namespace
+
+SimNodeClient::SimNodeClient(etcd::Client& inner, TrafficCounters& counters)
+    : inner_(inner), counters_(counters), cut_(std::make_shared<std::atomic<bool>>(false)) {}
+
+Status SimNodeClient::CheckCut() const {
+  if (*cut_) return Status::Unavailable("simulated node is cut off from etcd");
+  return Status::OK();
+}
+
+Result<etcd::RangeResult> SimNodeClient::Range(const std::string& key,
+                                               const etcd::RangeOptions& o) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  counters_.bytes_sent += static_cast<int64_t>(key.size());
+  auto r = inner_.Range(key, o);
+  if (r.ok()) {
+    for (const auto& kv : r->kvs) counters_.bytes_received += KvBytes(kv);
+  }
+  return r;
+}
+
+Result<std::optional<etcd::KeyValue>> SimNodeClient::Get(const std::string& key) {
+  EFDL_ASSIGN_OR_RETURN(etcd::RangeResult r, Range(key, {}));
+  if (r.kvs.empty()) return std::optional<etcd::KeyValue>();
+  return std::optional<etcd::KeyValue>(std::move(r.kvs.front()));
+}
+
+Result<etcd::PutResult> SimNodeClient::Put(const std::string& key, const std::string& value,
+                                           int64_t lease) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  counters_.bytes_sent += static_cast<int64_t>(key.size() + value.size());
+  return inner_.Put(key, value, lease);
+}
+
+Result<etcd::DeleteResult> SimNodeClient::Delete(const std::string& key, bool prefix) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  counters_.bytes_sent += static_cast<int64_t>(key.size());
+  return inner_.Delete(key, prefix);
+}
+
+Result<etcd::TxnResult> SimNodeClient::Txn(const std::vector<etcd::Compare>& compares,
+                                           const std::vector<etcd::TxnOp>& then,
+                                           const std::vector<etcd::TxnOp>& otherwise) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  int64_t sent = OpBytes(then) + OpBytes(otherwise);
+  for (const auto& c : compares) sent += static_cast<int64_t>(c.key.size() + c.value.size());
+  counters_.bytes_sent += sent;
+  auto r = inner_.Txn(compares, then, otherwise);
+  if (r.ok()) {
+    for (const auto& g : r->gets) {
+      for (const auto& kv : g.kvs) counters_.bytes_received += KvBytes(kv);
+    }
+  }
+  return r;
+}
+
+Result<etcd::LeaseGrantResult> SimNodeClient::LeaseGrant(int64_t ttl_seconds) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  return inner_.LeaseGrant(ttl_seconds);
+}
+
+Status SimNodeClient::LeaseRevoke(int64_t lease_id) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  return inner_.LeaseRevoke(lease_id);
+}
+
+Result<int64_t> SimNodeClient::LeaseTimeToLive(int64_t lease_id) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;
+  return inner_.LeaseTimeToLive(lease_id);
+}
+
+Result<std::unique_ptr<etcd::LeaseKeeper>> SimNodeClient::KeepAlive(
+    int64_t lease_id, std::function<void()> on_lost) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  return inner_.KeepAlive(lease_id, std::move(on_lost));
+}
+
+Result<std::unique_ptr<etcd::Watch>> SimNodeClient::StartWatch(const std::string& key,
+                                                               const etcd::WatchOptions& options,
+                                                               etcd::WatchCallback callback) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.watches_started;
+  return inner_.StartWatch(
+      key, options,
+      [cut = cut_, counters = &counters_, cb = std::move(callback)](const etcd::WatchUpdate& u) {
+        if (*cut) return;
+        counters->watch_events += static_cast<int64_t>(u.events.size());
+        for (const auto& e : u.events) counters->bytes_received += KvBytes(e.kv);
+        cb(u);
+      });
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double CpuSeconds() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  auto tv = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  return tv(ru.ru_utime) + tv(ru.ru_stime);
+}
+
+// The harness: owns the simulated nodes and follows their events on one thread.
+class Harness {
+ public:
+  Harness(etcd::Client& client, const SimOptions& options)
+      : client_(client), opt_(options), rng_(options.seed) {}
+  ~Harness() { Shutdown(); }
+
+  Status AddNode() {
+    int index = static_cast<int>(nodes_.size());
+    auto node = std::make_unique<SimNode>();
+    node->id = fmt::format("n{:05}", index);
+    node->client = std::make_unique<SimNodeClient>(client_, counters_);
+    RendezvousOptions o;
+    o.job_id = opt_.job_id;
+    o.node_id = node->id;
+    o.advertise_addr = "127.0.0.1";
+    o.min_nodes = std::max(1, opt_.nodes / 2);
+    o.max_nodes = opt_.nodes;
+    o.ttl = opt_.ttl;
+    o.last_call = std::chrono::seconds(3);
+    o.join_timeout = std::chrono::seconds(600);
+    o.liveness_window = opt_.liveness_window;
+    o.on_event = [this, index] {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ready_.push_back(index);
+      }
+      cv_.notify_one();
+    };
+    node->rdzv = NewEtcdRendezvous(*node->client, std::move(o));
+    nodes_.push_back(std::move(node));
+    Status s = nodes_.back()->rdzv->Join();
+    return s.WithContext(fmt::format("simulated node {} could not join", nodes_.back()->id));
+  }
+
+  // Waits until every live node started the same round with `expect` members (plus standbys).
+  Status WaitFormed(int expect) {
+    auto deadline = Clock::now() + opt_.scenario_timeout;
+    while (true) {
+      Drain();
+      if (Formed(expect)) return Status::OK();
+      std::unique_lock<std::mutex> lock(mu_);
+      if (Clock::now() >= deadline) break;
+      cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)),
+                     [&] { return !ready_.empty(); });
+    }
+    int started = 0;
+    for (const auto& n : nodes_) started += n->alive && n->nnodes == expect ? 1 : 0;
+    return Status::DeadlineExceeded(fmt::format(
+        "only {} of {} live nodes started a round of {} nodes within {} s", started, Alive(),
+        expect, std::chrono::duration_cast<std::chrono::seconds>(opt_.scenario_timeout).count()));
+  }
+
+  int Alive() const {
+    int n = 0;
+    for (const auto& node : nodes_) n += node->alive ? 1 : 0;
+    return n;
+  }
+
+  // Kills `count` random live nodes at once: cut off, then leases revoked (by "etcd").
+  Status Kill(int count, bool revoke, bool coordinator_first) {
+    std::vector<int> live;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      if (nodes_[i]->alive) live.push_back(static_cast<int>(i));
+    }
+    std::shuffle(live.begin(), live.end(), rng_);
+    if (coordinator_first) {
+      auto rd = client_.Get(JobKeys(opt_.job_id).round);
+      if (rd.ok() && rd->has_value()) {
+        auto rec = RoundRecord::Decode((*rd)->value);
+        for (size_t i = 0; rec.ok() && i < live.size(); ++i) {
+          if (nodes_[static_cast<size_t>(live[i])]->id == rec->coordinator) {
+            std::swap(live[0], live[i]);
+          }
+        }
+      }
+    }
+    std::vector<int64_t> leases;
+    for (int k = 0; k < count && k < static_cast<int>(live.size()); ++k) {
+      SimNode& n = *nodes_[static_cast<size_t>(live[static_cast<size_t>(k)])];
+      auto kv = client_.Get(JobKeys(opt_.job_id).Node(n.id));
+      n.client->Cut();
+      n.alive = false;
+      n.nnodes = 0;
+      if (kv.ok() && kv->has_value()) leases.push_back((*kv)->lease);
+      last_killed_ = n.id;
+    }
+    if (revoke) {
+      for (int64_t lease : leases) {
+        ++counters_.requests;
+        Status s = client_.LeaseRevoke(lease);
+        if (!s.ok() && !s.IsNotFound()) return s;
+      }
+    } else {
+      pending_revokes_.insert(pending_revokes_.end(), leases.begin(), leases.end());
+    }
+    return Status::OK();
+  }
+
+  void RevokePending() {
+    for (int64_t lease : pending_revokes_) (void)client_.LeaseRevoke(lease);
+    pending_revokes_.clear();
+  }
+
+  // A live member's worker failed because its peer died: it reports, as the agent would.
+  void ReportFailureFromSomeMember() {
+    for (auto& n : nodes_) {
+      if (n->alive && n->round != 0 && !n->standby) {
+        n->rdzv->ReportWorkerFailure(n->round, "simulated: peer connection reset");
+        return;
+      }
+    }
+  }
+
+  TrafficCounters& counters() { return counters_; }
+
+  void Shutdown() {
+    if (nodes_.empty()) return;
+    std::vector<int64_t> leases;
+    auto range = client_.Range(JobKeys(opt_.job_id).nodes, {.prefix = true});
+    if (range.ok()) {
+      for (const auto& kv : range->kvs) leases.push_back(kv.lease);
+    }
+    for (auto& n : nodes_) n->client->Cut();   // inert: no re-rounds while we tear down
+    nodes_.clear();
+    for (int64_t lease : leases) (void)client_.LeaseRevoke(lease);
+    (void)client_.Delete(JobKeys(opt_.job_id).prefix, true);
+  }
+
+ private:
+  struct SimNode {
+    std::string id;
+    std::unique_ptr<SimNodeClient> client;
+    std::unique_ptr<Rendezvous> rdzv;
+    bool alive = true;
+    int64_t round = 0;        // the round its (simulated) workers run; 0: none
+    int nnodes = 0;
+    bool standby = false;
+  };
+
+  void Drain() {
+    std::deque<int> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready.swap(ready_);
+    }
+    for (int index : ready) {
+      SimNode& n = *nodes_[static_cast<size_t>(index)];
+      while (auto e = n.rdzv->WaitEvent(std::chrono::milliseconds(0))) {
+        switch (e->type) {
+          case Event::Type::kRoundStarted:
+            n.round = e->round;
+            n.nnodes = e->assignment.nnodes;
+            n.standby = e->assignment.standby;
+            break;
+          case Event::Type::kRoundClosing:
+          case Event::Type::kFenced:
+            n.round = 0;
+            n.nnodes = 0;
+            break;
+          case Event::Type::kFailed:
+            EFDL_LOG_WARN("sim: node {} failed: {}", n.id, e->message);
+            break;
+          case Event::Type::kJobComplete:
+            break;
+        }
+      }
+    }
+  }
+
+  bool Formed(int expect) const {
+    int64_t round = -1;
+    for (const auto& n : nodes_) {
+      if (!n->alive) continue;
+      if (n->round == 0 || n->nnodes != expect) return false;
+      if (round == -1) round = n->round;
+      if (n->round != round) return false;
+    }
+    return round > 0;
+  }
+
+  etcd::Client& client_;
+  SimOptions opt_;
+  std::mt19937 rng_;
+  TrafficCounters counters_;
+  std::vector<std::unique_ptr<SimNode>> nodes_;
+  std::vector<int64_t> pending_revokes_;
+  std::string last_killed_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<int> ready_;   // GUARDED_BY(mu_): nodes with queued events
+};
+
+}  // namespace
+
+Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
+  if (options.nodes < 2) return Status::InvalidArgument("--nodes must be at least 2");
+  EFDL_RETURN_IF_ERROR(ValidateId("job id", options.job_id));
+  (void)client.Delete(JobKeys(options.job_id).prefix, true);  // a clean job
+  Harness h(client, options);
+  SimReport report;
+  report.nodes = options.nodes;
+
+  // Runs one scenario: `trigger`, then wait for a round of `expect` nodes; counts the traffic
+  // until that moment plus a short settle for the coordinator's trailing status write.
+  auto run = [&](const std::string& name, auto&& trigger, auto&& expect) -> bool {
+    SimScenario s;
+    s.name = name;
+    h.counters().Reset();
+    double cpu0 = CpuSeconds();
+    auto t0 = Clock::now();
+    Status st = trigger();
+    if (st.ok()) st = h.WaitFormed(expect());
+    s.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    s.agent_cpu_ms_per_node = (CpuSeconds() - cpu0) * 1000.0 / options.nodes;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    s.ok = st.ok();
+    s.error = st.ok() ? "" : st.message();
+    s.nodes_after = h.Alive();
+    s.requests = h.counters().requests;
+    s.bytes = h.counters().bytes_sent + h.counters().bytes_received;
+    s.watch_events = h.counters().watch_events;
+    EFDL_LOG_INFO("sim N={}: {} {} in {:.3f} s ({} requests, {} bytes, {} watch events)",
+                  options.nodes, name, s.ok ? "done" : "FAILED", s.seconds, s.requests, s.bytes,
+                  s.watch_events);
+    report.scenarios.push_back(s);
+    return s.ok;
+  };
+
+  int n = options.nodes;
+  bool ok = run("form", [&] {
+    for (int i = 0; i < n; ++i) EFDL_RETURN_IF_ERROR(h.AddNode());
+    return Status::OK();
+  }, [&] { return n; });
+  ok = ok && run("kill_one", [&] { return h.Kill(1, true, false); }, [&] { return h.Alive(); });
+  ok = ok && run("crash_coordinator_reported", [&] {
+    EFDL_RETURN_IF_ERROR(h.Kill(1, false, true));
+    h.ReportFailureFromSomeMember();
+    return Status::OK();
+  }, [&] { return h.Alive(); });
+  if (ok) {
+    h.RevokePending();   // the crashed node's lease ends later; it was already left out
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  ok = ok && run("kill_10_percent", [&] { return h.Kill(std::max(1, n / 10), true, false); },
+                 [&] { return h.Alive(); });
+  ok = ok && run("join_one", [&] { return h.AddNode(); }, [&] { return h.Alive(); });
+  if (ok) {
+    // Idle job: what N agents cost while training is steady.
+    h.counters().Reset();
+    double cpu0 = CpuSeconds();
+    auto idle = std::chrono::seconds(5);
+    std::this_thread::sleep_for(idle);
+    double cpu = CpuSeconds() - cpu0;
+    report.steady_cpu_percent_per_node = cpu / 5.0 * 100.0 / h.Alive();
+    report.steady_requests_per_node_per_min = h.counters().requests * 12 / std::max(1, h.Alive());
+  }
+  return report;
+}
+
+std::string SimReport::ToJson() const {
+  nlohmann::json j;
+  j["nodes"] = nodes;
+  j["steady_cpu_percent_per_node"] = steady_cpu_percent_per_node;
+  j["steady_requests_per_node_per_min"] = steady_requests_per_node_per_min;
+  nlohmann::json arr = nlohmann::json::array();
+  for (const auto& s : scenarios) {
+    arr.push_back({{"name", s.name},
+                   {"ok", s.ok},
+                   {"seconds", s.seconds},
+                   {"nodes_after", s.nodes_after},
+                   {"requests", s.requests},
+                   {"bytes", s.bytes},
+                   {"watch_events", s.watch_events},
+                   {"agent_cpu_ms_per_node", s.agent_cpu_ms_per_node},
+                   {"error", s.error}});
+  }
+  j["scenarios"] = arr;
+  return j.dump();
+}
+
+}  // namespace efdl::rdzv

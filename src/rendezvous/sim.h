@@ -1,0 +1,99 @@
+// Scale simulation: many nodes' real Rendezvous objects in one process, sharing one
+// etcd::Client (one watch stream, one keep-alive stream), so the etcd traffic is exactly what
+// N agents would send. Only the workers are simulated: a node "runs" a round by recording its
+// kRoundStarted event. Used by `efdl sim` and bench/scale.py; see docs/scale.md.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "efdl/etcd.h"
+#include "efdl/status.h"
+
+namespace efdl::rdzv {
+
+// Traffic one or more nodes caused, as the etcd server sees it. Thread-safe (atomics).
+struct TrafficCounters {
+  std::atomic<int64_t> requests{0};      // unary RPCs: range, put, delete, txn, lease grant/revoke
+  std::atomic<int64_t> bytes_sent{0};    // keys + values in requests
+  std::atomic<int64_t> bytes_received{0};  // keys + values in answers and watch events
+  std::atomic<int64_t> watch_events{0};
+  std::atomic<int64_t> watches_started{0};
+  void Reset();
+};
+
+// A per-node view of a shared client: counts traffic into shared counters, and can be cut off
+// (every call fails, no watch delivers) to model a node that died or was partitioned while its
+// lease lives on. Thread-safe. `inner` and `counters` must outlive it.
+class SimNodeClient final : public etcd::Client {
+ public:
+  SimNodeClient(etcd::Client& inner, TrafficCounters& counters);
+  void Cut() { *cut_ = true; }
+  bool cut() const { return *cut_; }
+
+  Result<etcd::RangeResult> Range(const std::string& key, const etcd::RangeOptions& o) override;
+  Result<std::optional<etcd::KeyValue>> Get(const std::string& key) override;
+  Result<etcd::PutResult> Put(const std::string& key, const std::string& value,
+                              int64_t lease) override;
+  Result<etcd::DeleteResult> Delete(const std::string& key, bool prefix) override;
+  Result<etcd::TxnResult> Txn(const std::vector<etcd::Compare>& compares,
+                              const std::vector<etcd::TxnOp>& then,
+                              const std::vector<etcd::TxnOp>& otherwise) override;
+  Result<etcd::LeaseGrantResult> LeaseGrant(int64_t ttl_seconds) override;
+  Status LeaseRevoke(int64_t lease_id) override;
+  Result<int64_t> LeaseTimeToLive(int64_t lease_id) override;
+  Result<std::unique_ptr<etcd::LeaseKeeper>> KeepAlive(int64_t lease_id,
+                                                       std::function<void()> on_lost) override;
+  Result<std::unique_ptr<etcd::Watch>> StartWatch(const std::string& key,
+                                                  const etcd::WatchOptions& options,
+                                                  etcd::WatchCallback callback) override;
+
+ private:
+  Status CheckCut() const;
+  etcd::Client& inner_;
+  TrafficCounters& counters_;
+  std::shared_ptr<std::atomic<bool>> cut_;
+};
+
+struct SimOptions {
+  std::string job_id = "sim";
+  int nodes = 100;
+  std::chrono::milliseconds ttl{std::chrono::seconds(10)};
+  std::chrono::milliseconds liveness_window{400};
+  std::chrono::milliseconds scenario_timeout{std::chrono::seconds(120)};
+  uint32_t seed = 1;
+};
+
+// One measured scenario: from the trigger to the moment every expected node had started the
+// new round (kRoundStarted with the expected number of nodes).
+struct SimScenario {
+  std::string name;
+  bool ok = false;
+  double seconds = 0;
+  int nodes_after = 0;
+  int64_t requests = 0;
+  int64_t bytes = 0;                      // sent + received
+  int64_t watch_events = 0;
+  double agent_cpu_ms_per_node = 0;       // this process's CPU during the scenario / nodes
+  std::string error;
+};
+
+struct SimReport {
+  int nodes = 0;
+  std::vector<SimScenario> scenarios;
+  double steady_cpu_percent_per_node = 0; // idle job: CPU of one node as % of a core
+  int64_t steady_requests_per_node_per_min = 0;
+  std::string ToJson() const;
+};
+
+// Runs, against `client` (a real etcd for figures that mean something): formation of N nodes,
+// one node killed (lease revoked), one node crashed and reported by a peer's worker failure
+// (lease alive), 10% killed at once, one new node taken in, and a few idle seconds. Scenarios
+// run in this order on the same job; a failed one stops the run (its error is in the report).
+Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options);
+
+}  // namespace efdl::rdzv

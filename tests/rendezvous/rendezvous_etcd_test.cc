@@ -1,0 +1,155 @@
+// The rendezvous against a real etcd (Debian's etcd 3.4, started on free loopback ports in a
+// temporary directory and stopped at the end) through the real gRPC client.
+#include <gtest/gtest.h>
+
+#include "efdl/embedded_etcd.h"
+#include "efdl/etcd.h"
+#include "rendezvous/job_status.h"
+#include "rendezvous/rendezvous.h"
+#include "rendezvous/sim.h"
+
+namespace efdl::rdzv {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+class RealEtcdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto started = EmbeddedEtcd::Start({});
+    ASSERT_TRUE(started.ok()) << started.status().ToString();
+    etcd_ = std::move(*started);
+    etcd::ClientOptions o;
+    o.endpoints = {etcd_->endpoint()};
+    auto c = etcd::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(*c);
+  }
+  void TearDown() override {
+    client_.reset();
+    etcd_.reset();
+  }
+
+  RendezvousOptions Opts(const std::string& node, int min, int max) {
+    RendezvousOptions o;
+    o.job_id = "itest";
+    o.node_id = node;
+    o.advertise_addr = "127.0.0.1";
+    o.min_nodes = min;
+    o.max_nodes = max;
+    o.ttl = 10s;
+    o.last_call = 300ms;
+    o.join_timeout = 30s;
+    o.liveness_window = 300ms;
+    return o;
+  }
+
+  static std::optional<Event> Next(Rendezvous& r, Event::Type type, std::chrono::seconds t = 10s) {
+    auto deadline = Clock::now() + t;
+    while (Clock::now() < deadline) {
+      auto e = r.WaitEvent(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+      if (e && e->type == type) return e;
+    }
+    return std::nullopt;
+  }
+
+  std::unique_ptr<EmbeddedEtcd> etcd_;
+  std::unique_ptr<etcd::Client> client_;
+};
+
+TEST_F(RealEtcdTest, FormsThenReroundsAfterLeaveAndAfterPeerReportedCrash) {
+  TrafficCounters counters;
+  std::vector<std::unique_ptr<SimNodeClient>> clients;
+  std::vector<std::unique_ptr<Rendezvous>> nodes;
+  for (auto id : {"a", "b", "c", "d"}) {
+    clients.push_back(std::make_unique<SimNodeClient>(*client_, counters));
+    nodes.push_back(NewEtcdRendezvous(*clients.back(), Opts(id, 2, 4)));
+    ASSERT_TRUE(nodes.back()->Join().ok());
+  }
+  std::vector<Event> first;
+  for (auto& n : nodes) {
+    auto e = Next(*n, Event::Type::kRoundStarted);
+    ASSERT_TRUE(e);
+    first.push_back(*e);
+  }
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(first[i].assignment.node_rank, i);
+  EXPECT_NE(first[0].assignment.master_port, 0);
+
+  nodes[3]->Leave();  // graceful scale in
+  for (int i = 0; i < 3; ++i) {
+    auto e = Next(*nodes[i], Event::Type::kRoundStarted);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->assignment.world_size, 3);
+    EXPECT_EQ(e->assignment.node_rank, i);
+  }
+
+  // a (the coordinator, rank 0) dies silently; b's worker notices and reports.
+  clients[0]->Cut();
+  auto t0 = Clock::now();
+  auto st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  nodes[1]->ReportWorkerFailure(st->round, "connection reset by rank 0");
+  auto eb = Next(*nodes[1], Event::Type::kRoundStarted);
+  auto ec = Next(*nodes[2], Event::Type::kRoundStarted);
+  ASSERT_TRUE(eb && ec);
+  EXPECT_LT(Clock::now() - t0, 3s) << "must not wait for a's 10 s lease";
+  EXPECT_EQ(eb->assignment.node_rank, 0);
+  EXPECT_EQ(ec->assignment.node_rank, 1);
+  EXPECT_EQ(ec->assignment.world_size, 2);
+  st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->coordinator, "b");
+  EXPECT_EQ(st->members.size(), 2u);
+
+  nodes[1]->ReportWorkersSucceeded(ec->round);
+  nodes[2]->ReportWorkersSucceeded(ec->round);
+  EXPECT_TRUE(Next(*nodes[1], Event::Type::kJobComplete));
+  EXPECT_TRUE(Next(*nodes[2], Event::Type::kJobComplete));
+  nodes.clear();   // cut node a leaves nothing running: its lease ends with the etcd
+}
+
+TEST_F(RealEtcdTest, LeaseExpiryFencesAndRerounds) {
+  auto oa = Opts("a", 1, 3);
+  auto ob = Opts("b", 1, 3);
+  ob.ttl = 2s;
+  TrafficCounters counters;
+  SimNodeClient cb(*client_, counters);
+  auto a = NewEtcdRendezvous(*client_, oa);
+  auto b = NewEtcdRendezvous(cb, ob);
+  ASSERT_TRUE(a->Join().ok());
+  ASSERT_TRUE(b->Join().ok());
+  // Wait for the 2-node round (the first round may have formed with a alone at MIN=1).
+  std::optional<Event> e;
+  for (int i = 0; i < 3 && (!e || e->assignment.world_size != 2); ++i) {
+    e = Next(*a, Event::Type::kRoundStarted);
+  }
+  ASSERT_TRUE(e && e->assignment.world_size == 2);
+  // b's keep-alives stop (the real client keeps renewing, so revoke stands in for expiry).
+  cb.Cut();
+  auto kv = client_->Get("/efdl/itest/nodes/b");
+  ASSERT_TRUE(kv.ok() && kv->has_value());
+  ASSERT_TRUE(client_->LeaseRevoke((*kv)->lease).ok());
+  auto e2 = Next(*a, Event::Type::kRoundStarted);
+  ASSERT_TRUE(e2);
+  EXPECT_EQ(e2->assignment.world_size, 1);
+}
+
+TEST_F(RealEtcdTest, ScaleSimRunsEveryScenarioWithLinearTraffic) {
+  SimOptions o;
+  o.job_id = "simtest";
+  o.nodes = 30;
+  o.liveness_window = 300ms;
+  auto report = RunScaleSim(*client_, o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ASSERT_EQ(report->scenarios.size(), 5u);
+  for (const auto& s : report->scenarios) {
+    EXPECT_TRUE(s.ok) << s.name << ": " << s.error;
+    EXPECT_LT(s.seconds, 10) << s.name;
+  }
+  // One killed node: about N requests (acks) plus a handful.
+  EXPECT_LE(report->scenarios[1].requests, o.nodes + 15) << report->ToJson();
+}
+
+}  // namespace
+}  // namespace efdl::rdzv
