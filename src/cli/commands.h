@@ -26,8 +26,10 @@ CLI::Option* OptionWithEnv(CLI::App* app, const std::string& name, T& value,
 }
 
 void RegisterEtcdCommand(CLI::App& app, CommandRunner& runner);       // src/cli/etcd_command.cc
+void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner);  // src/cli/snapshots_command.cc
 void RegisterPlanCommand(CLI::App& app, CommandRunner& runner);       // src/cli/plan_command.cc
 void RegisterRunCommand(CLI::App& app, CommandRunner& runner);        // src/cli/run_command.cc
 void RegisterStatusCommand(CLI::App& app, CommandRunner& runner);     // src/cli/status_command.cc
+void RegisterSimCommand(CLI::App& app, CommandRunner& runner);        // src/cli/sim_command.cc
 
 }  // namespace efdl::cli

@@ -14,10 +14,14 @@ int main(int argc, char** argv) {
   efdl::cli::CommandRunner runner;
 
   efdl::cli::RegisterEtcdCommand(app, runner);
+  efdl::cli::RegisterSnapshotsCommand(app, runner);
   efdl::cli::RegisterPlanCommand(app, runner);
 #ifdef EFDL_CLI_WITH_AGENT
   efdl::cli::RegisterRunCommand(app, runner);
   efdl::cli::RegisterStatusCommand(app, runner);
+#endif
+#ifdef EFDL_CLI_WITH_SIM
+  efdl::cli::RegisterSimCommand(app, runner);
 #endif
 
   try {
