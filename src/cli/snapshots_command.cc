@@ -1,0 +1,187 @@
+// `efdl snapshots list|show|verify|prune --job ID [--snapshot-dir DIR]`: inspect and tidy a job's
+// persisted snapshots (<snapshot-dir>/<job>/snap-*.efdl, and rank-<N>/ for per-rank snapshots).
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "snapshot/env.h"
+#include "snapshot/parallel.h"
+#include "snapshot/store.h"
+
+namespace efdl::cli {
+
+namespace {
+
+namespace snap = efdl::snapshot;
+
+struct SnapshotsArgs {
+  std::string job;
+  std::string dir = "efdl-snapshots";
+  bool json = false;
+  int64_t seq = -1;
+  int keep = 2;
+};
+
+// The job's directory and its per-rank subdirectories, each a store of its own.
+std::vector<std::string> StoreDirs(const std::string& job_dir) {
+  std::vector<std::string> dirs = {job_dir};
+  auto names = snap::Env::Posix()->GetChildren(job_dir);
+  if (names.ok()) {
+    for (const auto& n : *names) {
+      if (n.starts_with("rank-")) dirs.push_back(job_dir + "/" + n);
+    }
+  }
+  return dirs;
+}
+
+std::string FormatTime(double wall) {
+  std::time_t t = static_cast<std::time_t>(wall);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+int Fail(const std::string& line) {
+  std::fprintf(stderr, "efdl snapshots: %s\n", line.c_str());
+  return 1;
+}
+
+int Run(const std::string& action, const SnapshotsArgs& a) {
+  if (a.job.empty() || a.job.find('/') != std::string::npos || a.job == "." || a.job == "..") {
+    return Fail(fmt::format("--job '{}' is not a job id (no '/', not empty)", a.job));
+  }
+  const std::string job_dir = a.dir + "/" + a.job;
+  if (!snap::Env::Posix()->FileExists(job_dir)) {
+    return Fail(fmt::format("no snapshots for job '{}' under {} (check --job and "
+                            "--snapshot-dir / EFDL_SNAPSHOT_DIR)", a.job, a.dir));
+  }
+  snap::ParallelRunner runner(2);
+  nlohmann::json out = nlohmann::json::array();
+  int bad = 0, removed = 0, shown = 0;
+  for (const auto& dir : StoreDirs(job_dir)) {
+    snap::SnapshotStore store(snap::Env::Posix(), dir, a.keep);
+    if (action == "prune") {
+      auto r = store.Prune(a.keep);
+      if (!r.ok()) return Fail(r.status().message());
+      removed += *r;
+      continue;
+    }
+    for (const auto& e : store.List()) {
+      if (a.seq >= 0 && e.seq != static_cast<uint64_t>(a.seq)) continue;
+      if (action == "show" && shown > 0 && a.seq < 0) break;  // newest only
+      ++shown;
+      auto info = store.ReadInfo(e.path);
+      Status status = info.status();
+      if (info.ok() && action == "verify") status = store.Verify(e.path, &runner);
+      if (!status.ok()) ++bad;
+      nlohmann::json row = {{"seq", e.seq}, {"path", e.path}, {"ok", status.ok()}};
+      if (!status.ok()) row["error"] = status.message();
+      if (info.ok()) {
+        const auto& m = info->manifest;
+        row["step"] = m.step;
+        row["time"] = FormatTime(m.wall_time);
+        row["scope"] = m.scope;
+        row["bytes"] = info->file_bytes;
+        row["tensors"] = m.tensors.size();
+        if (action == "show") {
+          auto meta = nlohmann::json::parse(m.meta_json, nullptr, false);
+          row["values"] = meta.is_object() && meta.contains("kwargs") ? meta["kwargs"]
+                                                                      : nlohmann::json{};
+          nlohmann::json ts = nlohmann::json::array();
+          for (const auto& t : m.tensors) {
+            ts.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape},
+                          {"nbytes", t.nbytes}});
+          }
+          row["tensor_list"] = std::move(ts);
+        }
+      }
+      out.push_back(std::move(row));
+    }
+  }
+  if (action == "prune") {
+    std::printf("removed %d snapshot(s); kept the newest %d per directory\n", removed, a.keep);
+    return 0;
+  }
+  if (out.empty()) {
+    return Fail(a.seq >= 0 ? fmt::format("job '{}' has no snapshot with seq {}", a.job, a.seq)
+                           : fmt::format("job '{}' has no snapshots in {}", a.job, job_dir));
+  }
+  if (a.json) {
+    std::cout << out.dump(2) << "\n";
+  } else if (action == "show") {
+    for (const auto& r : out) {
+      std::cout << fmt::format("snapshot {}\n  seq {}  step {}  scope {}  written {}  {} bytes\n",
+                               r["path"].get<std::string>(), r["seq"].get<uint64_t>(),
+                               r.value("step", int64_t{0}), r.value("scope", ""),
+                               r.value("time", ""), r.value("bytes", uint64_t{0}));
+      if (!r["ok"].get<bool>()) {
+        std::cout << "  DAMAGED: " << r["error"].get<std::string>() << "\n";
+        continue;
+      }
+      std::cout << "  values: " << r["values"].dump() << "\n";
+      std::cout << "  tensors (" << r["tensors"].get<size_t>() << "):\n";
+      for (const auto& t : r["tensor_list"]) {
+        std::cout << fmt::format("    {:<48} {:<9} {:<18} {} bytes\n",
+                                 t["name"].get<std::string>(), t["dtype"].get<std::string>(),
+                                 t["shape"].dump(), t["nbytes"].get<uint64_t>());
+      }
+    }
+  } else {
+    std::cout << fmt::format("{:>8} {:>10} {:<21} {:<7} {:>12}  {:<8} {}\n", "SEQ", "STEP",
+                             "WRITTEN (UTC)", "SCOPE", "BYTES", "STATUS", "PATH");
+    for (const auto& r : out) {
+      std::cout << fmt::format("{:>8} {:>10} {:<21} {:<7} {:>12}  {:<8} {}\n",
+                               r["seq"].get<uint64_t>(), r.value("step", int64_t{0}),
+                               r.value("time", "-"), r.value("scope", "-"),
+                               r.value("bytes", uint64_t{0}),
+                               r["ok"].get<bool>() ? (action == "verify" ? "verified" : "ok")
+                                                   : "DAMAGED",
+                               r["path"].get<std::string>());
+      if (!r["ok"].get<bool>()) std::cout << "         " << r["error"].get<std::string>() << "\n";
+    }
+  }
+  return bad > 0 ? 1 : 0;
+}
+
+}  // namespace
+
+void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner) {
+  auto* cmd = app.add_subcommand("snapshots", "List, show, verify or prune a job's snapshots");
+  cmd->require_subcommand(1);
+  auto args = std::make_shared<SnapshotsArgs>();
+  struct Action {
+    const char* name;
+    const char* help;
+  };
+  for (const Action& act :
+       {Action{"list", "List the job's snapshots, newest first (header checks only)"},
+        Action{"show", "Show the newest snapshot (or --seq): values and tensors"},
+        Action{"verify", "Verify every snapshot's checksums; exit 1 if any is damaged"},
+        Action{"prune", "Remove all but the newest --keep snapshots"}}) {
+    auto* sub = cmd->add_subcommand(act.name, act.help);
+    sub->add_option("--job", args->job, "Job id")->required()->envname("EFDL_JOB_ID");
+    OptionWithEnv(sub, "--snapshot-dir", args->dir, "Snapshot storage directory",
+                  "EFDL_SNAPSHOT_DIR")
+        ->capture_default_str();
+    if (std::string(act.name) == "prune") {
+      sub->add_option("--keep", args->keep, "Snapshots to keep")
+          ->capture_default_str()
+          ->check(CLI::PositiveNumber);
+    } else {
+      sub->add_flag("--json", args->json, "Machine-readable output");
+      sub->add_option("--seq", args->seq, "Only the snapshot with this seq");
+    }
+    std::string name = act.name;
+    sub->callback([&runner, args, name] { runner.Set([args, name] { return Run(name, *args); }); });
+  }
+}
+
+}  // namespace efdl::cli
