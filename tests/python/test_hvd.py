@@ -8,7 +8,6 @@ Run as a script, this file is that rank's program.
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest

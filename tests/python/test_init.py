@@ -7,10 +7,8 @@ process, and pytest's process must stay clean for the other tests.
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
-import pytest
 
 from conftest import PYTHON
 

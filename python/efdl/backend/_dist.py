@@ -48,9 +48,9 @@ def find_efdl_binary():
                            "binary or unset it to search PATH" % explicit)
     found = shutil.which("efdl")
     if found is None:
-        raise RuntimeError("EFDL_ETCD_ENDPOINTS and EFDL_JOB_ID are set, so this job runs under the "
-                           "EFDL agent, but no `efdl` command was found: put it on PATH or set "
-                           "EFDL_BIN (or unset EFDL_ETCD_ENDPOINTS to train as one process)")
+        raise RuntimeError("EFDL_ETCD_ENDPOINTS and EFDL_JOB_ID are set, so this job runs under "
+                           "the EFDL agent, but no `efdl` command was found: put it on PATH or "
+                           "set EFDL_BIN (or unset EFDL_ETCD_ENDPOINTS to train as one process)")
     return found
 
 
