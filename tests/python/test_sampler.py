@@ -140,10 +140,13 @@ def test_bad_arguments_get_a_clear_error(kwargs, message):
         DistributedSampler(range(10), **kwargs)
 
 
-def test_update_rejects_both_kinds_of_start():
+def test_both_kinds_of_start_are_rejected():
     sampler = DistributedSampler(range(10), num_replicas=1, rank=0)
     with pytest.raises(ValueError, match="not both"):
         sampler.update(start_index=1, global_start_index=2)
+    with pytest.raises(ValueError, match="not both"):
+        DistributedSampler(range(10), num_replicas=1, rank=0, start_index=1,
+                           global_start_index=2)
 
 
 def test_dataloader_resumes_from_the_spec_start_index():

@@ -61,6 +61,9 @@ class DistributedSampler(Sampler):
         self.rank = 0
         self.epoch = 0
         self.global_start_index = 0
+        if global_start_index is not None and start_index not in (0, None):
+            raise ValueError("DistributedSampler: give start_index (per rank) or "
+                             "global_start_index (whole job), not both")
         self.update(start_index=None if global_start_index is not None else start_index,
                     epoch=epoch,
                     num_replicas=_dist.world_size() if num_replicas is None else num_replicas,
