@@ -1,0 +1,156 @@
+"""bench/elastic: how fast training resumes after a membership change, efdl vs torchrun.
+
+On loopback, 3 nodes of 1 gloo worker each (tests/python/workers/allreduce_worker.py, 0.1 s
+steps), nnodes 2:3, default settings of each system except where noted:
+  (a) SIGKILL of one whole node   -> first step of the survivors' new round (world 2)
+  (b) SIGTERM of one node's agent -> first step of the new round (world 2)
+  (c) start of a new node         -> first step with it included (world 3)
+Systems: efdl (this build), torchrun with the c10d rendezvous, torchrun with the etcd-v2
+rendezvous (etcd started with --enable-v2). torchrun runs through torchrun_py311.py, which
+works around torchrun 1.13's crash on Python 3.11 (see that file). In (b) the node killed is
+never the c10d store's host (SIGTERM of that node ends a c10d job).
+
+Also: the efdl agent's CPU use while training is steady, and etcd requests per node per minute
+(from etcd's /metrics), both over a 20 s window at world 3.
+
+Usage: /usr/bin/python3 bench/elastic/elastic_bench.py [--systems efdl,c10d,etcd-v2]
+       [--timeout 120]. Needs EFDL_BIN or ./build/efdl. Prints one table with ratios.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python", "workers"))
+import cluster  # noqa: E402
+
+TORCHRUN = [cluster.PYTHON, os.path.join(HERE, "torchrun_py311.py")]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def worker_env():
+    return {"WORKER_STEP_TIME": "0.1"}
+
+
+def start_node(c, system, name, store_port):
+    env = cluster.base_env()
+    env.update(worker_env())
+    if system == "efdl":
+        # Defaults except the snapshot dir; --ttl/--last-call etc. at their defaults.
+        argv = [cluster.efdl_bin(), "run", "--etcd", c.endpoint, "--job", c.job, "--nnodes",
+                "2:3", "--node-id", name, "--nproc-per-node", "1",
+                "--snapshot-dir", os.path.join(c.dir, "snapshots"), "--",
+                cluster.PYTHON, cluster.WORKER]
+    else:
+        endpoint = c.endpoint if system == "etcd-v2" else "127.0.0.1:%d" % store_port
+        argv = TORCHRUN + ["--nnodes", "2:3", "--nproc_per_node", "1", "--max_restarts", "100",
+                           "--rdzv_backend", system, "--rdzv_endpoint", endpoint,
+                           "--rdzv_id", c.job, cluster.WORKER]
+    agent = cluster.Agent(name, argv, env)
+    c.agents.append(agent)
+    return agent
+
+
+def cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def etcd_requests(endpoint):
+    total = 0.0
+    with urllib.request.urlopen("http://%s/metrics" % endpoint, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("grpc_server_msg_received_total{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scenario(system, kind, timeout, steady=None):
+    c = cluster.Cluster(job="bench-%s-%s-%d" % (system.replace("-", ""), kind, os.getpid()))
+    try:
+        c.start_etcd(enable_v2=(system == "etcd-v2"))
+        store_port = cluster.free_port()
+        nodes = [start_node(c, system, "n%d" % i, store_port) for i in range(2)]
+        if system == "c10d":
+            time.sleep(1.0)  # the first node must host the store before others connect
+        if kind != "join":
+            nodes.append(start_node(c, system, "n2", store_port))
+            c.wait_for_world(3, timeout=timeout, by_round=False)
+            if steady is not None and system == "efdl":
+                time.sleep(2)
+                cpu0 = sum(cpu_seconds(n.proc.pid) for n in nodes)
+                req0, t0 = etcd_requests(c.endpoint), time.monotonic()
+                time.sleep(20)
+                dt = time.monotonic() - t0
+                steady["cpu_percent_per_agent"] = 100 * (
+                    sum(cpu_seconds(n.proc.pid) for n in nodes) - cpu0) / dt / len(nodes)
+                steady["etcd_requests_per_node_min"] = (
+                    (etcd_requests(c.endpoint) - req0) / len(nodes) / (dt / 60))
+            victim = nodes[2]
+            t0 = time.monotonic()
+            if kind == "kill":
+                victim.signal_group(signal.SIGKILL)
+            else:
+                victim.proc.send_signal(signal.SIGTERM)
+            done = c.wait_for_world(2, since=t0, agents=nodes[:2], timeout=timeout,
+                                    by_round=False)
+        else:
+            c.wait_for_world(2, timeout=timeout, by_round=False)
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            nodes.append(start_node(c, system, "n2", store_port))
+            done = c.wait_for_world(3, since=t0, timeout=timeout, by_round=False)
+        return done - t0
+    except AssertionError as e:
+        print("  %s/%s: no result (%s)" % (system, kind, str(e).splitlines()[0]), flush=True)
+        return None
+    finally:
+        c.close()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--systems", default="efdl,c10d,etcd-v2")
+    parser.add_argument("--timeout", type=float, default=120)
+    args = parser.parse_args()
+    if cluster.efdl_bin() is None:
+        sys.exit("elastic_bench: efdl binary not found; build first or set EFDL_BIN")
+    systems = args.systems.split(",")
+    kinds = [("kill", "(a) SIGKILL node -> step"), ("term", "(b) SIGTERM node -> step"),
+             ("join", "(c) new node -> step")]
+    results, steady = {}, {}
+    for system in systems:
+        for kind, _ in kinds:
+            t = scenario(system, kind, args.timeout, steady if kind == "kill" else None)
+            results[(system, kind)] = t
+            print("  %-8s %-5s %s" % (system, kind, "%.2f s" % t if t is not None else "-"),
+                  flush=True)
+
+    def fmt(t):
+        return "%7.2f s" % t if t is not None else "      - "
+
+    header = "%-28s" % "scenario" + "".join("%12s" % s for s in systems)
+    header += "".join("%14s" % ("ratio " + s) for s in systems if s != "efdl")
+    print("\n" + header)
+    for kind, label in kinds:
+        row = "%-28s" % label + "".join("%12s" % fmt(results[(s, kind)]) for s in systems)
+        base = results.get(("efdl", kind))
+        for s in systems:
+            if s == "efdl":
+                continue
+            other = results[(s, kind)]
+            row += "%14s" % ("%.1fx" % (other / base) if base and other else "-")
+        print(row)
+    if steady:
+        print("\nefdl steady state at world 3 (20 s): agent CPU %.2f%% of a core per agent; "
+              "%.0f etcd requests per node per minute" % (steady["cpu_percent_per_agent"],
+                                                        steady["etcd_requests_per_node_min"]))
+
+
+if __name__ == "__main__":
+    main()

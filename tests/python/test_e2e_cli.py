@@ -1,0 +1,121 @@
+"""`efdl run` as a user meets it on one machine: bad input is refused with one clear line
+before anything starts; without --etcd a private etcd runs a single-node job that still
+restarts failed workers, up to --max-restarts."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+import cluster  # noqa: E402
+
+EFDL = cluster.efdl_bin()
+pytestmark = pytest.mark.skipif(EFDL is None, reason="efdl binary not built (set EFDL_BIN)")
+
+
+def run(args, timeout=30, cwd=None):
+    started = time.monotonic()
+    proc = subprocess.run([EFDL] + args, env=cluster.base_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+    return proc, time.monotonic() - started
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--bogus-flag", "--", "true"], "--bogus-flag"),
+    (["--nnodes", "3:2", "--etcd", "127.0.0.1:2379", "--job", "j", "--", "true"],
+     "MIN 3 is greater than MAX 2"),
+    (["--nnodes", "two", "--", "true"], "--nnodes"),
+    (["--etcd", "127.0.0.1:2379", "--job", "bad/job", "--", "true"], "job id 'bad/job'"),
+    (["--", "efdl-no-such-training-program"], "efdl-no-such-training-program"),
+    (["--etcd", "127.0.0.1:2379", "--", "true"], "--job is required"),
+    (["--nnodes", "2:3", "--", "true"], "--etcd"),
+    (["--etcd", "127.0.0.1:notaport", "--job", "j", "--", "true"], "--etcd"),
+    (["--ttl", "0", "--", "true"], "--ttl"),
+])
+def test_bad_input_gets_one_clear_line(args, expected):
+    proc, took = run(["run"] + args)
+    assert proc.returncode != 0
+    lines = error_lines(proc)
+    assert lines and expected in lines[0], proc.stderr
+    assert len(lines) <= 2, proc.stderr        # ours: 1; CLI11 adds a "--help" hint
+    assert proc.stdout == ""
+    assert took < 10
+
+
+def test_unreachable_etcd_is_reported_before_anything_starts(tmp_path):
+    port = cluster.free_port()
+    marker = tmp_path / "started"
+    proc, took = run(["run", "--etcd", "127.0.0.1:%d" % port, "--job", "j", "--",
+                      "sh", "-c", "touch %s" % marker], timeout=60)
+    assert proc.returncode != 0
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert "127.0.0.1:%d" % port in lines[0]
+    assert not marker.exists()
+    assert took < 30
+
+
+def test_bad_environment_variable_is_refused_like_the_flag():
+    env = cluster.base_env()
+    env["EFDL_NNODES"] = "5:1"
+    proc = subprocess.run([EFDL, "run", "--etcd", "127.0.0.1:2379", "--job", "j", "--", "true"],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert "MIN 5 is greater than MAX 1" in proc.stderr
+
+
+def test_standalone_job_runs_workers_with_their_environment(tmp_path):
+    proc, _ = run(["run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                   "--node-id", "solo", "--",
+                   "sh", "-c", "echo hello rank=$RANK of=$WORLD_SIZE local=$LOCAL_RANK "
+                               "sock=${EFDL_CONTROL_SOCKET:+yes} omp=$OMP_NUM_THREADS"],
+                  timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0] hello rank=0 of=2 local=0 sock=yes" in proc.stdout
+    assert "[rank 1] hello rank=1 of=2 local=1 sock=yes" in proc.stdout
+    logs = list((tmp_path / "logs" / "solo").iterdir())
+    assert len(logs) == 2
+    assert any("hello rank=1" in p.read_text() for p in logs)
+
+
+def test_standalone_job_restarts_failed_workers_up_to_max_restarts(tmp_path):
+    proc, _ = run(["run", "--max-restarts", "2", "--",
+                   "sh", "-c", "echo attempt $EFDL_RESTART_COUNT round $EFDL_ROUND; exit 3"],
+                  timeout=90, cwd=tmp_path)
+    assert proc.returncode != 0
+    for attempt in range(3):
+        assert "[rank 0] attempt %d" % attempt in proc.stdout, proc.stdout
+    assert "attempt 3" not in proc.stdout
+    assert "rank 0 exited with status 3" in proc.stderr
+    assert "max-restarts 2" in proc.stderr
+
+
+def test_sigterm_stops_a_standalone_job_and_its_workers(tmp_path):
+    pidfile = tmp_path / "worker.pid"
+    proc = subprocess.Popen([EFDL, "run", "--", "sh", "-c", "echo $$ > %s; exec sleep 60" %
+                             pidfile], env=cluster.base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert time.monotonic() < deadline, "worker never started"
+            time.sleep(0.05)
+        worker = int(pidfile.read_text())
+        proc.terminate()
+        assert proc.wait(timeout=30) == 128 + 15
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):
+                os.kill(worker, 0)
+                time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()

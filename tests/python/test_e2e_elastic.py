@@ -1,0 +1,156 @@
+"""Several `efdl run` agents sharing one real etcd on loopback, with workers doing real gloo
+all-reduce (workers/allreduce_worker.py, an unmodified torch.distributed program).
+
+Short settings keep it fast: --ttl 3, --last-call 1, --stop-grace 3, 0.1 s steps. Each test
+kills every process it started (by pid / process group) when it ends.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+import cluster  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
+                                reason="efdl binary not built (set EFDL_BIN)")
+
+
+@pytest.fixture
+def job(tmp_path):
+    c = cluster.Cluster(job="e2e-%d" % os.getpid())
+    try:
+        c.start_etcd()
+        yield c
+    finally:
+        c.close()
+
+
+def status(c):
+    proc = subprocess.run([cluster.efdl_bin(), "status", "--etcd", c.endpoint, "--job", c.job,
+                           "--json"], env=cluster.base_env(), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def max_step(agents, until):
+    return max((s[4] for a in agents for s in a.steps() if s[0] <= until), default=-1)
+
+
+def test_nodes_join_crash_and_leave_while_training_continues(job):
+    env = {"WORKER_USE_CONTROL": "1", "WORKER_PROGRESS": os.path.join(job.dir, "progress")}
+    a = job.start_agent("node-a", env=env)
+    b = job.start_agent("node-b", env=env)
+    c = job.start_agent("node-c", env=env)
+    job.wait_for_world(3, timeout=90)
+
+    st = status(job)
+    assert st["world_size"] == 3, st
+    assert sorted(m["id"] for m in st["members"]) == ["node-a", "node-b", "node-c"], st
+
+    # A crash: the whole node (agent and workers) SIGKILLed at once.
+    killed_at = time.monotonic()
+    c.signal_group(signal.SIGKILL)
+    resumed_at = job.wait_for_world(2, since=killed_at, agents=[a, b], timeout=60)
+    print("SIGKILL -> first step at world 2: %.2f s" % (resumed_at - killed_at))
+    assert resumed_at - killed_at < 15
+    # Training continued from where it was instead of starting over.
+    after = [s[4] for x in (a, b) for s in x.steps(resumed_at)]
+    assert min(after) >= max_step([a, b, c], killed_at) - 2
+
+    # Scale out: a new node is taken in.
+    joined_at = time.monotonic()
+    d = job.start_agent("node-d", env=env)
+    job.wait_for_world(3, since=joined_at, agents=[a, b, d], timeout=60)
+
+    # At MAX (3), a newcomer waits as a standby...
+    e = job.start_agent("node-e", env=env)
+    cluster_deadline = time.monotonic() + 30
+    while "standby" not in e.output():
+        assert time.monotonic() < cluster_deadline, e.output()
+        time.sleep(0.1)
+    assert not e.steps()
+
+    # ...and is taken in when a member leaves gracefully (SIGTERM).
+    left_at = time.monotonic()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.wait(30) == 128 + signal.SIGTERM
+    assert "STOPPING" in a.output()          # its worker was asked over the control socket
+    job.wait_for_world(3, since=left_at, agents=[b, d, e], timeout=60)
+
+    # Graceful scale in below MAX: the others go on at world 2.
+    left_at = time.monotonic()
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait(30) == 128 + signal.SIGTERM
+    resumed_at = job.wait_for_world(2, since=left_at, agents=[d, e], timeout=60)
+    print("SIGTERM -> first step at world 2: %.2f s" % (resumed_at - left_at))
+
+
+def test_heterogeneous_nodes_complete_and_late_agents_exit_zero(job):
+    env = {"WORKER_STEPS": "15", "WORKER_STEP_TIME": "0.05",
+           "WORKER_PROGRESS": os.path.join(job.dir, "progress")}
+    a = job.start_agent("node-a", env=env, nnodes="2:2", nproc=1)
+    b = job.start_agent("node-b", env=env, nnodes="2:2", nproc=2)
+    job.wait_for_world(3, timeout=90)
+    assert a.wait(90) == 0, a.output()
+    assert b.wait(30) == 0, b.output()
+    ranks = {s[1] for x in (a, b) for s in x.steps()}
+    assert ranks == {0, 1, 2}
+    assert sorted({s[1] for s in b.steps()}) in ([0, 1], [1, 2])   # contiguous per node
+    assert "DONE" in a.output() and "DONE" in b.output()
+    late = job.start_agent("node-late", env=env, nnodes="2:2")
+    assert late.wait(30) == 0, late.output()
+    assert not late.steps()
+
+
+def test_below_min_gives_up_after_join_timeout(job):
+    a = job.start_agent("node-a", nnodes="2:3", extra=["--join-timeout", "3"])
+    started = time.monotonic()
+    code = a.wait(60)
+    assert code != 0
+    assert time.monotonic() - started < 40
+    assert not a.steps()
+
+
+def test_worker_failures_past_max_restarts_end_the_agent(job):
+    env = {"WORKER_FAIL_RANK": "1", "WORKER_FAIL_STEP": "2", "WORKER_STEP_TIME": "0.05"}
+    # The node left behind when the failing one gives up waits below MIN: keep that short.
+    extra = ["--max-restarts", "1", "--join-timeout", "5"]
+    a = job.start_agent("node-a", env=env, nnodes="2:2", extra=extra)
+    b = job.start_agent("node-b", env=env, nnodes="2:2", extra=extra)
+    codes = [a.wait(120), b.wait(60)]
+    assert all(code not in (0, None) for code in codes), codes
+    failing = [x for x in (a, b) if "rank 1 exited with status 3" in x.output()]
+    assert failing, a.output()[-2000:] + b.output()[-2000:]
+    assert any("giving up" in x.output() and "max-restarts 1" in x.output() for x in failing)
+
+
+def test_frozen_node_is_fenced_and_rejoins_as_a_new_member(job):
+    env = {"WORKER_USE_CONTROL": "1"}
+    a = job.start_agent("node-a", env=env)
+    b = job.start_agent("node-b", env=env)
+    c = job.start_agent("node-c", env=env)
+    job.wait_for_world(3, timeout=90)
+    frozen_round = max(s[2] for s in c.steps())
+
+    frozen_at = time.monotonic()
+    c.signal_group(signal.SIGSTOP)
+    resumed_at = job.wait_for_world(2, since=frozen_at, agents=[a, b], timeout=60)
+    print("SIGSTOP -> first step at world 2: %.2f s" % (resumed_at - frozen_at))
+    thawed_at = time.monotonic()
+    c.signal_group(signal.SIGCONT)
+
+    deadline = time.monotonic() + 30
+    while "fenced" not in c.output():
+        assert time.monotonic() < deadline, c.output()[-3000:]
+        time.sleep(0.1)
+    # It never trains in its old round again, and comes back through a new one.
+    job.wait_for_world(3, since=thawed_at, timeout=60)
+    late_old = [s for s in c.steps(thawed_at + 1.0) if s[2] <= frozen_round]
+    assert not late_old, late_old

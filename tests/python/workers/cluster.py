@@ -1,0 +1,198 @@
+"""A loopback cluster for the end-to-end tests: one real etcd and several `efdl run` agents.
+
+Every process it starts leads its own session (process group) and is killed by pid/group when
+the cluster is closed, whatever the test did. Agent output is collected line by line with the
+time each line arrived, so tests wait for conditions instead of sleeping.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))))
+PYTHON = "/usr/bin/python3"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "allreduce_worker.py")
+# A worker's step line, with the agent's "[rank N] " prefix (efdl) or without (torchrun).
+STEP_RE = re.compile(r"^(?:\[rank \d+\] )?STEP round=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
+
+
+def efdl_bin():
+    path = os.environ.get("EFDL_BIN") or os.path.join(REPO, "build", "efdl")
+    return path if os.path.exists(path) else None
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("EFDL_", "WORKER_")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.path.join(REPO, "python")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+class Agent:
+    def __init__(self, name, argv, env):
+        self.name = name
+        self.lines = []                  # (monotonic time, text)
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._lock:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def output(self):
+        with self._lock:
+            return "\n".join(text for _, text in self.lines)
+
+    def steps(self, since=0.0):
+        """(time, rank, round, world, step) of every STEP line after `since`."""
+        with self._lock:
+            lines = list(self.lines)
+        out = []
+        for t, text in lines:
+            m = STEP_RE.match(text)
+            if m and t >= since:
+                out.append((t, int(m.group(2)), int(m.group(1)), int(m.group(3)),
+                            int(m.group(4))))
+        return out
+
+    def worker_pids(self):
+        """Pids of the agent's live children (its workers)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % entry) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
+                pids.append(int(entry))
+        return pids
+
+    def signal_group(self, sig):
+        """`sig` to the agent's process group and to each worker's (they lead their own)."""
+        groups = {self.proc.pid} | set(self.worker_pids())
+        for pgid in groups:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("agent %s still running after %ss; output:\n%s" %
+                                 (self.name, timeout, self.output()[-4000:]))
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGCONT)
+            self.signal_group(signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(timeout=5)
+
+
+class Cluster:
+    def __init__(self, job="e2e"):
+        self.dir = tempfile.mkdtemp(prefix="efdl-e2e-")
+        self.job = job
+        self.agents = []
+        self.etcd = None
+        self.endpoint = None
+
+    def start_etcd(self, enable_v2=False):
+        client, peer = free_port(), free_port()
+        self.endpoint = "127.0.0.1:%d" % client
+        data = os.path.join(self.dir, "etcd")
+        log = open(os.path.join(self.dir, "etcd.log"), "w")
+        self.etcd = subprocess.Popen(
+            ["etcd", "--name", "e2e", "--data-dir", data,
+             "--listen-client-urls", "http://" + self.endpoint,
+             "--advertise-client-urls", "http://" + self.endpoint,
+             "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
+             "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
+             "--initial-cluster", "e2e=http://127.0.0.1:%d" % peer]
+            + (["--enable-v2"] if enable_v2 else []),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen("http://%s/health" % self.endpoint, timeout=1) as r:
+                    if b"true" in r.read():
+                        return self.endpoint
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("etcd did not become healthy within 30 s")
+
+    def agent_argv(self, node_id, nnodes="2:3", nproc=1, extra=(), command=None):
+        argv = [efdl_bin(), "run", "--etcd", self.endpoint, "--job", self.job,
+                "--nnodes", nnodes, "--node-id", node_id, "--nproc-per-node", str(nproc),
+                "--ttl", "3", "--last-call", "1", "--stop-grace", "3",
+                "--snapshot-dir", os.path.join(self.dir, "snapshots")]
+        argv += list(extra)
+        argv += ["--"] + (command or [PYTHON, WORKER])
+        return argv
+
+    def start_agent(self, node_id, env=None, **kwargs):
+        e = base_env()
+        e.update(env or {})
+        agent = Agent(node_id, self.agent_argv(node_id, **kwargs), e)
+        self.agents.append(agent)
+        return agent
+
+    def world_sizes_since(self, since, agents=None):
+        """The set of world sizes seen in STEP lines after `since`."""
+        return {s[3] for a in (agents or self.agents) for s in a.steps(since)}
+
+    def wait_for_world(self, world, since=0.0, agents=None, timeout=60, full=True,
+                       by_round=True):
+        """Waits until some round of world size `world` ran a step on every one of its ranks
+        (full) after `since`; returns the time of the first such step. by_round=False: ranks
+        of any round count (torchrun has no shared round number)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rounds = {}
+            for a in (agents or self.agents):
+                for t, rank, round_, w, step in a.steps(since):
+                    if w == world:
+                        key = round_ if by_round else 0
+                        rounds.setdefault(key, {}).setdefault(rank, t)
+            for round_, ranks in rounds.items():
+                if not full or len(ranks) == world:
+                    return min(ranks.values())
+            time.sleep(0.05)
+        raise AssertionError("no round of world %d within %ss; outputs:\n%s" % (
+            world, timeout, "\n----\n".join(a.name + ":\n" + a.output()[-3000:]
+                                           for a in self.agents)))
+
+    def close(self):
+        for a in self.agents:
+            a.kill()
+        if self.etcd is not None and self.etcd.poll() is None:
+            os.killpg(self.etcd.pid, signal.SIGKILL)
+            self.etcd.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
