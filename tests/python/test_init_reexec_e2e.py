@@ -1,0 +1,59 @@
+""""Every node runs the same plain command": `python3 train.py` on two nodes with only
+EFDL_ETCD_ENDPOINTS / EFDL_JOB_ID (and the agent's other EFDL_* settings) in the environment
+re-executes itself under the real `efdl run` and forms one 2-rank job over a real etcd.
+Skipped when the efdl binary is not built (EFDL_BIN or build/efdl)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+import cluster  # noqa: E402
+
+EFDL = cluster.efdl_bin()
+pytestmark = pytest.mark.skipif(EFDL is None, reason="efdl binary not built (set EFDL_BIN)")
+
+TRAIN = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    import efdl.backend.torch as efdl
+    efdl.init(timeout=60)
+    t = torch.tensor([1.0]); dist.all_reduce(t)
+    print("TRAINED rank=%d world=%d sum=%d reexecuted=%s" % (efdl.get_rank(),
+          efdl.get_world_size(), t.item(), os.environ.get("EFDL_REEXECUTED")), flush=True)
+""")
+TRAINED_RE = re.compile(r"TRAINED rank=(\d) world=(\d) sum=(\d) reexecuted=(\S+)")
+
+
+def test_the_same_plain_command_on_two_nodes_becomes_one_job(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    job = cluster.Cluster(job="plain-reexec")
+    procs = []
+    try:
+        job.start_etcd()
+        for node in ("node-a", "node-b"):
+            env = cluster.base_env()
+            env.update(EFDL_ETCD_ENDPOINTS=job.endpoint, EFDL_JOB_ID=job.job, EFDL_NNODES="2",
+                       EFDL_NODE_ID=node, EFDL_BIN=EFDL, EFDL_TTL="3", EFDL_LAST_CALL="1",
+                       EFDL_SNAPSHOT_DIR=str(tmp_path / "snapshots"))
+            procs.append(subprocess.Popen([cluster.PYTHON, str(script)], env=env, cwd=tmp_path,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        job.close()
+    found = []
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+        assert "re-executing under" in out
+        found += TRAINED_RE.findall(out)
+    assert sorted(found) == [("0", "2", "2", "1"), ("1", "2", "2", "1")], outputs
