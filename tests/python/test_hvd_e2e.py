@@ -1,0 +1,66 @@
+"""The Horovod layer under real agents: two `efdl run` nodes of 2 and 1 processes on one real
+etcd; `hvd` learns its place from the agent's environment and trains in step.
+Skipped when the efdl binary is not built (EFDL_BIN or build/efdl)."""
+
+import json
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+import cluster  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
+                                reason="efdl binary not built (set EFDL_BIN)")
+
+TRAIN = textwrap.dedent("""
+    import json, torch
+    from efdl.backend.horovod.torch import hvd
+    hvd.init()
+    torch.manual_seed(hvd.rank())  # different start on every rank: broadcast must fix it
+    model = torch.nn.Linear(4, 2).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + hvd.rank())
+        opt.zero_grad()
+        model(torch.randn(8, 4, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    print("HVD " + json.dumps(dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
+          local_size=hvd.local_size(), cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
+          params=params)), flush=True)
+""")
+HVD_RE = re.compile(r"HVD (\{.*\})")
+
+
+def test_hvd_layer_trains_in_step_on_heterogeneous_nodes(tmp_path):
+    script = tmp_path / "train_hvd.py"
+    script.write_text(TRAIN)
+    job = cluster.Cluster(job="hvd-layer")
+    try:
+        job.start_etcd()
+        env = dict(EFDL_HOROVOD="torch")
+        agents = [job.start_agent("node-a", env=env, nnodes="2:2", nproc=2,
+                                  command=[cluster.PYTHON, str(script)]),
+                  job.start_agent("node-b", env=env, nnodes="2:2", nproc=1,
+                                  command=[cluster.PYTHON, str(script)])]
+        codes = [a.wait(timeout=150) for a in agents]
+        outputs = [a.output() for a in agents]
+    finally:
+        job.close()
+    assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
+    results = [json.loads(m) for out in outputs for m in HVD_RE.findall(out)]
+    results.sort(key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert {r["size"] for r in results} == {3}
+    assert results[0]["params"] == results[1]["params"] == results[2]["params"]
+    assert sorted(r["local_size"] for r in results) == [1, 2, 2]
+    firsts = [r for r in results if r["local_rank"] == 0]
+    seconds = [r for r in results if r["local_rank"] == 1]
+    assert [(r["cross_rank"], r["cross_size"]) for r in firsts] == [(0, 2), (1, 2)]
+    assert [(r["cross_rank"], r["cross_size"]) for r in seconds] == [(0, 1)]
