@@ -85,12 +85,9 @@ def get_local_world_size():
     return _env.env_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(), minimum=1)
 
 
-# State and its errors live with the torch backend (one snapshot engine for both APIs).
-_FROM_TORCH_BACKEND = ("State", "SnapshotError", "SnapshotMismatchError")
-
-
 def __getattr__(name):
-    if name in _FROM_TORCH_BACKEND:
-        from efdl.backend import torch as torch_backend
+    # State and its errors live with the torch backend (one snapshot engine for both APIs).
+    from efdl.backend import torch as torch_backend
+    if name in torch_backend._STATE_NAMES:
         return getattr(torch_backend, name)
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
