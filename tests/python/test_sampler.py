@@ -115,6 +115,11 @@ def test_a_finished_pass_makes_the_next_pass_whole():
     partial = DistributedSampler(range(30), num_replicas=2, rank=1, shuffle=False, start_index=12)
     next(iter(partial))  # an abandoned pass keeps the resume point
     assert len(partial) == 3
+    moved = DistributedSampler(range(30), num_replicas=2, rank=1, shuffle=False, start_index=12)
+    fixed = iter(moved)
+    moved.update(start_index=14)  # the pass already started keeps its indices...
+    assert list(fixed) == [25, 27, 29]
+    assert list(moved) == [29]  # ...and the moved resume point survives its end
 
 
 def test_defaults_come_from_the_launcher_env(monkeypatch):

@@ -153,7 +153,12 @@ class DistributedSampler(Sampler):
         return remaining[self.rank:dealt:self.num_replicas]
 
     def __iter__(self):
-        indices = self.indices()
+        # The indices are fixed when the pass starts, as in torch's sampler.
+        return self._pass(self.indices(), self.epoch, self.global_start_index)
+
+    def _pass(self, indices, epoch, start):
         yield from indices
-        # Ran to the end: the resumed epoch is done, a further pass over it is a whole one.
-        self.global_start_index = 0
+        # Ran to the end: the resumed epoch is done, a further pass over it is a whole one
+        # (unless the resume point was moved during the pass).
+        if (self.epoch, self.global_start_index) == (epoch, start):
+            self.global_start_index = 0
