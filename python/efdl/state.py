@@ -18,7 +18,8 @@ Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_NODE_ID
 name), EFDL_SNAPSHOT_DIR, EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node,
 written by local rank 0, for data-parallel jobs where all ranks hold the same state; 1: one per
 rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
-EFDL_PERSIST_MIN_INTERVAL_MS (0), EFDL_AGENT_PERSISTS (1: the node agent persists; the worker
+EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is written at most once a second; exit,
+SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1: the node agent persists; the worker
 does not).
 """
 
@@ -149,16 +150,14 @@ class State:
             self._job, scope, self._arena_path, self._storage_dir,
             num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", 2), keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
             persist=persist and self._writer, copy_threads=_env_int("EFDL_SNAPSHOT_THREADS", 0),
-            persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 0))
+            persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000))
         self._control = self._connect_control()
 
         self._restore_newest()
-        if model is not None:
-            self.set_and_restore_model(model)
-        if optimizer is not None:
-            self.set_and_restore_optimizer(optimizer)
-        if scheduler is not None:
-            self.set_and_restore_scheduler(scheduler)
+        d["model"], d["optimizer"], d["scheduler"] = model, optimizer, scheduler
+        given = [p for p in ("model", "optimizer", "scheduler") if d[p] is not None]
+        if self._restored is not None and given:
+            self._restore_parts(given)  # one pass over the snapshot for all of them
         self._install_exit_hooks()
 
     # -- attributes: keyword arguments are user state -------------------------------------------
@@ -192,19 +191,19 @@ class State:
         self.__dict__["_model_cache"] = None
         self._plan = None
         if self._restored is not None and model is not None:
-            self._restore_part("model")
+            self._restore_parts(["model"])
 
     def set_and_restore_optimizer(self, optimizer):
         self.__dict__["optimizer"] = optimizer
         self._plan = None
         if self._restored is not None and optimizer is not None:
-            self._restore_part("optimizer")
+            self._restore_parts(["optimizer"])
 
     def set_and_restore_scheduler(self, scheduler):
         self.__dict__["scheduler"] = scheduler
         self._plan = None
         if self._restored is not None and scheduler is not None:
-            self._restore_part("scheduler")
+            self._restore_parts(["scheduler"])
 
     # The user's existing API spells these so; both spellings keep working.
     set_and_resotre_model = set_and_restore_model
@@ -410,28 +409,54 @@ class State:
             return True
         return False
 
-    def _read_tensors(self, ref, entries):
-        """Reads the given (name, dtype, shape, nbytes) entries of ref into new CPU tensors."""
-        wanted = {e[0] for e in entries}
-        out, ptrs = {}, []
-        for name, dtype, shape, nbytes in ref.tensors:
-            if name in wanted:
-                t = torch.empty(shape, dtype=_dtype_of(dtype))
-                out[name] = t
-                ptrs.append(t.data_ptr())
-            else:
-                ptrs.append(0)
-        self._engine.restore(ref, ptrs)
+    def _existing_optimizer_buffers(self, params):
+        """Optimizer state tensors that already exist, by snapshot name: restored in place."""
+        out = {}
+        for i, p in enumerate(params):
+            for key, v in (self.optimizer.state.get(p) or {}).items():
+                if isinstance(v, torch.Tensor):
+                    out["optimizer/%d/%s" % (i, key)] = v
         return out
 
-    def _restore_part(self, part):
-        ref = self._restored
+    def _destinations(self, ref, entries, reuse=None):
+        """CPU tensors to receive the given (name, dtype, shape, nbytes) entries of ref: those in
+        `reuse` (by name) when CPU, contiguous and of the same dtype/shape (no allocation: fresh
+        memory costs a page fault per 4 KiB), else new ones. Returns ({name: tensor},
+        {name: address})."""
+        out, ptrs = {}, {}
+        reuse = reuse or {}
+        for name, dtype, shape, _ in entries:
+            t = reuse.get(name)
+            if (t is None or t.device.type != "cpu" or not t.is_contiguous()
+                    or _dtype_name(t.dtype) != dtype or list(t.shape) != list(shape)):
+                t = torch.empty(shape, dtype=_dtype_of(dtype))
+            out[name] = t
+            ptrs[name] = t.data_ptr()
+        return out, ptrs
+
+    def _read_tensors(self, ref, entries):
+        out, ptrs = self._destinations(ref, entries)
+        self._engine.restore(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
+        return out
+
+    def _restore_parts(self, parts):
+        """Restores the given parts from the chosen snapshot with one engine call: every check
+        (keys, shapes, counts) runs before any byte is written."""
+        ref, meta = self._restored, self._restored_meta
+        ptrs, finishes = {}, []
+        for part in parts:
+            part_ptrs, finish = getattr(self, "_prepare_" + part)(ref, meta)
+            ptrs.update(part_ptrs)
+            finishes.append(finish)
         try:
-            getattr(self, "_restore_" + part)(ref, self._restored_meta)
+            if ptrs:
+                self._engine.restore(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
         except SnapshotError as e:
             raise SnapshotError("restoring the %s from snapshot seq %d (%s) failed: %s; remove "
                                 "%s or use a new EFDL_JOB_ID to start fresh"
-                                % (part, ref.seq, ref.path, e, ref.path)) from None
+                                % (" and ".join(parts), ref.seq, ref.path, e, ref.path)) from None
+        for finish in finishes:
+            finish()
 
     def _mismatch(self, ref, what):
         return SnapshotMismatchError(
@@ -439,7 +464,7 @@ class State:
             "model/optimizer the snapshot was taken from, or start fresh with a new EFDL_JOB_ID "
             "or an empty snapshot directory" % (ref.seq, self._job, ref.path, what))
 
-    def _restore_model(self, ref, meta):
+    def _prepare_model(self, ref, meta):
         saved = [(n[len("model/"):], d, s, b) for n, d, s, b in ref.tensors
                  if n.startswith("model/")]
         current = [(k[len("model/"):], t) for k, t in self._model_entries()]
@@ -462,24 +487,23 @@ class State:
             if _dtype_name(t.dtype) != dtype:
                 raise self._mismatch(ref, "model key %r has dtype %s in the snapshot but %s in "
                                           "the model" % (key, dtype, _dtype_name(t.dtype)))
-        ptrs, copies = [], []
-        for name, dtype, shape, nbytes in ref.tensors:
-            if not name.startswith("model/"):
-                ptrs.append(0)
-                continue
-            t = by_name[name[len("model/"):]]
+        ptrs, copies = {}, []
+        for key, dtype, shape, _ in saved:
+            t = by_name[key]
             if t.device.type == "cpu" and t.is_contiguous():
-                ptrs.append(t.data_ptr())   # straight into the parameter's memory
+                ptrs["model/" + key] = t.data_ptr()  # straight into the parameter's memory
             else:
                 tmp = torch.empty(shape, dtype=_dtype_of(dtype))
                 copies.append((t, tmp))
-                ptrs.append(tmp.data_ptr())
-        self._engine.restore(ref, ptrs)
-        with torch.no_grad():
-            for t, tmp in copies:
-                t.copy_(tmp)
+                ptrs["model/" + key] = tmp.data_ptr()
 
-    def _restore_optimizer(self, ref, meta):
+        def finish():
+            with torch.no_grad():
+                for t, tmp in copies:
+                    t.copy_(tmp)
+        return ptrs, finish
+
+    def _prepare_optimizer(self, ref, meta):
         saved = meta.get("optimizer")
         if saved is None:
             raise self._mismatch(ref, "the snapshot holds no optimizer state but an optimizer "
@@ -500,35 +524,41 @@ class State:
             if index >= len(params):
                 raise self._mismatch(ref, "snapshot tensor %r refers to parameter %d of %d"
                                      % (name, index, len(params)))
-        tensors = self._read_tensors(ref, entries) if entries else {}
-        new_state = {}
-        for i, small in saved.get("state", {}).items():
-            new_state.setdefault(int(i), {}).update(small)
-        for name, t in tensors.items():
-            _, index, key = name.split("/", 2)
-            p = params[int(index)]
-            if t.is_floating_point() and key != "step":
-                t = t.to(dtype=p.dtype)
-            new_state.setdefault(int(index), {})[key] = t.to(device=p.device)
-        opt.state.clear()
-        for index, s in new_state.items():
-            opt.state[params[index]] = s
-        for g, sg in zip(opt.param_groups, groups):
-            for k, v in sg.items():
-                if k != "num_params":
-                    g[k] = v
+        tensors, ptrs = self._destinations(ref, entries, self._existing_optimizer_buffers(params))
 
-    def _restore_scheduler(self, ref, meta):
+        def finish():
+            new_state = {}
+            for i, small in saved.get("state", {}).items():
+                new_state.setdefault(int(i), {}).update(small)
+            for name, t in tensors.items():
+                _, index, key = name.split("/", 2)
+                p = params[int(index)]
+                if t.is_floating_point() and key != "step":
+                    t = t.to(dtype=p.dtype)
+                new_state.setdefault(int(index), {})[key] = t.to(device=p.device)
+            opt.state.clear()
+            for index, st in new_state.items():
+                opt.state[params[index]] = st
+            for g, sg in zip(opt.param_groups, groups):
+                for k, v in sg.items():
+                    if k != "num_params":
+                        g[k] = v
+        return ptrs, finish
+
+    def _prepare_scheduler(self, ref, meta):
         saved = meta.get("scheduler")
         if saved is None:
             raise self._mismatch(ref, "the snapshot holds no scheduler state but a scheduler "
                                       "was given")
-        sd = dict(saved)
         entries = [e for e in ref.tensors if e[0].startswith("scheduler/")]
-        if entries:
-            for name, t in self._read_tensors(ref, entries).items():
+        tensors, ptrs = self._destinations(ref, entries)
+
+        def finish():
+            sd = dict(saved)
+            for name, t in tensors.items():
                 sd[name[len("scheduler/"):]] = t
-        self.scheduler.load_state_dict(sd)
+            self.scheduler.load_state_dict(sd)
+        return ptrs, finish
 
     # -- stopping ------------------------------------------------------------------------------
 

@@ -61,6 +61,12 @@ class SnapshotArena {
   uint64_t manifest_capacity() const;
   uint64_t data_capacity() const;
 
+  // Makes every page writable in this process's page tables now, so commits never fault.
+  // Create() does it; a writer that reuses an existing arena calls it once.
+  void PrefaultForWrite();
+  // Where slot's data area starts in the file (readers may pread instead of mapping).
+  uint64_t data_file_offset(int slot) const;
+
   // Writer side. BeginWrite returns the slot to fill (marked kWriting), or FailedPrecondition
   // when every slot is pinned.
   Result<int> BeginWrite();
@@ -83,6 +89,7 @@ class SnapshotArena {
   SnapshotArena(std::string path, std::string file_path, uint8_t* base, uint64_t size,
                 ino_t inode);
   Header* header() const;
+  int TryBeginWrite();  // -1: every slot pinned right now
   bool PinnedByLiveProcess(int slot) const;
 
   std::string path_;       // final path
@@ -90,6 +97,7 @@ class SnapshotArena {
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
   ino_t inode_ = 0;
+  bool prefaulted_ = false;
 };
 
 }  // namespace efdl::snapshot

@@ -31,11 +31,13 @@ void Persister::Start() {
 }
 
 void Persister::Notify() {
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++notified_;
+    wake = idle_;  // while it sleeps out the rate limit, a wake-up per commit would be wasted
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
 }
 
 Status Persister::last_status() const {
@@ -53,7 +55,9 @@ void Persister::Loop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
+      idle_ = true;
       cv_.wait_for(lock, options_.poll_interval, [&] { return stop_ || notified_ != seen; });
+      idle_ = false;
       if (stop_) return;
       seen = notified_;
     }

@@ -62,6 +62,7 @@ class Persister {
   std::condition_variable cv_;
   bool stop_ = false;                         // guarded by mu_
   uint64_t notified_ = 0;                     // guarded by mu_
+  bool idle_ = false;                         // guarded by mu_: waiting for a commit
   uint64_t persisted_seq_ = 0;                // guarded by mu_
   Status last_status_;                        // guarded by mu_
   std::string last_logged_error_;             // guarded by mu_

@@ -58,6 +58,20 @@ Status ForEachPiece(const std::vector<Piece>& pieces, ParallelRunner* runner,
 
 }  // namespace
 
+ScratchPool::ScratchPool(size_t count, size_t bytes)
+    : bytes_(bytes), buffers_(count), busy_(count) {
+  for (auto& b : buffers_) b.reset(new uint8_t[bytes_]);
+}
+
+int ScratchPool::Acquire() {
+  for (size_t i = 0;; i = (i + 1) % busy_.size()) {
+    bool expected = false;
+    if (busy_[i].compare_exchange_weak(expected, true, std::memory_order_acquire)) {
+      return static_cast<int>(i);
+    }
+  }
+}
+
 uint64_t ChecksumOfRegion(const std::vector<TensorEntry>& tensors, const uint8_t* data,
                           ParallelRunner* runner) {
   auto pieces = PiecesOf(tensors);
@@ -138,21 +152,14 @@ Status VerifySnapshotData(const RandomAccessFile& file, const SnapshotFileInfo& 
                           const std::string& path, ParallelRunner* runner) {
   auto pieces = PiecesOf(info.manifest.tensors);
   std::vector<uint64_t> hashes(pieces.size());
-  const int nbuf = runner != nullptr ? runner->threads() : 1;
-  // One buffer per concurrent reader; a piece takes any free one.
-  std::vector<std::unique_ptr<uint8_t[]>> buffers;
-  std::vector<std::atomic<bool>> busy(static_cast<size_t>(nbuf));
-  for (int i = 0; i < nbuf; ++i) buffers.emplace_back(new uint8_t[kPieceBytes]);
+  ScratchPool scratch(runner != nullptr ? static_cast<size_t>(runner->threads()) : 1,
+                      kPieceBytes);
   EFDL_RETURN_IF_ERROR(ForEachPiece(pieces, runner, [&](size_t i) -> Status {
-    size_t b = 0;
-    for (;; b = (b + 1) % busy.size()) {
-      bool expected = false;
-      if (busy[b].compare_exchange_weak(expected, true)) break;
-    }
+    const int b = scratch.Acquire();
     const Piece& p = pieces[i];
-    Status s = file.Read(info.data_offset + p.offset, p.length, buffers[b].get());
-    if (s.ok()) hashes[i] = Hash64(buffers[b].get(), p.length, p.Seed());
-    busy[b] = false;
+    Status s = file.Read(info.data_offset + p.offset, p.length, scratch.buffer(b));
+    if (s.ok()) hashes[i] = Hash64(scratch.buffer(b), p.length, p.Seed());
+    scratch.Release(b);
     return s;
   }));
   if (FoldPieceHashes(hashes) != info.data_checksum) {

@@ -10,7 +10,9 @@
 // torn copy on a shared mount, bit rot).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,20 @@ Status VerifySnapshotData(const RandomAccessFile& file, const SnapshotFileInfo& 
 // Reads tensor i into dst[i] (nullptr: skip). Does not verify: call VerifySnapshotData first.
 Status ReadSnapshotTensors(const RandomAccessFile& file, const SnapshotFileInfo& info,
                            const std::vector<void*>& dst, ParallelRunner* runner);
+
+// Fixed buffers shared by the threads of one ParallelRunner::Run (one per thread suffices).
+class ScratchPool {
+ public:
+  ScratchPool(size_t count, size_t bytes);
+  int Acquire();  // spins until one is free (never long: count >= concurrent users)
+  void Release(int i) { busy_[static_cast<size_t>(i)].store(false, std::memory_order_release); }
+  uint8_t* buffer(int i) { return buffers_[static_cast<size_t>(i)].get(); }
+
+ private:
+  size_t bytes_;
+  std::vector<std::unique_ptr<uint8_t[]>> buffers_;
+  std::vector<std::atomic<bool>> busy_;
+};
 
 // The data checksum of a region laid out as `tensors` says (parallel over pieces).
 uint64_t ChecksumOfRegion(const std::vector<TensorEntry>& tensors, const uint8_t* data,

@@ -1,0 +1,242 @@
+#!/usr/bin/python3
+"""bench/snapshot: what a snapshot costs, against baselines measured in the same run.
+
+    PYTHONPATH=python /usr/bin/python3 bench/snapshot.py [--gib 1.0] [--reps 3] [--digits-steps N]
+
+Part 1, a state of about --gib GiB (parameters of large Linear layers plus SGD momentum):
+  raw copy     memcpy of every tensor into pre-allocated, pre-faulted memory (2 threads): the limit
+  commit       State.commit() blocking time (the persister runs in the background meanwhile)
+  deepcopy     copy.deepcopy of the model and optimizer state_dicts (Horovod's in-memory commit)
+  save shm     torch.save to /dev/shm
+  save disk    torch.save to disk + fsync
+  restore shm  State(model, optimizer) construction restoring from shared memory
+  restore disk the same with the shared-memory copy gone (from storage, checksums verified)
+Part 2, the digits data set (sklearn) with a small MLP: steps/s with commit() every step vs
+without State. Prints ratios and whether the targets hold. Times are the best of --reps runs.
+"""
+
+import argparse
+import copy
+import ctypes
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+
+def best(fn, reps):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def raw_copy_fn(tensors, threads=2):
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    dst = torch.empty(total, dtype=torch.uint8)
+    dst.fill_(0)  # pre-fault
+    jobs, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        # Cut big tensors so every thread gets work, as the engine does.
+        step = 1 << 20
+        for s in range(0, n, step):
+            jobs.append((dst.data_ptr() + off + s, t.data_ptr() + s, min(step, n - s)))
+        off += n
+
+    def run(keep=(dst, tensors)):  # keeps the buffers behind the raw pointers alive
+        def worker(part):
+            for d, s, n in part:
+                ctypes.memmove(d, s, n)  # releases the GIL
+        parts = [jobs[i::threads] for i in range(threads)]
+        ts = [threading.Thread(target=worker, args=(p,)) for p in parts]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return run, total
+
+
+def build_state(gib):
+    layers = max(1, int(round(gib * (1 << 30) / 2 / (4096 * 4096 * 4))))
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(torch.randn(2, 4096)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def part1(args, work):
+    import efdl.backend.torch as efdl
+    from efdl import state as state_mod
+    model, optimizer = build_state(args.gib)
+    tensors = list(model.state_dict().values()) + [
+        optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    raw, total = raw_copy_fn(tensors)
+    gib = total / (1 << 30)
+    print("state: %.2f GiB in %d tensors (params + momentum)" % (gib, len(tensors)))
+    results = {}
+    results["raw copy"] = best(raw, args.reps)
+
+    state = efdl.State(model, optimizer, epoch=0, step=0)
+    state.commit()          # first commit creates and pre-faults the arena
+    state.flush()
+    commit_times = []
+    for i in range(args.reps):
+        state.step = i + 1
+        t0 = time.perf_counter()
+        state.commit()   # the previous commit's persist is still running meanwhile
+        commit_times.append(time.perf_counter() - t0)
+    results["commit"] = (min(commit_times), statistics.median(commit_times))
+    t0 = time.perf_counter()
+    state.flush()
+    persist_wait = time.perf_counter() - t0
+
+    sd = lambda: (model.state_dict(), optimizer.state_dict())
+    results["deepcopy"] = best(lambda: copy.deepcopy(sd()), args.reps)
+    shm_file = "/dev/shm/efdl-bench-%d.pt" % os.getpid()
+    disk_file = os.path.join(work, "save.pt")
+
+    def save_shm():
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, shm_file)
+
+    def save_disk():
+        with open(disk_file, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    try:
+        results["torch.save shm"] = best(save_shm, args.reps)
+    finally:
+        if os.path.exists(shm_file):
+            os.unlink(shm_file)
+    results["torch.save disk"] = best(save_disk, max(1, args.reps - 1))
+    os.unlink(disk_file)
+
+    def restore():
+        efdl.State(model, optimizer, epoch=0, step=0)
+    results["restore shm"] = best(restore, args.reps)
+    arena = state.arena_path
+    del state
+    os.rename(arena, arena + ".away")
+    try:
+        results["restore disk"] = best(restore, max(1, args.reps - 1))
+    finally:
+        os.rename(arena + ".away", arena)
+
+    print("%-16s %10s %10s %10s %8s" % ("operation", "best s", "median s", "GiB/s", "x raw"))
+    raw_t = results["raw copy"][0]
+    for name, (b, med) in results.items():
+        print("%-16s %10.4f %10.4f %10.2f %8.2f" % (name, b, med, gib / b, b / raw_t))
+    print("persist of the last commit finished %.3f s after it (not on the commit path)"
+          % persist_wait)
+    checks = [
+        ("commit <= 1.3x raw copy", results["commit"][0] <= 1.3 * raw_t,
+         results["commit"][0] / raw_t),
+        ("commit >= 10x faster than torch.save to disk",
+         results["torch.save disk"][0] >= 10 * results["commit"][0],
+         results["torch.save disk"][0] / results["commit"][0]),
+        ("restore from shm <= 1.5x raw copy", results["restore shm"][0] <= 1.5 * raw_t,
+         results["restore shm"][0] / raw_t),
+    ]
+    for text, ok, ratio in checks:
+        print("target %-46s %-4s (%.2f)" % (text, "MET" if ok else "MISS", ratio))
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("efdl-" + state_mod._safe_name(os.environ["EFDL_JOB_ID"])):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def part2(args):
+    import efdl.backend.torch as efdl
+    from sklearn.datasets import load_digits
+    torch.set_num_threads(1)
+    X, y = load_digits(return_X_y=True)
+    X = torch.tensor(X / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    batch, block = 32, 100
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = efdl.State(model, opt, epoch=0, step=0)
+    gen = torch.Generator().manual_seed(0)
+
+    def batches():
+        while True:
+            perm = torch.randperm(len(X), generator=gen)
+            for i in range(0, len(X) - batch + 1, batch):
+                yield perm[i:i + batch]
+    it = batches()
+
+    def run_block(commit):
+        inside = 0.0
+        t0 = time.perf_counter()
+        for _ in range(block):
+            idx = next(it)
+            loss = torch.nn.functional.cross_entropy(model(X[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.step += 1
+            if commit:
+                c0 = time.perf_counter()
+                state.commit()
+                inside += time.perf_counter() - c0
+        return time.perf_counter() - t0, inside
+
+    run_block(True)
+    run_block(False)
+    without, with_, inside = [], [], []
+    # Alternating blocks in one process: load changes on this shared machine hit both alike.
+    for _ in range(max(1, args.digits_steps // (2 * block))):
+        without.append(run_block(False)[0])
+        t, c = run_block(True)
+        with_.append(t)
+        inside.append(c)
+    state.flush()
+    a, b = statistics.median(without), statistics.median(with_)
+    print("digits MLP (64-128-128-10, batch %d), %d alternating blocks of %d steps: without "
+          "commit %.0f steps/s, commit() every step %.0f steps/s; time inside commit() %.1f%% "
+          "of the loop (%.0f us per commit)" % (batch, 2 * len(without), block, block / a,
+                                                  block / b, 100 * sum(inside) / sum(with_),
+                                                  1e6 * sum(inside) / (block * len(inside))))
+    print("target %-46s %-4s (%.3f)" % ("throughput ratio >= 0.97", "MET" if a / b >= 0.97
+                                         else "MISS", a / b))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--digits-steps", type=int, default=2000)
+    ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--skip-digits", action="store_true")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="efdl-bench-", dir=os.environ.get("BENCH_DISK_DIR", "/var/tmp"))
+    os.environ.update(EFDL_JOB_ID="bench-snapshot-%d" % os.getpid(),
+                      EFDL_SNAPSHOT_DIR=os.path.join(work, "snaps"))
+    try:
+        if not args.skip_big:
+            part1(args, work)
+        if not args.skip_digits:
+            part2(args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for f in os.listdir("/dev/shm"):
+            if f.startswith("efdl-bench-snapshot-%d" % os.getpid()):
+                os.unlink(os.path.join("/dev/shm", f))
+
+
+if __name__ == "__main__":
+    main()
