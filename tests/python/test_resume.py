@@ -138,3 +138,26 @@ def test_resume_step_matches_the_spec_formula():
 def test_bad_resume_arguments_get_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_documented_exact_loop_with_dataloaders_visits_every_sample_once():
+    """docs/data-and-resume.md's loop, with real DataLoaders stepping the ranks in lockstep:
+    `samples += len(batch) * world` per step, the sampler resumed from it after each resize."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dataset = TensorDataset(torch.arange(103))
+    batch_size, samples, seen = 4, 0, []
+    for world, steps in [(3, 4), (2, 5), (5, 1), (4, None)]:
+        loaders = [DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(
+            dataset, num_replicas=world, rank=r, epoch=2, global_start_index=samples))
+            for r in range(world)]
+        for i, batches in enumerate(zip(*loaders)):
+            if steps is not None and i == steps:
+                break  # the job is resized here, right after a commit
+            assert len({len(b[0]) for b in batches}) == 1, "ranks must step the same amount"
+            seen += [int(x) for (b,) in batches for x in b]
+            samples += len(batches[0][0]) * world
+    counts = collections.Counter(seen)
+    assert sorted(counts) == list(range(103))
+    assert len(seen) - 103 < 4  # only the last world size's padding repeats
