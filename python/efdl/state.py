@@ -103,12 +103,14 @@ def _host_view(address, nbytes, dtype, shape):
 class _Plan:
     """The tensors of the last commit: names, objects and addresses. Rebuilt when they change."""
 
-    __slots__ = ("key", "names", "tensors", "ptrs", "originals")
+    __slots__ = ("key", "names", "tensors", "ptrs", "raw_ptrs", "originals")
 
     def __init__(self, names, tensors):
         self.names = names
         self.tensors = tensors
-        self.ptrs = [t.data_ptr() if t.device.type == "cpu" else 0 for t in tensors]
+        self.raw_ptrs = None
+        # 0: not host memory, filled through State._fill (device-to-host into the arena)
+        self.ptrs = [0 if t.is_cuda else t.data_ptr() for t in tensors]
         self.key = [id(t) for t in tensors]
 
 
@@ -128,6 +130,7 @@ class State:
         d["_restored"] = None
         d["_restored_meta"] = None
         d["_lock"] = threading.Lock()
+        d["_sched_sd"] = None
 
         from efdl.backend import _env
         rank, local_rank = _env.rank(), _env.local_rank()
@@ -273,12 +276,10 @@ class State:
         with self._lock:
             names, tensors = self._collect_tensors()
             plan = self._plan
-            if plan is None or plan.key != [id(t) for t in tensors]:
+            # Same tensor objects at the same addresses: the layout and the copy list still hold.
+            if (plan is None or plan.key != [id(t) for t in tensors]
+                    or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
                 plan = self._make_plan(names, tensors)
-            else:
-                ptrs = [t.data_ptr() if t.device.type == "cpu" else 0 for t in tensors]
-                if ptrs != plan.ptrs:
-                    plan = self._make_plan(names, tensors)
             meta = self._meta()
             fill = self._fill if 0 in plan.ptrs else None
             self._engine.commit(plan.ptrs, int(step) if isinstance(step, int) else 0, meta, fill)
@@ -288,11 +289,12 @@ class State:
     def _make_plan(self, names, tensors):
         staged = []
         for t in tensors:
-            if t.device.type == "cpu" and not t.is_contiguous():
+            if not t.is_cuda and not t.is_contiguous():
                 t = t.contiguous()  # a copy per commit; parameters are contiguous in practice
             staged.append(t)
         plan = _Plan(names, staged)
         plan.key = [id(t) for t in tensors]
+        plan.raw_ptrs = [t.data_ptr() for t in tensors]
         plan.originals = tensors  # keeps the ids in plan.key from being reused
         self._engine.set_layout([(n, _dtype_name(t.dtype), list(t.shape),
                                   t.numel() * t.element_size()) for n, t in zip(names, staged)])
@@ -337,8 +339,10 @@ class State:
                     if isinstance(v, torch.Tensor):
                         names.append("optimizer/%d/%s" % (i, key))
                         tensors.append(v)
+        self._sched_sd = None
         if self.scheduler is not None:
-            for key, v in self.scheduler.state_dict().items():
+            self._sched_sd = sd = self.scheduler.state_dict()
+            for key, v in sd.items():
                 if isinstance(v, torch.Tensor):
                     names.append("scheduler/" + key)
                     tensors.append(v)
@@ -366,8 +370,8 @@ class State:
                         scalars[i] = small
             meta["optimizer"] = {"param_groups": groups, "state": scalars}
         if self.scheduler is not None:
-            meta["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items()
-                                 if not isinstance(v, torch.Tensor)}
+            sd = self._sched_sd if self._sched_sd is not None else self.scheduler.state_dict()
+            meta["scheduler"] = {k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)}
         blob = base64.b64encode(pickle.dumps(meta, protocol=4)).decode()
         try:
             shown = json.dumps(kwargs)

@@ -68,6 +68,9 @@ class Engine final : public SnapshotEngine {
   }
 
   Status Init() {
+    nlohmann::json ids = {{"job", options_.job_id}, {"scope", options_.scope}};
+    head_json_ = ids.dump();
+    head_json_ = head_json_.substr(1, head_json_.size() - 2);
     auto arena = SnapshotArena::Open(options_.arena_path);
     if (arena.ok()) {
       arena_ = std::move(arena).value();
@@ -100,13 +103,10 @@ class Engine final : public SnapshotEngine {
   const std::vector<TensorEntry>& layout() const override { return layout_; }
 
   std::string ManifestText(uint64_t seq, int64_t step, std::string_view meta_json) const {
-    nlohmann::json head = {{"format", "efdl-snapshot/1"}, {"job", options_.job_id},
-                           {"seq", seq},                 {"step", step},
-                           {"wall_time", WallSeconds()}, {"scope", options_.scope},
-                           {"data_bytes", data_bytes_}};
-    std::string out = head.dump();
-    out.pop_back();
-    out += ',';
+    // Per-commit path: format by hand (job and scope are JSON-escaped once, in head_json_).
+    std::string out = fmt::format("{{\"format\":\"efdl-snapshot/1\",{},\"seq\":{},\"step\":{},"
+                                  "\"wall_time\":{:.6f},\"data_bytes\":{},",
+                                  head_json_, seq, step, WallSeconds(), data_bytes_);
     out += tensors_json_;
     out += ",\"meta\":";
     out += meta_json.empty() ? std::string_view("{}") : meta_json;
@@ -325,6 +325,7 @@ class Engine final : public SnapshotEngine {
   std::vector<Piece> pieces_;
   uint64_t data_bytes_ = 0;
   std::string tensors_json_;
+  std::string head_json_;  // "job":...,"scope":... (escaped once)
   uint64_t next_seq_ = 1;
   std::string verified_path_;  // the last snapshot whose checksum a Restore verified
   int verified_slot_ = -1;
