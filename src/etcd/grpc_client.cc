@@ -384,7 +384,14 @@ Result<std::unique_ptr<Watch>> GrpcClient::StartWatch(const std::string& key,
   std::shared_ptr<WatchEngine> engine = watch_engine();
   int64_t id = engine->Add(key, options.prefix ? PrefixRangeEnd(key) : std::string(), start,
                            options.progress_notify, std::move(callback));
-  return std::unique_ptr<Watch>(std::make_unique<GrpcWatch>(std::move(engine), id));
+  auto watch = std::make_unique<GrpcWatch>(engine, id);
+  // Return once etcd serves the watch: its first events then arrive as fast as any later ones
+  // (a watch created behind the store's revision is caught up only by etcd's 100 ms sync
+  // loop). A callback starting a watch cannot wait: the acknowledgement comes on its thread.
+  if (!engine->OnLoopThread()) {
+    EFDL_RETURN_IF_ERROR(engine->WaitCreated(id, options_.call_timeout));
+  }
+  return std::unique_ptr<Watch>(std::move(watch));
 }
 
 Status GrpcClient::Compact(int64_t revision) {

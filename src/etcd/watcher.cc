@@ -47,6 +47,17 @@ int64_t WatchEngine::Add(std::string key, std::string range_end, int64_t start_r
   return id;
 }
 
+Status WatchEngine::WaitCreated(int64_t id, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool done = delivered_.wait_for(lock, timeout, [&] {
+    auto it = entries_.find(id);
+    return it == entries_.end() || it->second.ever_created;
+  });
+  if (done) return Status::OK();
+  return Status::DeadlineExceeded(fmt::format(
+      "etcd did not acknowledge a new watch within {} ms; check that etcd is up", timeout.count()));
+}
+
 void WatchEngine::Remove(int64_t id) {
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -130,7 +141,9 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
     if (!response.canceled()) {
       it->second.phase = Phase::kActive;
       it->second.server_id = server_id;
+      it->second.ever_created = true;
       local_by_server_id_[server_id] = id;
+      delivered_.notify_all();
       return;
     }
     // Created and cancelled at once: a compacted start revision or a refused request, handled
@@ -159,6 +172,7 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
     local_by_server_id_.erase(server_id);
     Deliver(lock, id, update);
     entries_.erase(id);
+    delivered_.notify_all();
     return;
   }
   if (response.events_size() == 0) {

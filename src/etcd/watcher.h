@@ -30,6 +30,9 @@ class WatchEngine final
   // Registers a watch delivering every event from `start_revision` (> 0) on; returns its id.
   int64_t Add(std::string key, std::string range_end, int64_t start_revision,
               bool progress_notify, WatchCallback callback);
+  // Waits until etcd has acknowledged the watch's creation (or ended it, e.g. as compacted)
+  // and returns OK; DeadlineExceeded when `timeout` passes first. Not on the loop thread.
+  Status WaitCreated(int64_t id, std::chrono::milliseconds timeout);
   // Ends a watch. Unless called from a callback (on the loop thread), waits until the watch's
   // callback is not running; it never runs again afterwards.
   void Remove(int64_t id);
@@ -46,6 +49,7 @@ class WatchEngine final
     std::shared_ptr<WatchCallback> callback;
     Phase phase = Phase::kWaiting;
     int64_t server_id = -1;     // on the current stream, once created
+    bool ever_created = false;  // etcd has acknowledged it once
   };
 
   bool WantStream() override;
