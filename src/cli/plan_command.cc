@@ -63,10 +63,14 @@ void RegisterPlanCommand(CLI::App& app, CommandRunner& runner) {
       "plan",
       "Place a job of N processes on hosts with free GPUs: fewest parts first, then the least "
       "leftover fragmentation (exit 0: placed, 1: no placement, 2: bad input)");
-  cmd->add_option("--procs", args->procs, "processes (GPUs) the job needs")->required();
-  cmd->add_option("--free", args->free, "free GPUs per host, e.g. host1:3,host2:6,host3:5")
+  cmd->add_option("--procs", args->procs, "processes (GPUs) the job needs")
+      ->type_name("N")
       ->required();
-  cmd->add_option("--max-parts", args->max_parts, "at most this many hosts (default: no limit)");
+  cmd->add_option("--free", args->free, "free GPUs per host, e.g. host1:3,host2:6,host3:5")
+      ->type_name("HOST:GPUS,...")
+      ->required();
+  cmd->add_option("--max-parts", args->max_parts, "at most this many hosts (default: no limit)")
+      ->type_name("M");
   cmd->add_flag("--json", args->json, "print one JSON object instead of text");
   cmd->callback([args, &runner] { runner.Set([args] { return RunPlan(*args); }); });
 }
