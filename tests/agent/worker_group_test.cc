@@ -208,3 +208,32 @@ TEST_F(WorkerGroupTest, DestructionKillsRunningWorkersAndTheirChildren) {
 
 }  // namespace
 }  // namespace efdl::agent
+
+namespace efdl::agent {
+namespace {
+
+// Workers must never outlive their agent: they get PR_SET_PDEATHSIG bound to the thread that
+// started them, so that thread ending (as the agent's main thread does when the agent dies)
+// kills them even though nobody stopped them.
+TEST(WorkerGroupDeathTest, WorkersDieWithTheThreadThatStartedThem) {
+  WorkerGroupOptions o;
+  o.argv = {"sleep", "30"};
+  o.workers.resize(2);
+  o.workers[1].local_rank = o.workers[1].rank = 1;
+  std::unique_ptr<WorkerGroup> group;
+  std::thread spawner([&] {
+    auto g = WorkerGroup::Start(o);
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    group = std::move(g).value();
+  });
+  spawner.join();
+  ASSERT_TRUE(group);
+  WorkerGroup::State s = WorkerGroup::State::kRunning;
+  ASSERT_TRUE(testing::WaitUntil([&] { return (s = group->Poll()) != WorkerGroup::State::kRunning; }));
+  ASSERT_TRUE(group->first_failure().has_value());
+  EXPECT_EQ(DescribeWaitStatus(group->first_failure()->wait_status),
+            "killed by signal 9 (SIGKILL)");
+}
+
+}  // namespace
+}  // namespace efdl::agent
