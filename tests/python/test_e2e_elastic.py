@@ -123,6 +123,7 @@ def test_worker_failures_past_max_restarts_end_the_agent(job):
     # The node left behind when the failing one gives up waits below MIN: keep that short.
     extra = ["--max-restarts", "1", "--join-timeout", "5"]
     a = job.start_agent("node-a", env=env, nnodes="2:2", extra=extra)
+    job.wait_joined(a)
     b = job.start_agent("node-b", env=env, nnodes="2:2", extra=extra)
     codes = [a.wait(120), b.wait(60)]
     assert all(code not in (0, None) for code in codes), codes

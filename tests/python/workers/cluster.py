@@ -164,6 +164,15 @@ class Cluster:
         self.agents.append(agent)
         return agent
 
+    def wait_joined(self, agent, timeout=30):
+        """Waits until `agent` logged that it joined the job."""
+        deadline = time.monotonic() + timeout
+        while " joined job " not in agent.output():
+            if agent.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("agent %s did not join; output:\n%s" %
+                                     (agent.name, agent.output()[-3000:]))
+            time.sleep(0.05)
+
     def world_sizes_since(self, since, agents=None):
         """The set of world sizes seen in STEP lines after `since`."""
         return {s[3] for a in (agents or self.agents) for s in a.steps(since)}
