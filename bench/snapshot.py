@@ -164,6 +164,7 @@ def part2(args):
     X = torch.tensor(X / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
     batch, block = 32, 100
+    os.environ["EFDL_JOB_ID"] += "-digits"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 128), torch.nn.ReLU(),

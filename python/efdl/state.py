@@ -590,10 +590,11 @@ class State:
         if not self._writer:
             return
         ref = weakref.ref(self)
+        owner = os.getpid()  # forked children (DataLoader workers) inherit these hooks
 
         def flush_at_exit():
             state = ref()
-            if state is not None:
+            if state is not None and os.getpid() == owner:
                 try:
                     state.flush()
                 except Exception as e:  # noqa: BLE001 - at exit: report, do not raise
@@ -605,6 +606,10 @@ class State:
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
                 def on_sigterm(signum, frame):
+                    if os.getpid() != owner:
+                        signal.signal(signum, signal.SIG_DFL)
+                        os.kill(os.getpid(), signum)
+                        return
                     flush_at_exit()
                     raise SystemExit(128 + signum)
                 signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,6 +1,11 @@
 #include "snapshot/persister.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -51,6 +56,11 @@ uint64_t Persister::persisted_seq() const {
 }
 
 void Persister::Loop() {
+  // Background work: let the training threads win the CPU (Linux nice applies per thread). A
+  // flush runs on the caller's thread, so a starved persister never delays a graceful stop.
+  if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10) != 0) {
+    EFDL_LOG_DEBUG("snapshot persister keeps normal priority: {}", std::strerror(errno));
+  }
   uint64_t seen = 0;
   for (;;) {
     {
