@@ -19,6 +19,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "common/subprocess.h"
@@ -45,12 +46,14 @@ struct Figures {
   double watch_p50 = 0;    // ms
   double watch_p99 = 0;    // ms
   std::vector<double> watch_latencies;  // ms, every event
+  double cpu_us_per_put = 0;            // the client's own CPU time (user + system) per put
 };
 
 // Several rounds' figures as one: throughput over the summed time, latency over every event.
 struct Totals {
   double sequential_seconds = 0;
   double concurrent_seconds = 0;
+  double cpu_us = 0;
   std::vector<double> watch_latencies;
   void Add(const Figures& f, const Work& w);
   Figures Result(const Work& w, int rounds) const;
@@ -62,13 +65,15 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  size_t k = std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * static_cast<double>(v.size() - 1) + 0.5));
+  const double rank = p / 100.0 * static_cast<double>(v.size() - 1);
+  size_t k = std::min(v.size() - 1, static_cast<size_t>(rank + 0.5));
   return v[k];
 }
 
 void Totals::Add(const Figures& f, const Work& w) {
   sequential_seconds += w.sequential_puts / f.sequential;
   concurrent_seconds += w.threads * w.puts_per_thread / f.concurrent;
+  cpu_us += f.cpu_us_per_put * (w.sequential_puts + w.threads * w.puts_per_thread);
   watch_latencies.insert(watch_latencies.end(), f.watch_latencies.begin(),
                          f.watch_latencies.end());
 }
@@ -79,7 +84,17 @@ Figures Totals::Result(const Work& w, int rounds) const {
   f.concurrent = rounds * w.threads * w.puts_per_thread / concurrent_seconds;
   f.watch_p50 = Percentile(watch_latencies, 50);
   f.watch_p99 = Percentile(watch_latencies, 99);
+  f.cpu_us_per_put = cpu_us / (rounds * (w.sequential_puts + w.threads * w.puts_per_thread));
   return f;
+}
+
+double ProcessCpuMicros() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto us = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_usec);
+  };
+  return us(u.ru_utime) + us(u.ru_stime);
 }
 
 efdl::Result<Figures> RunOurs(const std::string& endpoint, const std::string& prefix,
@@ -91,6 +106,7 @@ efdl::Result<Figures> RunOurs(const std::string& endpoint, const std::string& pr
   const std::string value(64, 'x');
   Figures f;
 
+  const double cpu_start = ProcessCpuMicros();
   auto start = Clock::now();
   for (int i = 0; i < work.sequential_puts; ++i) {
     EFDL_RETURN_IF_ERROR(client->Put(fmt::format("{}seq/{}", prefix, i), value).status());
@@ -110,6 +126,8 @@ efdl::Result<Figures> RunOurs(const std::string& endpoint, const std::string& pr
   for (auto& th : pool) th.join();
   if (failed) return Status::Unavailable("a concurrent put failed");
   f.concurrent = work.threads * work.puts_per_thread / Seconds(Clock::now() - start);
+  f.cpu_us_per_put = (ProcessCpuMicros() - cpu_start) /
+                     (work.sequential_puts + work.threads * work.puts_per_thread);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -172,6 +190,7 @@ efdl::Result<Figures> RunPython(const std::string& endpoint, const std::string& 
   f.watch_p50 = j.value("watch_p50_ms", 0.0);
   f.watch_p99 = j.value("watch_p99_ms", 0.0);
   f.watch_latencies = j.value("watch_latencies_ms", std::vector<double>{});
+  f.cpu_us_per_put = j.value("cpu_us_per_put", 0.0);
   if (f.sequential <= 0 || f.concurrent <= 0 || f.watch_latencies.empty()) {
     return Status::Internal("python3-etcd3 side printed incomplete figures: " + out);
   }
@@ -191,7 +210,8 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--strict") == 0) {
       strict = true;
     } else {
-      fmt::print(stderr, "etcd_client: unknown argument '{}'; usage: etcd_client [--quick] [--strict]\n",
+      fmt::print(stderr,
+                 "etcd_client: unknown argument '{}'; usage: etcd_client [--quick] [--strict]\n",
                  argv[i]);
       return 2;
     }
@@ -213,7 +233,8 @@ int main(int argc, char** argv) {
       const bool python_now = (side + round) % 2 == 0;
       const std::string prefix =
           fmt::format("/bench/{}/{}/", python_now ? "py" : "efdl", round);
-      auto figures = python_now ? RunPython(endpoint, prefix, work) : RunOurs(endpoint, prefix, work);
+      auto figures =
+          python_now ? RunPython(endpoint, prefix, work) : RunOurs(endpoint, prefix, work);
       if (!figures.ok()) {
         fmt::print(stderr, "etcd_client: {}\n", figures.status().ToString());
         return 1;
@@ -243,7 +264,9 @@ int main(int argc, char** argv) {
       python->concurrent, true);
   row("watch latency p50 (ms)", ours->watch_p50, python->watch_p50, false);
   row("watch latency p99 (ms)", ours->watch_p99, python->watch_p99, false);
-  fmt::print("ratio: how many times better efdl is (throughput ours/python, latency python/ours)\n");
+  row("client CPU per put (us)", ours->cpu_us_per_put, python->cpu_us_per_put, false);
+  fmt::print("ratio: how many times better efdl is (throughput ours/python, latency and CPU "
+             "python/ours)\n");
   if (slower.empty()) {
     fmt::print("verdict: efdl is at least as fast as python3-etcd3 on every figure\n");
     return 0;

@@ -26,6 +26,7 @@ def main():
     client = etcd3.client(host=host, port=int(port), timeout=10)
     value = "x" * 64
 
+    cpu_start = time.process_time()
     start = time.monotonic()
     for i in range(seq_puts):
         client.put(f"{prefix}seq/{i}", value)
@@ -43,6 +44,7 @@ def main():
     for th in pool:
         th.join()
     concurrent = threads * per_thread / (time.monotonic() - start)
+    cpu_us_per_put = (time.process_time() - cpu_start) * 1e6 / (seq_puts + threads * per_thread)
 
     # Watch latency: put one key, wait until its event arrives, repeat.
     got = threading.Event()
@@ -77,6 +79,7 @@ def main():
         "watch_p50_ms": percentile(latencies, 50),
         "watch_p99_ms": percentile(latencies, 99),
         "watch_latencies_ms": latencies,
+        "cpu_us_per_put": cpu_us_per_put,
     }))
     sys.stdout.flush()
     # Not client.close(): python3-etcd3's watch thread may then try to re-open its stream on the

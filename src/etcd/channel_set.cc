@@ -79,7 +79,8 @@ Status FromGrpc(const grpc::Status& status, std::string_view operation,
           "etcd {} at {} got no answer in time ({}); check that etcd is up and not overloaded",
           operation, endpoint, msg));
     case grpc::StatusCode::CANCELLED:
-      return Status::Cancelled(fmt::format("etcd {} at {} cancelled: {}", operation, endpoint, msg));
+      return Status::Cancelled(
+          fmt::format("etcd {} at {} cancelled: {}", operation, endpoint, msg));
     case grpc::StatusCode::UNAVAILABLE:
       return Status::Unavailable(fmt::format(
           "etcd {} failed: {} is unavailable ({}); check that etcd runs there", operation,

@@ -147,7 +147,8 @@ class GrpcLeaseKeeper final : public LeaseKeeper {
 
 class GrpcWatch final : public Watch {
  public:
-  GrpcWatch(std::shared_ptr<WatchEngine> engine, int64_t id) : engine_(std::move(engine)), id_(id) {}
+  GrpcWatch(std::shared_ptr<WatchEngine> engine, int64_t id)
+      : engine_(std::move(engine)), id_(id) {}
   ~GrpcWatch() override { engine_->Remove(id_); }
 
  private:

@@ -34,7 +34,8 @@ class EtcdClientTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_NE(etcd_, nullptr);
     client_ = NewClient();
-    prefix_ = std::string("/test/") + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "/";
+    prefix_ = std::string("/test/") +
+              ::testing::UnitTest::GetInstance()->current_test_info()->name() + "/";
   }
 
   static std::unique_ptr<Client> NewClient() {

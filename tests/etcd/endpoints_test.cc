@@ -17,9 +17,12 @@ TEST(ParseEndpoints, RejectsMalformedEntriesNamingThem) {
     const char* spec;
     const char* named;
   };
-  for (const Case& c : {Case{"", "no etcd endpoints"}, Case{"127.0.0.1", "'127.0.0.1' has no port"},
-                        Case{"127.0.0.1:", "invalid port ''"}, Case{"host:abc", "invalid port 'abc'"},
-                        Case{"host:70000", "invalid port '70000'"}, Case{"host:0", "invalid port '0'"},
+  for (const Case& c : {Case{"", "no etcd endpoints"},
+                        Case{"127.0.0.1", "'127.0.0.1' has no port"},
+                        Case{"127.0.0.1:", "invalid port ''"},
+                        Case{"host:abc", "invalid port 'abc'"},
+                        Case{"host:70000", "invalid port '70000'"},
+                        Case{"host:0", "invalid port '0'"},
                         Case{":2379", "has no host"}, Case{"a:1,,b:2", "empty entry"},
                         Case{"https://h:1", "TLS is not supported"},
                         Case{"::1:2379", "write IPv6 addresses as [addr]:port"},

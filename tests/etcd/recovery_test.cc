@@ -116,7 +116,8 @@ TEST(EtcdRecovery, KeptLeaseSurvivesEtcdRestartAndIsLostWhenEtcdStaysDown) {
   // An outage longer than the TTL: the owner is told, by its local clock, within the TTL.
   ASSERT_TRUE(etcd->Kill().ok());
   const auto down = std::chrono::steady_clock::now();
-  ASSERT_TRUE(WaitUntil([&] { return lost.load() > 0; }, std::chrono::seconds(lease->ttl_seconds + 2)));
+  ASSERT_TRUE(WaitUntil([&] { return lost.load() > 0; },
+                        std::chrono::seconds(lease->ttl_seconds + 2)));
   EXPECT_LE(std::chrono::steady_clock::now() - down, std::chrono::seconds(lease->ttl_seconds));
   EXPECT_TRUE((*keeper)->lost());
   std::this_thread::sleep_for(500ms);
@@ -151,7 +152,9 @@ TEST(EtcdRecovery, FailoverServesCallsAndWatchesThroughSecondEndpointWhenFirstIs
   ASSERT_NE(client, nullptr);
   std::atomic<int> events{0};
   auto watch = client->StartWatch("/fo/", {.prefix = true},
-                                  [&](const WatchUpdate& u) { events += static_cast<int>(u.events.size()); });
+                                  [&](const WatchUpdate& u) {
+                                    events += static_cast<int>(u.events.size());
+                                  });
   ASSERT_TRUE(watch.ok()) << watch.status().ToString();
   for (int i = 0; i < 5; ++i) {
     auto put = client->Put("/fo/" + std::to_string(i), "v");
