@@ -94,7 +94,7 @@ int Agent::Run() {
   while (true) {
     int sig = shutdown_signal_.load();
     if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
-    if (sig != 0) return *Shutdown(sig);
+    if (sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
     if (auto event = rdzv_.WaitEvent(options_.poll_interval)) {
       if (auto code = HandleEvent(*event)) return *code;
@@ -234,7 +234,7 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
   group_.reset();
 }
 
-std::optional<int> Agent::Shutdown(int signal) {
+int Agent::Shutdown(int signal) {
   EFDL_LOG_INFO("received {}: leaving job '{}' and stopping workers", SignalName(signal),
                 options_.job_id);
   // Leave first so the other nodes re-round at once, while our workers take their snapshot.

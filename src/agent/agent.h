@@ -78,7 +78,7 @@ class Agent {
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
-  std::optional<int> Shutdown(int signal);
+  int Shutdown(int signal);
   void StopWorkers(bool graceful, const std::string& reason);
 
   const AgentOptions options_;
