@@ -418,3 +418,49 @@ def test_gpu_tensors_are_copied_device_to_host(job):
     State(m2, o2, step=0)
     assert torch.equal(m2.weight, model.weight)
     assert o2.state[m2.weight]["momentum_buffer"].is_cuda
+
+
+def as_rank(monkeypatch, rank, local_rank, world=2):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+
+
+def test_node_copy_is_written_by_local_rank_zero_and_read_by_every_rank(job, monkeypatch):
+    model, optimizer, _ = make_training()
+    as_rank(monkeypatch, 1, 1)
+    other = State(make_training(seed=4)[0], step=0)
+    other.step = 3
+    assert other.commit() is False  # not the node's writer: nothing is copied
+    as_rank(monkeypatch, 0, 0)
+    writer = State(model, step=0)
+    writer.step = 3
+    assert writer.commit() is True
+    as_rank(monkeypatch, 1, 1)
+    m2 = make_training(seed=5)[0]
+    reader = State(m2, step=0)
+    assert reader.restored_from[0] == "memory" and reader.step == 3
+    assert torch.equal(m2[0].weight, model[0].weight)
+
+
+def test_per_rank_snapshots_keep_each_ranks_own_state(job, monkeypatch):
+    monkeypatch.setenv("EFDL_SNAPSHOT_PER_RANK", "1")
+    shards = {}
+    for rank in (0, 1):
+        as_rank(monkeypatch, rank, rank)
+        shard = torch.full((4,), float(rank))
+        st = State(shard=shard, step=0)
+        st.step = 10 + rank
+        assert st.commit()
+        st.flush()
+        shards[rank] = shard
+    forget_memory(job)
+    for rank in (0, 1):
+        as_rank(monkeypatch, rank, rank)
+        st = State(step=0)
+        assert st.restored_from[0] == "storage"
+        assert st.step == 10 + rank
+        assert torch.equal(st.shard, shards[rank])
+    base = os.path.join(job["EFDL_SNAPSHOT_DIR"], job["EFDL_JOB_ID"])
+    assert sorted(os.listdir(base)) == ["rank-0", "rank-1"]
