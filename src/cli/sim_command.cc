@@ -1,5 +1,6 @@
 // `efdl sim`: many nodes' real rendezvous in one process against one etcd, to measure how the
 // protocol scales (docs/scale.md). Only the training workers are simulated.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -79,10 +80,13 @@ int RunSim(const SimArgs& args) {
     } else {
       std::printf("N = %d (one process, one shared etcd client, etcd %s)\n", n,
                   embedded ? "private" : args.etcd.c_str());
-      std::printf("  %-28s %8s %10s %12s %12s %14s\n", "scenario", "seconds", "requests",
-                  "bytes", "watch evts", "cpu ms/node");
+      std::printf("  baseline: %d concurrent puts seen by one watch in %.3f s (ratio below: "
+                  "scenario / baseline)\n", n, report->baseline_seconds);
+      std::printf("  %-28s %8s %7s %10s %12s %12s %14s\n", "scenario", "seconds", "ratio",
+                  "requests", "bytes", "watch evts", "cpu ms/node");
       for (const auto& s : report->scenarios) {
-        std::printf("  %-28s %8.3f %10lld %12lld %12lld %14.3f%s\n", s.name.c_str(), s.seconds,
+        std::printf("  %-28s %8.3f %7.1f %10lld %12lld %12lld %14.3f%s\n", s.name.c_str(),
+                    s.seconds, s.seconds / std::max(1e-9, report->baseline_seconds),
                     static_cast<long long>(s.requests), static_cast<long long>(s.bytes),
                     static_cast<long long>(s.watch_events), s.agent_cpu_ms_per_node,
                     s.ok ? "" : ("  FAILED: " + s.error).c_str());

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "common/log.h"
 #include "common/net.h"
@@ -155,7 +156,13 @@ class EtcdRendezvous final : public Rendezvous {
   std::map<std::string, int> prev_rank_;       // members of the last formed round
   std::set<std::string> members_, standbys_, leaving_, unresponsive_, assign_keys_;
   std::optional<TimePoint> min_reached_at_;
+  // Nodes that acked the proposal of round `first` (a cheap count for the proposed phase).
+  std::pair<int64_t, std::set<std::string>> acked_round_ids_;
   TimePoint last_progress_{};
+  // The liveness window in use: doubled (up to 8x the configured one) each time a node that
+  // was left out for a late ack announces itself again, so a slow machine or etcd does not
+  // cascade into round after round.
+  std::chrono::milliseconds window_{0};
   bool reround_ = false;
   bool reround_graceful_ = true;
   std::string reround_why_;
@@ -226,9 +233,10 @@ void EtcdRendezvous::ReportWorkersSucceeded(int64_t round) {
 
 void EtcdRendezvous::DriverLoop() {
   std::unique_lock<std::mutex> lock(in_mu_);
+  bool first = true;   // Join may have made us coordinator of a job that needs no more input
   while (!stop_) {
     auto deadline = NextDeadline();
-    if (inputs_.empty()) {
+    if (inputs_.empty() && !std::exchange(first, false)) {
       if (deadline) {
         in_cv_.wait_until(lock, *deadline);
       } else {
@@ -261,7 +269,7 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
   if (unplaced_since_) take(*unplaced_since_ + opt_.join_timeout);
   if (coordinating_) {
     if (round_.phase == Phase::kGathering && min_reached_at_) take(*min_reached_at_ + opt_.last_call);
-    if (round_.phase == Phase::kProposed) take(last_progress_ + opt_.liveness_window);
+    if (round_.phase == Phase::kProposed) take(last_progress_ + window_);
   }
   return d;
 }
@@ -438,8 +446,11 @@ Status EtcdRendezvous::Register() {
     return keeper.status().WithContext("cannot keep the node's lease alive");
   }
   NodeRecord me{opt_.advertise_addr, opt_.nproc};
+  // One request registers the node and reads the round record (the common case); only the
+  // first node of a job needs a second one to create the record.
   auto reg = client_.Txn({etcd::Compare::KeyMissing(keys_.Node(opt_.node_id))},
-                         {etcd::TxnOp::Put(keys_.Node(opt_.node_id), me.Encode(), lease)});
+                         {etcd::TxnOp::Put(keys_.Node(opt_.node_id), me.Encode(), lease),
+                          etcd::TxnOp::Get(keys_.round)});
   if (!reg.ok() || !reg->succeeded) {
     keeper->reset();
     drop_lease();
@@ -455,19 +466,28 @@ Status EtcdRendezvous::Register() {
   fresh.phase = Phase::kGathering;
   fresh.coordinator = opt_.node_id;
   fresh.message = "job started";
-  auto rd = client_.Txn({etcd::Compare::KeyMissing(keys_.round)},
-                        {etcd::TxnOp::Put(keys_.round, fresh.Encode())},
-                        {etcd::TxnOp::Get(keys_.round)});
-  if (!rd.ok()) {
-    keeper->reset();
-    drop_lease();
-    return rd.status().WithContext("cannot read the job's round");
-  }
   RoundRecord current = fresh;
-  int64_t current_rev = rd->revision;
-  if (!rd->succeeded && !rd->gets.empty() && !rd->gets[0].kvs.empty()) {
-    const auto& kv = rd->gets[0].kvs[0];
-    auto dec = RoundRecord::Decode(kv.value);
+  int64_t read_rev = reg->revision;
+  int64_t current_rev = 0;
+  const etcd::KeyValue* found = nullptr;
+  Result<etcd::TxnResult> rd = etcd::TxnResult{};
+  if (!reg->gets.empty() && !reg->gets[0].kvs.empty()) {
+    found = &reg->gets[0].kvs[0];
+  } else {
+    rd = client_.Txn({etcd::Compare::KeyMissing(keys_.round)},
+                     {etcd::TxnOp::Put(keys_.round, fresh.Encode())},
+                     {etcd::TxnOp::Get(keys_.round)});
+    if (!rd.ok()) {
+      keeper->reset();
+      drop_lease();
+      return rd.status().WithContext("cannot read the job's round");
+    }
+    read_rev = rd->revision;
+    current_rev = rd->revision;
+    if (!rd->succeeded && !rd->gets.empty() && !rd->gets[0].kvs.empty()) found = &rd->gets[0].kvs[0];
+  }
+  if (found != nullptr) {
+    auto dec = RoundRecord::Decode(found->value);
     if (!dec.ok()) {
       keeper->reset();
       drop_lease();
@@ -475,9 +495,9 @@ Status EtcdRendezvous::Register() {
                                                   opt_.job_id));
     }
     current = *dec;
-    current_rev = kv.mod_revision;
+    current_rev = found->mod_revision;
   }
-  auto w1 = client_.StartWatch(keys_.round, {false, rd->revision + 1, false},
+  auto w1 = client_.StartWatch(keys_.round, {false, read_rev + 1, false},
                                WatchInto(Input::Type::kRound, generation_));
   auto w2 = client_.StartWatch(keys_.Assign(opt_.node_id), {false, join_rev + 1, false},
                                WatchInto(Input::Type::kAssign, generation_));
@@ -777,6 +797,10 @@ void EtcdRendezvous::BecomeCoordinator() {
     auto rec = AckRecord::Decode(kv.value);
     if (rec.ok()) acks_[kv.key.substr(keys_.ack.size())] = *rec;
   }
+  acked_round_ids_ = {round_.round, {}};
+  for (const auto& [id, a] : acks_) {
+    if (a.round == round_.round && a.state == AckState::kAck) acked_round_ids_.second.insert(id);
+  }
   int64_t last_formed = 0;
   std::map<std::string, AssignRecord> assigns;
   for (const auto& kv : snap->gets[2].kvs) {
@@ -811,6 +835,7 @@ void EtcdRendezvous::BecomeCoordinator() {
   nodes_watch_ = std::move(*w1);
   acks_watch_ = std::move(*w2);
   coordinating_ = true;
+  window_ = opt_.liveness_window;
   last_progress_ = Clock::now();
   // A coordinator that took over an active round re-checks what it may have missed.
   if (round_.phase == Phase::kActive) {
@@ -853,6 +878,7 @@ void EtcdRendezvous::OnNodesEvents(const std::vector<etcd::WatchEvent>& events) 
     } else {
       registered_.erase(id);
       acks_.erase(id);
+      acked_round_ids_.second.erase(id);
       prev_rank_.erase(id);   // if it comes back, it is a new member and goes last
       unresponsive_.erase(id);
       bool was_leaving = leaving_.erase(id) > 0;
@@ -878,13 +904,19 @@ void EtcdRendezvous::OnAckEvents(const std::vector<etcd::WatchEvent>& events) {
     if (!rec.ok()) continue;
     acks_[id] = *rec;
     unresponsive_.erase(id);
+    if (rec->state == AckState::kAck && rec->round == round_.round) {
+      if (acked_round_ids_.first != round_.round) acked_round_ids_ = {round_.round, {}};
+      acked_round_ids_.second.insert(id);
+    }
     switch (rec->state) {
       case AckState::kAck:
         if (round_.phase == Phase::kProposed && rec->round == round_.round) {
           last_progress_ = Clock::now();
         } else if (round_.phase == Phase::kActive && registered_.count(id) && !members_.count(id) &&
                    !standbys_.count(id)) {
-          // A node left out for not acking in time announced itself again: treat as a join.
+          // A node left out for not acking in time announced itself again: treat as a join,
+          // and be more patient with the next proposal.
+          window_ = std::min(window_ * 2, opt_.liveness_window * 8);
           if (static_cast<int>(members_.size()) < opt_.max_nodes) {
             reround_ = true;
             reround_why_ = fmt::format("node {} is back", id);
@@ -941,16 +973,27 @@ void EtcdRendezvous::CoordinatorStep() {
   PlanLimits limits{opt_.min_nodes, opt_.max_nodes, opt_.world_size};
   switch (round_.phase) {
     case Phase::kGathering: {
-      auto cands = Registered(false);
-      Plan plan = PlanRound(cands, prev_rank_, limits);
-      // Deputies in join order, so the oldest nodes back up the coordinator.
-      std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
-        return a.create_revision < b.create_revision;
-      });
-      std::vector<std::string> order;
-      for (const auto& c : cands) order.push_back(c.id);
-      auto deputies = PickDeputies(order);
-      if (!plan.formed) {
+      // O(N) per step and no allocation: this runs once per batch of join events.
+      int count = 0;
+      std::vector<std::pair<int64_t, const std::string*>> oldest;
+      for (const auto& [id, m] : registered_) {
+        if (unresponsive_.count(id) || leaving_.count(id)) continue;
+        ++count;
+        if (id == opt_.node_id) continue;
+        oldest.push_back({m.create_revision, &id});
+        std::sort(oldest.begin(), oldest.end());
+        if (oldest.size() > kMaxDeputies) oldest.pop_back();
+      }
+      std::vector<std::string> deputies;
+      for (const auto& o : oldest) deputies.push_back(*o.second);
+      bool formed = count >= opt_.min_nodes;
+      bool full = count >= opt_.max_nodes;
+      if (opt_.world_size > 0 && formed) {   // fragmented mode: only the planner knows
+        Plan plan = PlanRound(Registered(false), prev_rank_, limits);
+        formed = plan.formed;
+        full = plan.formed;
+      }
+      if (!formed) {
         min_reached_at_.reset();
         if (deputies != round_.deputies) {
           RoundRecord next = round_;
@@ -960,8 +1003,6 @@ void EtcdRendezvous::CoordinatorStep() {
         return;
       }
       if (!min_reached_at_) min_reached_at_ = now;
-      bool full = static_cast<int>(plan.members.size()) >= opt_.max_nodes ||
-                  (opt_.world_size > 0 && plan.world_size == opt_.world_size);
       bool survivors = !prev_rank_.empty();   // a re-round after a formed one: no last call
       if (full || survivors || now >= *min_reached_at_ + opt_.last_call) {
         Propose(round_.graceful, round_.message.empty() ? "enough nodes registered" : round_.message);
@@ -973,16 +1014,21 @@ void EtcdRendezvous::CoordinatorStep() {
       return;
     }
     case Phase::kProposed: {
-      bool all = true;
-      for (const auto& c : Registered(false)) {
-        auto a = acks_.find(c.id);
+      // Cheap test first: the full O(N) check runs only once enough acks came.
+      size_t expected = registered_.size() - std::min(registered_.size(),
+                                                      unresponsive_.size() + leaving_.size());
+      bool all = acked_round_ids_.first == round_.round &&
+                 acked_round_ids_.second.size() >= expected;
+      for (auto it = registered_.begin(); all && it != registered_.end(); ++it) {
+        const std::string& id = it->first;
+        if (unresponsive_.count(id) || leaving_.count(id)) continue;
+        auto a = acks_.find(id);
         if (a == acks_.end() || a->second.round != round_.round ||
             a->second.state != AckState::kAck) {
           all = false;
-          break;
         }
       }
-      if (all || now >= last_progress_ + opt_.liveness_window) Finalize();
+      if (all || now >= last_progress_ + window_) Finalize();
       return;
     }
     case Phase::kActive: {
@@ -1031,12 +1077,20 @@ void EtcdRendezvous::Propose(bool graceful, std::string why) {
 void EtcdRendezvous::Finalize() {
   last_progress_ = Clock::now();   // on an etcd error below, retry after another window
   std::vector<Candidate> acked = Registered(true);
-  for (const auto& c : Registered(false)) {
-    if (std::none_of(acked.begin(), acked.end(), [&](const Candidate& a) { return a.id == c.id; })) {
-      unresponsive_.insert(c.id);
-    }
-  }
   Plan plan = PlanRound(acked, prev_rank_, {opt_.min_nodes, opt_.max_nodes, opt_.world_size});
+  if (!plan.formed && PlanRound(Registered(false), prev_rank_,
+                                {opt_.min_nodes, opt_.max_nodes, opt_.world_size}).formed) {
+    // Enough nodes are registered but too few answered yet: a stall (etcd or the machines
+    // slow), not a verdict on the silent ones. Giving up would mark most nodes unresponsive
+    // and cascade into more rounds; wait another window instead (the join timeout still bounds
+    // each node's wait, and leases still remove the dead).
+    return;
+  }
+  std::set<std::string> answered;
+  for (const auto& c : acked) answered.insert(c.id);
+  for (const auto& c : Registered(false)) {
+    if (!answered.count(c.id)) unresponsive_.insert(c.id);
+  }
   if (!plan.formed) {
     RoundRecord next = round_;
     next.round = round_.round + 1;   // a proposal number is never reused

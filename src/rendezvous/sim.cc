@@ -153,7 +153,45 @@ class Harness {
       : client_(client), opt_(options), rng_(options.seed) {}
   ~Harness() { Shutdown(); }
 
+  // Creates a node and joins it to the job.
   Status AddNode() {
+    EFDL_RETURN_IF_ERROR(CreateNodes(1));
+    return JoinNode(nodes_.size() - 1);
+  }
+
+  // Joins nodes [first, nodes_.size()) from `threads` threads at once, as agents started
+  // together on many machines would.
+  Status JoinAll(size_t first, int threads) {
+    std::atomic<size_t> next{first};
+    std::mutex mu;
+    Status failed;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&] {
+        for (size_t i = next++; i < nodes_.size(); i = next++) {
+          Status s = JoinNode(i);
+          if (!s.ok()) {
+            std::lock_guard<std::mutex> lock(mu);
+            failed = s;
+          }
+        }
+      });
+    }
+    for (auto& t : pool) t.join();
+    return failed;
+  }
+
+  Status CreateNodes(int count) {
+    for (int k = 0; k < count; ++k) EFDL_RETURN_IF_ERROR(CreateNode());
+    return Status::OK();
+  }
+
+  Status JoinNode(size_t index) {
+    Status s = nodes_[index]->rdzv->Join();
+    return s.WithContext(fmt::format("simulated node {} could not join", nodes_[index]->id));
+  }
+
+  Status CreateNode() {
     int index = static_cast<int>(nodes_.size());
     auto node = std::make_unique<SimNode>();
     node->id = fmt::format("n{:05}", index);
@@ -165,7 +203,9 @@ class Harness {
     o.min_nodes = std::max(1, opt_.nodes / 2);
     o.max_nodes = opt_.nodes;
     o.ttl = opt_.ttl;
-    o.last_call = std::chrono::seconds(3);
+    // Formation is measured at MAX (all N registered); the last call only matters if joins
+    // straggle, and then it would measure the last call rather than the protocol.
+    o.last_call = std::chrono::seconds(30);
     o.join_timeout = std::chrono::seconds(600);
     o.liveness_window = opt_.liveness_window;
     o.on_event = [this, index] {
@@ -177,8 +217,7 @@ class Harness {
     };
     node->rdzv = NewEtcdRendezvous(*node->client, std::move(o));
     nodes_.push_back(std::move(node));
-    Status s = nodes_.back()->rdzv->Join();
-    return s.WithContext(fmt::format("simulated node {} could not join", nodes_.back()->id));
+    return Status::OK();
   }
 
   // Waits until every live node started the same round with `expect` members (plus standbys).
@@ -376,10 +415,45 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
   };
 
   int n = options.nodes;
-  bool ok = run("form", [&] {
-    for (int i = 0; i < n; ++i) EFDL_RETURN_IF_ERROR(h.AddNode());
-    return Status::OK();
-  }, [&] { return n; });
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t seen = 0;
+  std::unique_ptr<etcd::Watch> baseline_watch;
+  {
+    // Baseline in the same run, on the same etcd and machine: N clients each put one key (from
+    // join_threads threads) while one prefix watch waits for all N events. A re-round is about
+    // two such exchanges plus two fan-outs, so the ratio says what the protocol adds over raw
+    // etcd traffic, independent of how loaded the machine is.
+    std::string scratch = JobKeys(options.job_id).prefix + "baseline/";
+    auto rev = client.CurrentRevision();
+    if (!rev.ok()) return rev.status();
+    auto watch = client.StartWatch(scratch, {true, *rev + 1, false}, [&](const etcd::WatchUpdate& u) {
+      std::lock_guard<std::mutex> lock(mu);
+      seen += static_cast<int64_t>(u.events.size());
+      cv.notify_all();
+    });
+    if (!watch.ok()) return watch.status();
+    auto t0 = Clock::now();
+    std::atomic<int> next{0};
+    std::vector<std::thread> pool;
+    for (int t = 0; t < options.join_threads; ++t) {
+      pool.emplace_back([&] {
+        for (int i = next++; i < n; i = next++) {
+          (void)client.Put(fmt::format("{}{:05}", scratch, i), R"({"r":1,"st":"ack","port":1})");
+        }
+      });
+    }
+    for (auto& t : pool) t.join();
+    std::unique_lock<std::mutex> lock(mu);
+    bool all = cv.wait_for(lock, options.scenario_timeout, [&] { return seen >= n; });
+    lock.unlock();
+    report.baseline_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    baseline_watch = std::move(*watch);   // cancelled at the end of the run, not in between
+    (void)client.Delete(scratch, true);
+    if (!all) return Status::DeadlineExceeded("the etcd baseline did not complete");
+  }
+  EFDL_RETURN_IF_ERROR(h.CreateNodes(n));
+  bool ok = run("form", [&] { return h.JoinAll(0, options.join_threads); }, [&] { return n; });
   ok = ok && run("kill_one", [&] { return h.Kill(1, true, false); }, [&] { return h.Alive(); });
   ok = ok && run("crash_coordinator_reported", [&] {
     EFDL_RETURN_IF_ERROR(h.Kill(1, false, true));
@@ -409,6 +483,7 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
 std::string SimReport::ToJson() const {
   nlohmann::json j;
   j["nodes"] = nodes;
+  j["baseline_seconds"] = baseline_seconds;
   j["steady_cpu_percent_per_node"] = steady_cpu_percent_per_node;
   j["steady_requests_per_node_per_min"] = steady_requests_per_node_per_min;
   nlohmann::json arr = nlohmann::json::array();

@@ -66,6 +66,7 @@ struct SimOptions {
   std::chrono::milliseconds liveness_window{400};
   std::chrono::milliseconds scenario_timeout{std::chrono::seconds(120)};
   uint32_t seed = 1;
+  int join_threads = 64;   // nodes joining at the same time during formation
 };
 
 // One measured scenario: from the trigger to the moment every expected node had started the
@@ -84,6 +85,7 @@ struct SimScenario {
 
 struct SimReport {
   int nodes = 0;
+  double baseline_seconds = 0;            // N concurrent puts seen by one watch (raw etcd)
   std::vector<SimScenario> scenarios;
   double steady_cpu_percent_per_node = 0; // idle job: CPU of one node as % of a core
   int64_t steady_requests_per_node_per_min = 0;
