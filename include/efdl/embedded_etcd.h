@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "efdl/status.h"
 
@@ -25,6 +26,12 @@ struct EmbeddedEtcdOptions {
   std::string name = "efdl";        // member name
   std::string binary = "etcd";      // looked up in PATH
   std::chrono::milliseconds start_timeout{std::chrono::seconds(20)};
+  // Membership of a multi-member cluster ("name=http://host:peer_port,..."), with fixed ports;
+  // empty: a one-member cluster of this etcd alone. See EmbeddedEtcdCluster.
+  std::string initial_cluster;
+  // false: Start returns once etcd is spawned (a cluster member cannot serve before a quorum
+  // of members runs); call WaitUntilHealthy later.
+  bool wait_until_healthy = true;
 };
 
 class EmbeddedEtcd {
@@ -53,11 +60,12 @@ class EmbeddedEtcd {
   // Starts again on the same data directory and ports (after Stop or Kill); waits until
   // healthy. Data written before survives.
   Status Restart();
+  // Waits until it serves a real (linearizable) request, up to options.start_timeout.
+  Status WaitUntilHealthy();
 
  private:
   explicit EmbeddedEtcd(EmbeddedEtcdOptions options);
-  Status Launch();
-  Status WaitHealthy();
+  Status Launch(bool wait);
 
   struct Impl;
   EmbeddedEtcdOptions options_;
@@ -65,6 +73,23 @@ class EmbeddedEtcd {
   uint16_t client_port_ = 0;
   uint16_t peer_port_ = 0;
   std::unique_ptr<Impl> impl_;
+};
+
+// A multi-member etcd cluster on loopback (default 3 members), each member an EmbeddedEtcd with
+// its own ports and data directory: for failover tests. Same ownership rules as EmbeddedEtcd.
+class EmbeddedEtcdCluster {
+ public:
+  static Result<std::unique_ptr<EmbeddedEtcdCluster>> Start(
+      int members = 3, std::chrono::milliseconds start_timeout = std::chrono::seconds(30));
+
+  // "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"
+  std::string endpoints() const;
+  size_t size() const { return members_.size(); }
+  EmbeddedEtcd& member(size_t i) { return *members_.at(i); }
+
+ private:
+  EmbeddedEtcdCluster() = default;
+  std::vector<std::unique_ptr<EmbeddedEtcd>> members_;
 };
 
 }  // namespace efdl

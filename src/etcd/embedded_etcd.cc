@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -97,7 +98,7 @@ Result<std::unique_ptr<EmbeddedEtcd>> EmbeddedEtcd::Start(EmbeddedEtcdOptions op
       etcd->peer_port_ = o.peer_port;
     }
     std::filesystem::remove(etcd->log_path());  // a fresh log: errors quote this run's output
-    last = etcd->Launch();
+    last = etcd->Launch(o.wait_until_healthy);
     if (last.ok()) return etcd;
     // Someone took a port we picked a moment ago: pick again.
     if (!auto_ports || !LogSaysAddressInUse(etcd->log_path())) break;
@@ -106,7 +107,7 @@ Result<std::unique_ptr<EmbeddedEtcd>> EmbeddedEtcd::Start(EmbeddedEtcdOptions op
   return last;
 }
 
-Status EmbeddedEtcd::Launch() {
+Status EmbeddedEtcd::Launch(bool wait) {
   EFDL_ASSIGN_OR_RETURN(std::string binary, FindProgram(options_.binary));
   const std::string client_url = fmt::format("http://{}:{}", options_.host, client_port_);
   const std::string peer_url = fmt::format("http://{}:{}", options_.host, peer_port_);
@@ -118,7 +119,9 @@ Status EmbeddedEtcd::Launch() {
                 "--advertise-client-urls", client_url,
                 "--listen-peer-urls", peer_url,
                 "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", fmt::format("{}={}", options_.name, peer_url),
+                "--initial-cluster",
+                options_.initial_cluster.empty() ? fmt::format("{}={}", options_.name, peer_url)
+                                                 : options_.initial_cluster,
                 "--initial-cluster-state", "new",
                 "--logger", "zap",
                 "--log-outputs", "stderr"};
@@ -133,7 +136,8 @@ Status EmbeddedEtcd::Launch() {
   spawn.stdout_path = log_path();
   spawn.stderr_to_stdout = true;
   EFDL_ASSIGN_OR_RETURN(impl_->process, Subprocess::Spawn(spawn));
-  Status healthy = WaitHealthy();
+  if (!wait) return Status::OK();
+  Status healthy = WaitUntilHealthy();
   if (!healthy.ok()) {
     impl_->process.Stop(std::chrono::seconds(2));
     return healthy;
@@ -143,7 +147,7 @@ Status EmbeddedEtcd::Launch() {
   return Status::OK();
 }
 
-Status EmbeddedEtcd::WaitHealthy() {
+Status EmbeddedEtcd::WaitUntilHealthy() {
   const auto deadline = std::chrono::steady_clock::now() + options_.start_timeout;
   etcd::ClientOptions client_options;
   client_options.endpoints = {endpoint()};
@@ -191,7 +195,52 @@ Status EmbeddedEtcd::Kill() {
 
 Status EmbeddedEtcd::Restart() {
   EFDL_RETURN_IF_ERROR(Stop());
-  return Launch();
+  return Launch(/*wait=*/true);
+}
+
+Result<std::unique_ptr<EmbeddedEtcdCluster>> EmbeddedEtcdCluster::Start(
+    int members, std::chrono::milliseconds start_timeout) {
+  if (members < 1) {
+    return Status::InvalidArgument(fmt::format("an etcd cluster needs at least 1 member, not {}",
+                                               members));
+  }
+  // Every member must know every peer URL up front: pick all ports first.
+  std::vector<EmbeddedEtcdOptions> options(static_cast<size_t>(members));
+  std::string initial_cluster;
+  std::vector<uint16_t> taken;
+  auto fresh_port = [&]() -> Result<uint16_t> {
+    while (true) {
+      EFDL_ASSIGN_OR_RETURN(uint16_t port, PickFreePort("127.0.0.1"));
+      if (std::find(taken.begin(), taken.end(), port) == taken.end()) {
+        taken.push_back(port);
+        return port;
+      }
+    }
+  };
+  for (int i = 0; i < members; ++i) {
+    EmbeddedEtcdOptions& o = options[static_cast<size_t>(i)];
+    o.name = fmt::format("efdl{}", i);
+    EFDL_ASSIGN_OR_RETURN(o.client_port, fresh_port());
+    EFDL_ASSIGN_OR_RETURN(o.peer_port, fresh_port());
+    o.start_timeout = start_timeout;
+    o.wait_until_healthy = false;
+    if (!initial_cluster.empty()) initial_cluster += ",";
+    initial_cluster += fmt::format("{}=http://{}:{}", o.name, o.host, o.peer_port);
+  }
+  std::unique_ptr<EmbeddedEtcdCluster> cluster(new EmbeddedEtcdCluster());
+  for (EmbeddedEtcdOptions& o : options) {
+    o.initial_cluster = initial_cluster;
+    EFDL_ASSIGN_OR_RETURN(auto member, EmbeddedEtcd::Start(o));
+    cluster->members_.push_back(std::move(member));
+  }
+  for (auto& member : cluster->members_) EFDL_RETURN_IF_ERROR(member->WaitUntilHealthy());
+  return cluster;
+}
+
+std::string EmbeddedEtcdCluster::endpoints() const {
+  std::string out;
+  for (const auto& m : members_) out += (out.empty() ? "" : ",") + m->endpoint();
+  return out;
 }
 
 }  // namespace efdl

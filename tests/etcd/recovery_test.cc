@@ -191,6 +191,55 @@ TEST(EtcdRecovery, UnreachableEtcdFailsWithinDeadlineNamingTheEndpoint) {
   EXPECT_EQ(malformed.status().code(), Status::Code::kInvalidArgument);
 }
 
+TEST(EtcdRecovery, ClusterMemberDeathIsSurvivedByCallsWatchAndKeepAlive) {
+  auto cluster = EmbeddedEtcdCluster::Start(3);
+  ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+  auto client = ConnectTo((*cluster)->endpoints());
+  ASSERT_NE(client, nullptr);
+  std::mutex mu;
+  std::vector<std::string> seen;
+  auto watch = client->StartWatch("/cl/", {.prefix = true}, [&](const WatchUpdate& u) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& e : u.events) seen.push_back(e.kv.key);
+  });
+  ASSERT_TRUE(watch.ok()) << watch.status().ToString();
+  auto lease = client->LeaseGrant(5);
+  ASSERT_TRUE(lease.ok());
+  std::atomic<int> lost{0};
+  auto keeper = client->KeepAlive(lease->id, [&] { ++lost; });
+  ASSERT_TRUE(keeper.ok());
+
+  // Create-only writes, retried while the cluster elects a new leader: a retry of a write that
+  // did land fails its guard instead of writing twice.
+  std::vector<std::string> written;
+  auto write = [&](const std::string& key) {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (true) {
+      auto txn = client->Txn({Compare::KeyMissing(key)}, {TxnOp::Put(key, "v")});
+      if (txn.ok()) break;
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << txn.status().ToString();
+      std::this_thread::sleep_for(100ms);
+    }
+    written.push_back(key);
+  };
+  for (int i = 0; i < 5; ++i) write("/cl/a" + std::to_string(i));
+  // The first listed member (where the client's calls and streams went) dies.
+  ASSERT_TRUE((*cluster)->member(0).Kill().ok());
+  for (int i = 0; i < 5; ++i) write("/cl/b" + std::to_string(i));
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        std::lock_guard<std::mutex> lock(mu);
+        return seen.size() >= written.size();
+      },
+      20s));
+  std::this_thread::sleep_for(std::chrono::seconds(lease->ttl_seconds));
+  EXPECT_EQ(lost.load(), 0);
+  EXPECT_FALSE((*keeper)->lost());
+  watch->reset();
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(seen, written);
+}
+
 TEST(EmbeddedEtcdTest, RestartKeepsDataOnSameDirectoryAndPort) {
   auto etcd = StartEtcd();
   ASSERT_NE(etcd, nullptr);
