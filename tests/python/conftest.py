@@ -76,6 +76,17 @@ def run_ranks(argv, world_size, started, timeout=60, env=None, rank_env=None):
     return results
 
 
+def wait_for_output(agent, text, timeout=90):
+    """Waits until a tests/python/workers/cluster.Agent has printed `text`; fails with its
+    output if it exits or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while text not in agent.output():
+        if time.monotonic() > deadline or agent.proc.poll() is not None:
+            raise AssertionError("%s never printed %r:\n%s" % (agent.name, text,
+                                                              agent.output()[-3000:]))
+        time.sleep(0.05)
+
+
 def kill_all(procs):
     for proc in procs:
         if proc.poll() is None:

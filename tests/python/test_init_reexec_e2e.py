@@ -5,8 +5,6 @@ Skipped when the efdl binary is not built (EFDL_BIN or build/efdl)."""
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -14,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 import cluster  # noqa: E402
+from conftest import wait_for_output  # noqa: E402
 
 EFDL = cluster.efdl_bin()
 pytestmark = pytest.mark.skipif(EFDL is None, reason="efdl binary not built (set EFDL_BIN)")
@@ -33,7 +32,7 @@ def test_the_same_plain_command_on_two_nodes_becomes_one_job(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     job = cluster.Cluster(job="plain-reexec")
-    procs = []
+    nodes = []
     try:
         job.start_etcd()
         for node in ("node-a", "node-b"):
@@ -41,19 +40,19 @@ def test_the_same_plain_command_on_two_nodes_becomes_one_job(tmp_path):
             env.update(EFDL_ETCD_ENDPOINTS=job.endpoint, EFDL_JOB_ID=job.job, EFDL_NNODES="2",
                        EFDL_NODE_ID=node, EFDL_BIN=EFDL, EFDL_TTL="3", EFDL_LAST_CALL="1",
                        EFDL_SNAPSHOT_DIR=str(tmp_path / "snapshots"))
-            procs.append(subprocess.Popen([cluster.PYTHON, str(script)], env=env, cwd=tmp_path,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
+            # cluster.Agent runs any command in its own session and collects its output.
+            nodes.append(cluster.Agent(node, [cluster.PYTHON, str(script)], env))
+            job.agents.append(nodes[-1])  # killed by job.close() whatever happens
+            # One after the other: two nodes registering at the same instant sometimes leave
+            # the rendezvous stuck in "gathering" (a rendezvous race, reported separately).
+            wait_for_output(nodes[-1], "joined job")
+        codes = [n.wait(timeout=150) for n in nodes]
+        outputs = [n.output() for n in nodes]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
         job.close()
     found = []
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    for code, out in zip(codes, outputs):
+        assert code == 0, out[-3000:]
         assert "re-executing under" in out
         found += TRAINED_RE.findall(out)
     assert sorted(found) == [("0", "2", "2", "1"), ("1", "2", "2", "1")], outputs
