@@ -70,7 +70,10 @@ def etcd_requests(endpoint):
     return total
 
 
-def scenario(system, kind, timeout, steady=None):
+ROUND_LINE = ": node rank "
+
+
+def scenario(system, kind, timeout, steady=None, breakdown=None):
     c = cluster.Cluster(job="bench-%s-%s-%d" % (system.replace("-", ""), kind, os.getpid()))
     try:
         c.start_etcd(enable_v2=(system == "etcd-v2"))
@@ -105,6 +108,18 @@ def scenario(system, kind, timeout, steady=None):
             t0 = time.monotonic()
             nodes.append(start_node(c, system, "n2", store_port))
             done = c.wait_for_world(3, since=t0, timeout=timeout, by_round=False)
+        if system == "efdl" and breakdown is not None:
+            # When the agents had the new round's workers spawning: the rest is worker start-up
+            # (python, import torch, init_process_group) and the first step.
+            members = nodes[:2] if kind != "join" else nodes
+            ready = []
+            for n in members:
+                with n._lock:
+                    times = [t for t, text in n.lines if t >= t0 and ROUND_LINE in text]
+                if times:
+                    ready.append(min(times))
+            if len(ready) == len(members):
+                breakdown[kind] = max(ready) - t0
         return done - t0
     except AssertionError as e:
         print("  %s/%s: no result (%s)" % (system, kind, str(e).splitlines()[0]), flush=True)
@@ -123,10 +138,11 @@ def main():
     systems = args.systems.split(",")
     kinds = [("kill", "(a) SIGKILL node -> step"), ("term", "(b) SIGTERM node -> step"),
              ("join", "(c) new node -> step")]
-    results, steady = {}, {}
+    results, steady, breakdown = {}, {}, {}
     for system in systems:
         for kind, _ in kinds:
-            t = scenario(system, kind, args.timeout, steady if kind == "kill" else None)
+            t = scenario(system, kind, args.timeout, steady if kind == "kill" else None,
+                         breakdown)
             results[(system, kind)] = t
             print("  %-8s %-5s %s" % (system, kind, "%.2f s" % t if t is not None else "-"),
                   flush=True)
@@ -146,6 +162,9 @@ def main():
             other = results[(s, kind)]
             row += "%14s" % ("%.1fx" % (other / base) if base and other else "-")
         print(row)
+    if breakdown:
+        print("\nefdl: event -> new round's workers spawned on every member (agent + rendezvous "
+              "part): " + ", ".join("%s %.2f s" % (k, v) for k, v in breakdown.items()))
     if steady:
         print("\nefdl steady state at world 3 (20 s): agent CPU %.2f%% of a core per agent; "
               "%.0f etcd requests per node per minute" % (steady["cpu_percent_per_agent"],
