@@ -386,12 +386,27 @@ class Demo:
             return
         x = [s[0] - self.t0 for s in steps]
         y = [s[4] for s in steps]
-        k = 10
-        avg = [sum(y[max(0, i - k + 1):i + 1]) / len(y[max(0, i - k + 1):i + 1])
-               for i in range(len(y))]
         fig, ax = plt.subplots(figsize=(11, 5.5))
         ax.plot(x, y, ".", ms=2.5, color="#9bb7d4", label="loss per step (rank 0)")
-        ax.plot(x, avg, "-", lw=1.8, color="#1f4e79", label="loss, mean of 10 steps")
+        # One curve per round: no line drawn across a pause, where nothing trained.
+        starts = [r[0] for r in resumes] + [float("inf")]
+        k = 10
+        for i in range(len(starts) - 1):
+            seg = [(s[0] - self.t0, s[4]) for s in steps if starts[i] <= s[0] < starts[i + 1]]
+            if not seg:
+                continue
+            ys = [v for _, v in seg]
+            avg = [sum(ys[max(0, j - k + 1):j + 1]) / len(ys[max(0, j - k + 1):j + 1])
+                   for j in range(len(ys))]
+            ax.plot([t for t, _ in seg], avg, "-", lw=1.8, color="#1f4e79",
+                    label="loss, mean of 10 steps" if i == 0 else None)
+        ax2 = ax.twinx()
+        ax2.step([r[0] - self.t0 for r in resumes] + [x[-1]],
+                 [r[4] for r in resumes] + [resumes[-1][4]] if resumes else [], where="post",
+                 color="grey", lw=1, alpha=0.7)
+        ax2.set_ylabel("world size (grey)")
+        ax2.set_ylim(0, 4)
+        ax2.set_yticks([1, 2, 3])
         colors = {"crash": "#c0392b", "join": "#27ae60", "leave": "#d68910"}
         top = max(y) * 1.05
         for e in self.events:

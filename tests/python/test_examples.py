@@ -1,0 +1,184 @@
+"""End-to-end runs of examples/ so they never rot: the demo (quick), its Ctrl-C cleanup, and each
+training example once, short.
+
+Every process is started in its own session and killed by process group if a test overruns; a
+test also checks that nothing naming its job is left running afterwards.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON = "/usr/bin/python3"
+EXAMPLES = os.path.join(REPO, "examples")
+EFDL = os.environ.get("EFDL_BIN") or os.path.join(REPO, "build", "efdl")
+
+pytestmark = pytest.mark.skipif(not os.access(EFDL, os.X_OK),
+                                reason="efdl binary not built (set EFDL_BIN)")
+
+
+def env(**extra):
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("EFDL_", "TORCHELASTIC_")) and k not in (
+             "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    e.update(PYTHONPATH=os.path.join(REPO, "python"), OMP_NUM_THREADS="1", EFDL_BIN=EFDL)
+    e.update(extra)
+    return e
+
+
+def run(argv, timeout, cwd=REPO, **extra):
+    """Runs argv in its own session; kills the whole group if it overruns. Returns (rc, output)."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError("%s ran over %d s; output:\n%s" % (argv, timeout, out[-6000:]))
+    return proc.returncode, out
+
+
+def processes_naming(text):
+    """Pids of live processes whose command line contains `text` (read-only scan of /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open("/proc/%s/stat" % entry) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append((int(entry), cmd))
+    return found
+
+
+def parent(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
+    out_dir = tmp_path / "out"
+    started = time.monotonic()
+    rc, out = run([PYTHON, os.path.join(EXAMPLES, "demo.py"), "--quick", "--out", str(out_dir)],
+                  timeout=240)
+    elapsed = time.monotonic() - started
+    assert rc == 0, out[-6000:]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    print(out[-3000:])
+    print("demo --quick took %.1f s" % elapsed)
+
+    events = summary["events"]
+    assert [e["kind"] for e in events] == ["crash", "join", "leave"], events
+    assert [(e["world_before"], e["world_after"]) for e in events] == [(3, 2), (2, 3), (3, 2)]
+    crash, join, leave = events
+    # A crash loses at most the steps since the last commit; graceful changes lose nothing.
+    assert crash["steps_lost"] <= summary["commit_interval"], crash
+    assert join["samples_lost"] == 0 and leave["samples_lost"] == 0, events
+    for e in events:
+        assert 0 < e["pause_s"] < 120, e
+    # Two epochs of the digits training set (1438 samples): nothing skipped; padding of the last
+    # batch at world 3 may add a sample per rank and epoch.
+    assert 2 * 1438 <= summary["final_samples"] <= 2 * 1438 + 2 * 3, summary
+    assert summary["reference_samples"] == 2 * 1438
+    # Both runs learned something (10 classes: chance is 0.1) and end up in the same league.
+    assert summary["final_accuracy"] > 0.6 and summary["reference_accuracy"] > 0.6, summary
+    assert abs(summary["final_accuracy"] - summary["reference_accuracy"]) < 0.25, summary
+    assert summary["exit_codes"] == {"node-a": 128 + signal.SIGTERM, "node-b": 0, "node-d": 0}
+
+    assert (out_dir / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"^crash\s+node-c\s", out, re.M), out[-3000:]
+    assert "plot: " in out
+    assert not processes_naming(summary["job"])
+
+
+def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
+    proc = subprocess.Popen([PYTHON, os.path.join(EXAMPLES, "demo.py"), "--quick", "--out",
+                             str(tmp_path / "out")], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    try:
+        lines = []
+        job = None
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"job (demo-\S+?),", line)
+            job = job or (m and m.group(1))
+            if "started 3 agents" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        assert job, "".join(lines)
+        # Interrupt once the first round trains: agents, workers and etcd all run then.
+        for line in proc.stdout:
+            lines.append(line)
+            if "== round 1 started" in line:
+                break
+            assert time.monotonic() < deadline + 90, "".join(lines)
+        agents = [pid for pid, _ in processes_naming(job)]
+        workers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                   if parent(pid) in agents]
+        assert len(agents) == 3 and len(workers) == 3, (agents, workers, "".join(lines))
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, "".join(lines) + rest
+        assert "interrupted" in rest
+        assert not processes_naming(job), processes_naming(job)
+        assert not [pid for pid in workers if alive(pid)], workers
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("script", ["train_ddp_state.py", "train_ddp_native.py"])
+def test_example_trains_under_a_one_node_efdl_run(tmp_path, script):
+    rc, out = run([EFDL, "run", "--snapshot-dir", str(tmp_path / "snap"), "--job",
+                   "ex-%d" % os.getpid(), "--", PYTHON, os.path.join(EXAMPLES, script),
+                   "--epochs", "1"], timeout=90, cwd=str(tmp_path))
+    assert rc == 0, out[-4000:]
+    if script == "train_ddp_state.py":
+        assert re.search(r"^\[rank 0\] training complete: 1438 samples, test accuracy", out,
+                         re.M), out[-4000:]
+    else:
+        assert re.search(r"^\[rank 0\] epoch 0 loss [\d.]+ test accuracy", out, re.M), out[-4000:]
+        assert list((tmp_path / "snap").rglob("last.pt")), out[-4000:]
+
+
+def test_plain_train_ddp_state_restores_at_start_and_continues(tmp_path):
+    extra = {"EFDL_SNAPSHOT_DIR": str(tmp_path / "snap"), "EFDL_JOB_ID": "plain-restore"}
+    argv = [PYTHON, os.path.join(EXAMPLES, "train_ddp_state.py"), "--log-interval", "1000"]
+    rc, first = run(argv + ["--epochs", "1"], timeout=120, cwd=str(tmp_path), **extra)
+    assert rc == 0, first
+    assert "resuming at epoch 0, sample 0 of the epoch, 0 samples in all" in first, first
+    assert "training complete: 1438 samples" in first, first
+    # The second run finds the first one's snapshot: epoch 1 onwards, the sample count carried.
+    rc, second = run(argv + ["--epochs", "2"], timeout=120, cwd=str(tmp_path), **extra)
+    assert rc == 0, second
+    assert "resuming at epoch 1, sample 0 of the epoch, 1438 samples in all" in second, second
+    assert "epoch 0 done" not in second, second
+    assert "training complete: 2876 samples" in second, second
