@@ -401,9 +401,10 @@ class Demo:
             ax.plot([t for t, _ in seg], avg, "-", lw=1.8, color="#1f4e79",
                     label="loss, mean of 10 steps" if i == 0 else None)
         ax2 = ax.twinx()
-        ax2.step([r[0] - self.t0 for r in resumes] + [x[-1]],
-                 [r[4] for r in resumes] + [resumes[-1][4]] if resumes else [], where="post",
-                 color="grey", lw=1, alpha=0.7)
+        if resumes:
+            ax2.step([r[0] - self.t0 for r in resumes] + [x[-1]],
+                     [r[4] for r in resumes] + [resumes[-1][4]], where="post", color="grey",
+                     lw=1, alpha=0.7)
         ax2.set_ylabel("world size (grey)")
         ax2.set_ylim(0, 4)
         ax2.set_yticks([1, 2, 3])
