@@ -489,6 +489,10 @@ def main(argv=None):
     except DemoError as e:
         print("demo failed: %s" % e, file=sys.stderr)
         return 1
+    except OSError as e:   # e.g. the efdl binary vanished or is being rebuilt under us
+        print("demo failed: %s; rebuild with `make` and run `make demo` again" % e,
+              file=sys.stderr)
+        return 1
     finally:
         if demo is not None:
             demo.close()
