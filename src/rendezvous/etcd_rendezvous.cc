@@ -42,6 +42,7 @@ struct Input {
   int64_t round = 0;
   int64_t lease = 0;
   std::string detail;
+  bool coordinator_watch = false;       // kResync from a coordinator watch (nodes/ or ack/)
 };
 
 Event MakeEvent(Event::Type type, int64_t round, bool graceful, std::string message) {
@@ -208,6 +209,7 @@ etcd::WatchCallback EtcdRendezvous::WatchInto(Input::Type type, uint64_t generat
       EFDL_LOG_WARN("rdzv {}: watch interrupted ({}); re-reading", opt_.node_id,
                     u.compacted ? "compacted" : u.error.ToString());
       in.type = Input::Type::kResync;
+      in.coordinator_watch = type == Input::Type::kNodes || type == Input::Type::kAcks;
     } else {
       in.type = type;
       in.events = u.events;
@@ -306,6 +308,14 @@ void EtcdRendezvous::OnTimers() {
 
 void EtcdRendezvous::Handle(Input& in) {
   // Watch inputs from an older registration (before a fence or resync) are stale.
+  if (in.type == Input::Type::kResync && in.coordinator_watch) {
+    // A coordinator watch broke: re-read the job and watch again from the read's revision.
+    if (coordinating_ && in.generation == coord_generation_) {
+      StopCoordinating();
+      BecomeCoordinator();
+    }
+    return;
+  }
   bool watch_input = in.type == Input::Type::kRound || in.type == Input::Type::kAssign ||
                      in.type == Input::Type::kCoordGone || in.type == Input::Type::kResync;
   if (watch_input && in.generation != generation_) return;
@@ -786,7 +796,10 @@ void EtcdRendezvous::BecomeCoordinator() {
   if (!snap.ok() || snap->gets.size() != 4) {
     EFDL_LOG_WARN("rdzv {}: cannot read the job to coordinate it: {}", opt_.node_id,
                   snap.ok() ? "short answer" : snap.status().ToString());
-    Push({Input::Type::kResync, generation_, {}, 0, 0, {}});
+    Input in;
+    in.type = Input::Type::kResync;
+    in.generation = generation_;
+    Push(std::move(in));
     return;
   }
   for (const auto& kv : snap->gets[0].kvs) {
@@ -829,7 +842,10 @@ void EtcdRendezvous::BecomeCoordinator() {
   auto w2 = client_.StartWatch(keys_.ack, {true, snap->revision + 1, false},
                                WatchInto(Input::Type::kAcks, gen));
   if (!w1.ok() || !w2.ok()) {
-    Push({Input::Type::kResync, generation_, {}, 0, 0, {}});
+    Input in;
+    in.type = Input::Type::kResync;
+    in.generation = generation_;
+    Push(std::move(in));
     return;
   }
   nodes_watch_ = std::move(*w1);
