@@ -27,7 +27,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the one-line reason; every usage error exits 2 (like the commands' own checks),
+    // whatever CLI11's internal code for it is. --help and --version exit 0.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   return runner.Run();
 }
