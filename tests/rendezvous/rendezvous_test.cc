@@ -295,6 +295,31 @@ TEST(RendezvousTest, WorkerFailureReroundsFastWhenTheDeadPeerIsTheCoordinator) {
   EXPECT_TRUE(LeaseOf(db, "a") != 0) << "the dead node's lease is still alive";
 }
 
+TEST(RendezvousTest, EveryMemberReportingTheSameFailureMakesOneNewRound) {
+  MemoryEtcd db;
+  std::vector<std::unique_ptr<Node>> n;
+  for (auto id : {"a", "b", "c"}) n.push_back(Start(db, Opts(id, 2, 3)));
+  std::vector<int64_t> rounds;
+  for (auto& x : n) {
+    auto e = x->Started();
+    ASSERT_TRUE(e);
+    rounds.push_back(e->round);
+  }
+  // The peers' workers all break together, so every agent reports: the CAS lets one proposal win.
+  for (auto& x : n) x->rdzv->ReportWorkerFailure(rounds[0], "allreduce failed");
+  std::vector<int64_t> next;
+  for (auto& x : n) {
+    auto e = x->Started();
+    ASSERT_TRUE(e);
+    next.push_back(e->round);
+    EXPECT_EQ(e->assignment.world_size, 3);
+  }
+  EXPECT_EQ(next[0], rounds[0] + 1);
+  EXPECT_EQ(next[1], next[0]);
+  EXPECT_EQ(next[2], next[0]);
+  EXPECT_FALSE(n[0]->Started(500ms)) << "no second re-round";
+}
+
 TEST(RendezvousTest, LeaseExpiryOfASilentNodeRerounds) {
   MemoryEtcd db;
   std::vector<std::unique_ptr<Node>> n;
