@@ -133,7 +133,9 @@ class BidiStreamLoop {
       if (next == grpc::CompletionQueue::SHUTDOWN) break;
       if (next == grpc::CompletionQueue::GOT_EVENT) Handle(static_cast<Tag*>(tag), ok);
     }
-    // Close the stream and let every pending operation complete before the queue goes.
+    // Close the stream and let every pending operation complete before the queue goes; answers
+    // still in flight are dropped, not handed to the subclass.
+    shutting_down_ = true;
     if (stream_) {
       stream_->context.TryCancel();
       Break();
@@ -184,7 +186,7 @@ class BidiStreamLoop {
         break;
       case Op::kRead:
         s.read_pending = false;
-        if (!ok || s.broken) {
+        if (!ok || s.broken || shutting_down_) {
           Break();
           break;
         }
@@ -272,6 +274,7 @@ class BidiStreamLoop {
   grpc::CompletionQueue cq_;
   std::unique_ptr<Attempt> stream_;  // loop thread only
   TimePoint reconnect_at_{};
+  bool shutting_down_ = false;       // loop thread only
   std::chrono::milliseconds backoff_{kMinBackoff};
 
   std::mutex wake_mu_;
