@@ -358,6 +358,9 @@ void EtcdRendezvous::Handle(Input& in) {
       break;
     case Input::Type::kWorkerFailure: {
       ++restarts_;
+      // The ack key holds one record: a report about a round older than the one already
+      // acked must not overwrite that ack (the coordinator would leave this node out).
+      if (in.round < acked_round_) break;
       SendAck(AckState::kFailed, in.round);
       if (round_.round == in.round && round_.phase == Phase::kActive) {
         RoundRecord next = round_;
@@ -373,7 +376,7 @@ void EtcdRendezvous::Handle(Input& in) {
       break;
     }
     case Input::Type::kWorkersSucceeded:
-      SendAck(AckState::kDone, in.round);
+      if (in.round >= acked_round_) SendAck(AckState::kDone, in.round);
       break;
     case Input::Type::kResync:
       EFDL_LOG_INFO("rdzv {}: resynchronising with etcd", opt_.node_id);
@@ -728,9 +731,10 @@ void EtcdRendezvous::Fence(const std::string& why) {
 
 void EtcdRendezvous::Fail(const std::string& message) {
   EFDL_LOG_ERROR("rdzv {}: {}", opt_.node_id, message);
-  Emit(MakeEvent(Event::Type::kFailed, CurrentRoundForEvents(), false, message));
-  StopCoordinating();
+  int64_t round = CurrentRoundForEvents();
+  // Out of the job first, so that an agent acting on the event finds the node gone.
   ReleaseRegistration(false);
+  Emit(MakeEvent(Event::Type::kFailed, round, false, message));
 }
 
 void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
