@@ -62,8 +62,11 @@ def efdl_binary():
     return path
 
 
-def clean_env():
-    """The demo's environment minus anything that would make a child think it is a worker."""
+def clean_env(shm_dir):
+    """The demo's environment minus anything that would make a child think it is a worker.
+
+    The State's in-memory snapshot copies go to `shm_dir`, which the demo removes at the end.
+    """
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("EFDL_", "TORCHELASTIC_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -71,6 +74,7 @@ def clean_env():
     env["PYTHONPATH"] = os.path.join(REPO, "python") + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"
+    env["EFDL_SHM_DIR"] = shm_dir
     return env
 
 
@@ -142,6 +146,9 @@ class Demo:
         self.out = os.path.abspath(args.out)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix="efdl-demo-")
+        # Node-local snapshot copies (tmpfs when there is one), removed with the demo.
+        self.shm = tempfile.mkdtemp(prefix="efdl-demo-", dir="/dev/shm" if os.path.isdir(
+            "/dev/shm") else None)
         self.job = "demo-%d-%d" % (os.getpid(), int(time.time()))
         self.procs = {}
         self.endpoint = None
@@ -238,7 +245,7 @@ class Demo:
     # ---------------------------------------------------------------- processes
 
     def start(self, name, argv, on_line):
-        p = Proc(name, argv, clean_env(), os.path.join(self.out, "logs", name + ".log"), on_line)
+        p = Proc(name, argv, clean_env(self.shm), os.path.join(self.out, "logs", name + ".log"), on_line)
         self.procs[name] = p
         return p
 
@@ -326,7 +333,7 @@ class Demo:
                  % (a.ttl, " ".join(os.path.relpath(x, REPO) if x.startswith(REPO) else x
                                     for x in self.train_args())))
         self.wait_for("the 3 nodes to train at world 3",
-                      lambda: (self.steps_in_round_since(0, 3) or 0) >= a.steps_per_phase,
+                      lambda: (self.steps_in_round_since(0, 3) or 0) >= a.steps_before_crash,
                       a.phase_timeout + 30)
 
         self.event("crash", "node-c", lambda: self.procs["node-c"].kill_node(signal.SIGKILL), 2)
@@ -434,6 +441,7 @@ class Demo:
         for name in reversed(list(self.procs)):
             self.procs[name].close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def parse_args(argv):
@@ -452,6 +460,8 @@ def parse_args(argv):
     args.epochs = 2 if args.quick else 5
     args.step_delay = 0.03 if args.quick else 0.08
     args.steps_per_phase = 10 if args.quick else 30
+    # Mid-epoch (30 steps an epoch at world 3), so the crash has uncommitted steps to lose.
+    args.steps_before_crash = 10 if args.quick else 22
     args.show_every = 1.0 if args.quick else 1.5
     args.phase_timeout = 60
     return args

@@ -157,9 +157,11 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
 
 @pytest.mark.parametrize("script", ["train_ddp_state.py", "train_ddp_native.py"])
 def test_example_trains_under_a_one_node_efdl_run(tmp_path, script):
+    (tmp_path / "shm").mkdir()
     rc, out = run([EFDL, "run", "--snapshot-dir", str(tmp_path / "snap"), "--job",
                    "ex-%d" % os.getpid(), "--", PYTHON, os.path.join(EXAMPLES, script),
-                   "--epochs", "1"], timeout=90, cwd=str(tmp_path))
+                   "--epochs", "1"], timeout=90, cwd=str(tmp_path),
+                  EFDL_SHM_DIR=str(tmp_path / "shm"))
     assert rc == 0, out[-4000:]
     if script == "train_ddp_state.py":
         assert re.search(r"^\[rank 0\] training complete: 1438 samples, test accuracy", out,
@@ -170,7 +172,10 @@ def test_example_trains_under_a_one_node_efdl_run(tmp_path, script):
 
 
 def test_plain_train_ddp_state_restores_at_start_and_continues(tmp_path):
-    extra = {"EFDL_SNAPSHOT_DIR": str(tmp_path / "snap"), "EFDL_JOB_ID": "plain-restore"}
+    # Private snapshot and shm dirs: the State also finds node-local copies in EFDL_SHM_DIR.
+    (tmp_path / "shm").mkdir()
+    extra = {"EFDL_SNAPSHOT_DIR": str(tmp_path / "snap"), "EFDL_SHM_DIR": str(tmp_path / "shm"),
+             "EFDL_JOB_ID": "plain-restore-%d" % os.getpid()}
     argv = [PYTHON, os.path.join(EXAMPLES, "train_ddp_state.py"), "--log-interval", "1000"]
     rc, first = run(argv + ["--epochs", "1"], timeout=120, cwd=str(tmp_path), **extra)
     assert rc == 0, first
