@@ -90,13 +90,8 @@ class Engine final : public SnapshotEngine {
     layout_ = std::move(tensors);
     data_bytes_ = AssignOffsets(layout_);
     pieces_ = PiecesOf(layout_);
-    Manifest m;
-    m.tensors = layout_;
     // Cache the tensor list's JSON: it is most of the manifest and does not change per commit.
-    std::string full = m.Serialize();
-    size_t begin = full.find("\"tensors\":");
-    size_t end = full.rfind(",\"meta\":");
-    tensors_json_ = full.substr(begin, end - begin);
+    tensors_json_ = TensorsJson(layout_);
     return Status::OK();
   }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "efdl/snapshot.h"
@@ -15,6 +16,9 @@ inline constexpr uint64_t kTensorAlign = 64;  // cache line: threads never share
 uint64_t AssignOffsets(std::vector<TensorEntry>& tensors);
 // The pieces of every tensor, in tensor order (the order FoldPieceHashes expects).
 std::vector<Piece> PiecesOf(const std::vector<TensorEntry>& tensors);
+
+// `"tensors":[...]`, the manifest's tensor list (the per-commit manifest caches it).
+std::string TensorsJson(const std::vector<TensorEntry>& tensors);
 
 inline uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

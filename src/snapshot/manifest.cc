@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "efdl/snapshot.h"
+#include "snapshot/layout.h"
 
 namespace efdl::snapshot {
 
@@ -11,18 +12,24 @@ namespace {
 constexpr const char* kFormat = "efdl-snapshot/1";
 }
 
-std::string Manifest::Serialize() const {
+std::string TensorsJson(const std::vector<TensorEntry>& tensors) {
   nlohmann::json tensors_json = nlohmann::json::array();
   for (const auto& t : tensors) {
     tensors_json.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape},
                             {"offset", t.offset}, {"nbytes", t.nbytes}});
   }
+  return "\"tensors\":" + tensors_json.dump();
+}
+
+std::string Manifest::Serialize() const {
   nlohmann::json j = {{"format", kFormat}, {"job", job},           {"seq", seq},
                       {"step", step},     {"wall_time", wall_time}, {"scope", scope},
-                      {"data_bytes", data_bytes}, {"tensors", std::move(tensors_json)}};
+                      {"data_bytes", data_bytes}};
   // meta_json is embedded as a JSON value, not as a string; it was produced as JSON by the caller.
   std::string out = j.dump();
   out.pop_back();
+  out += ',';
+  out += TensorsJson(tensors);
   out += ",\"meta\":";
   out += meta_json.empty() ? "{}" : meta_json;
   out += '}';

@@ -153,6 +153,9 @@ TEST_F(EngineTest, RestoresTheNewestCommitFromMemoryAfterTheWriterIsGone) {
   EXPECT_EQ(c[0].source, SnapshotRef::Source::kMemory);
   EXPECT_EQ(c[0].manifest.step, 3);
   EXPECT_EQ(c[0].manifest.meta_json, R"({"k":1})");
+  EXPECT_GT(c[0].manifest.wall_time, 1.6e9) << "commit time missing from the manifest";
+  EXPECT_EQ(c[0].manifest.tensors.size(), 2u);
+  EXPECT_EQ(c[0].manifest.tensors[0].name, "w");
   std::vector<float> out(w.size());
   int64_t step = 0;
   ASSERT_TRUE(e->Restore(c[0], {out.data(), &step}).ok());
