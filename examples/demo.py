@@ -245,7 +245,8 @@ class Demo:
     # ---------------------------------------------------------------- processes
 
     def start(self, name, argv, on_line):
-        p = Proc(name, argv, clean_env(self.shm), os.path.join(self.out, "logs", name + ".log"), on_line)
+        p = Proc(name, argv, clean_env(self.shm), os.path.join(self.out, "logs", name + ".log"),
+                 on_line)
         self.procs[name] = p
         return p
 
@@ -297,7 +298,8 @@ class Demo:
               "world_before": world_before, "world_after": resume[4], "round": resume[5],
               "pause_s": first[0] - t,
               "rendezvous_s": self.round_starts.get(resume[5], first[0]) - t,
-              "worker_start_s": first[0] - self.round_starts.get(resume[5], t), "gap_s": first[0] - last[0] if last else None,
+              "worker_start_s": first[0] - self.round_starts.get(resume[5], t),
+              "gap_s": first[0] - last[0] if last else None,
               "last_samples": last[3] if last else 0, "resume_samples": resume[3]}
         lost = max(0, ev["last_samples"] - ev["resume_samples"])
         ev["samples_lost"] = lost
@@ -447,7 +449,8 @@ class Demo:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", default=os.environ.get("EFDL_DEMO_QUICK") == "1",
-                   help="a shorter run (used by tests/python/test_examples.py); env EFDL_DEMO_QUICK=1")
+                   help="a shorter run (used by tests/python/test_examples.py); "
+                   "env EFDL_DEMO_QUICK=1")
     p.add_argument("--out", default=os.path.join(REPO, "demo-out"),
                    help="where demo.png, summary.json and logs/ go (default: demo-out/)")
     p.add_argument("--verbose", action="store_true", help="also show every agent log line")
