@@ -16,13 +16,9 @@ int main(int argc, char** argv) {
   efdl::cli::RegisterEtcdCommand(app, runner);
   efdl::cli::RegisterSnapshotsCommand(app, runner);
   efdl::cli::RegisterPlanCommand(app, runner);
-#ifdef EFDL_CLI_WITH_AGENT
   efdl::cli::RegisterRunCommand(app, runner);
   efdl::cli::RegisterStatusCommand(app, runner);
-#endif
-#ifdef EFDL_CLI_WITH_SIM
   efdl::cli::RegisterSimCommand(app, runner);
-#endif
 
   try {
     app.parse(argc, argv);
