@@ -18,6 +18,26 @@ std::string SignalName(int sig) {
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
 }
 
+// Once the job is complete its snapshots live on in storage (State persists at exit), so the
+// node's shared-memory arenas of the job (python/efdl/state.py names them
+// efdl-<job>-<node>-<scope>.arena in EFDL_SHM_DIR) would only hold memory: remove them.
+void RemoveJobArenas(const std::string& job_id, const std::string& node_id) {
+  const char* dir = std::getenv("EFDL_SHM_DIR");
+  std::filesystem::path shm = dir != nullptr && *dir != '\0' ? dir : "/dev/shm";
+  // Ids are validated to [A-Za-z0-9._-]; State truncates each to 80 characters.
+  const std::string prefix =
+      fmt::format("efdl-{}-{}-", job_id.substr(0, 80), node_id.substr(0, 80));
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(shm, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with(prefix) && name.ends_with(".arena")) {
+      std::error_code rm;
+      std::filesystem::remove(entry.path(), rm);
+      if (rm) EFDL_LOG_WARN("cannot remove snapshot arena {}: {}", entry.path().string(), rm.message());
+    }
+  }
+}
+
 }  // namespace
 
 std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
@@ -145,6 +165,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       return std::nullopt;
     case Type::kJobComplete:
       StopWorkers(/*graceful=*/false, "the job is complete");
+      RemoveJobArenas(options_.job_id, options_.node_id);
       EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
       return 0;
     case Type::kFenced:

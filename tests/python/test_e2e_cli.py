@@ -16,9 +16,11 @@ EFDL = cluster.efdl_bin()
 pytestmark = pytest.mark.skipif(EFDL is None, reason="efdl binary not built (set EFDL_BIN)")
 
 
-def run(args, timeout=30, cwd=None):
+def run(args, timeout=30, cwd=None, extra_env=None):
     started = time.monotonic()
-    proc = subprocess.run([EFDL] + args, env=cluster.base_env(), capture_output=True, text=True,
+    env = cluster.base_env()
+    env.update(extra_env or {})
+    proc = subprocess.run([EFDL] + args, env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
     return proc, time.monotonic() - started
 
@@ -41,7 +43,7 @@ def error_lines(proc):
 ])
 def test_bad_input_gets_one_clear_line(args, expected):
     proc, took = run(["run"] + args)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     lines = error_lines(proc)
     assert lines and expected in lines[0], proc.stderr
     assert len(lines) <= 2, proc.stderr        # ours: 1; CLI11 adds a "--help" hint
@@ -119,3 +121,28 @@ def test_sigterm_stops_a_standalone_job_and_its_workers(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
+
+
+STATE_WORKER = """
+import os, sys, torch
+import efdl.backend.torch as efdl
+state = efdl.State(torch.nn.Linear(2, 2), step=0)
+for state.step in range(3):
+    state.commit()
+print("arena exists during training:", os.path.exists(state.arena_path))
+"""
+
+
+def test_completed_job_removes_its_shared_memory_arenas(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    other = shm / "efdl-another-job-solo-node.arena"   # not this job's: must stay
+    other.write_bytes(b"x")
+    proc, _ = run(["run", "--job", "arenas", "--node-id", "solo",
+                   "--snapshot-dir", str(tmp_path / "snap"), "--",
+                   sys.executable, "-c", STATE_WORKER],
+                  timeout=120, cwd=tmp_path, extra_env={"EFDL_SHM_DIR": str(shm)})
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0] arena exists during training: True" in proc.stdout
+    assert sorted(p.name for p in shm.iterdir()) == [other.name]
+    assert list((tmp_path / "snap" / "arenas").iterdir()), "the final snapshot was persisted"
