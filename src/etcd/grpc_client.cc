@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "etcd/convert.h"
 #include "etcd/lease_keeper.h"
 #include "etcd/watcher.h"
 
@@ -27,17 +28,6 @@ std::chrono::system_clock::time_point ToSystem(TimePoint deadline) {
   return std::chrono::system_clock::now() +
          std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline -
                                                                          SteadyClock::now());
-}
-
-KeyValue ToKeyValue(const mvccpb::KeyValue& kv) {
-  KeyValue out;
-  out.key = kv.key();
-  out.value = kv.value();
-  out.create_revision = kv.create_revision();
-  out.mod_revision = kv.mod_revision();
-  out.version = kv.version();
-  out.lease = kv.lease();
-  return out;
 }
 
 RangeResult ToRangeResult(const etcdserverpb::RangeResponse& response) {

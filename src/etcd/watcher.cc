@@ -4,22 +4,9 @@
 
 #include <utility>
 
+#include "etcd/convert.h"
+
 namespace efdl::etcd {
-
-namespace {
-
-KeyValue ToKeyValue(const mvccpb::KeyValue& kv) {
-  KeyValue out;
-  out.key = kv.key();
-  out.value = kv.value();
-  out.create_revision = kv.create_revision();
-  out.mod_revision = kv.mod_revision();
-  out.version = kv.version();
-  out.lease = kv.lease();
-  return out;
-}
-
-}  // namespace
 
 WatchEngine::WatchEngine(std::shared_ptr<ChannelSet> channels)
     : BidiStreamLoop(std::move(channels), "watch") {
