@@ -97,7 +97,10 @@ TEST(EtcdRecovery, KeptLeaseSurvivesEtcdRestartAndIsLostWhenEtcdStaysDown) {
   ASSERT_NE(etcd, nullptr);
   auto client = ConnectTo(etcd->endpoint(), 1s);
   ASSERT_NE(client, nullptr);
-  auto lease = client->LeaseGrant(6);
+  // 9 s: the outage below (kill, then a restart that can take several seconds on 2 loaded cores,
+  // then the keeper's reconnect backoff) must stay well inside the TTL counted from the last
+  // renewal, which may have been TTL/3 before the kill.
+  auto lease = client->LeaseGrant(9);
   ASSERT_TRUE(lease.ok());
   ASSERT_TRUE(client->Put("/lease/node", "x", lease->id).ok());
   std::atomic<int> lost{0};
