@@ -88,6 +88,11 @@ class Proc:
     def __init__(self, name, argv, env, log_path, on_line):
         self.name = name
         self._log = open(log_path, "w")
+        # If the demo itself is SIGKILLed, its cleanup cannot run: have the kernel send SIGTERM to
+        # each child when the demo dies (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs,
+        # so the pid stays the child's). Agents then leave and stop their workers; efdl etcd stops.
+        if shutil.which("setpriv"):
+            argv = ["setpriv", "--pdeathsig", "TERM", "--"] + list(argv)
         self.proc = subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      errors="replace", start_new_session=True)
