@@ -186,3 +186,36 @@ def test_plain_train_ddp_state_restores_at_start_and_continues(tmp_path):
     assert "resuming at epoch 1, sample 0 of the epoch, 1438 samples in all" in second, second
     assert "epoch 0 done" not in second, second
     assert "training complete: 2876 samples" in second, second
+
+
+SNAPSHOT_SGD = os.path.join(os.path.dirname(EFDL), "examples", "cpp", "snapshot_sgd")
+
+
+@pytest.mark.skipif(not os.access(SNAPSHOT_SGD, os.X_OK), reason="examples/cpp not built")
+def test_cpp_snapshot_example_resumes_after_sigkill_with_identical_weights(tmp_path):
+    def sgd(*args):
+        return run([SNAPSHOT_SGD, "--steps", "300", "--commit-every", "10"] + list(args),
+                   timeout=60, cwd=str(tmp_path))
+
+    def weights(out):
+        found = re.search(r"^done: 300 steps, weights-fnv1a (\w+)$", out, re.M)
+        assert found, out
+        return found.group(1)
+
+    rc, clean = sgd("--job", "clean", "--arena", str(tmp_path / "clean.arena"))
+    assert rc == 0, clean
+    crash = ["--job", "crash", "--arena", str(tmp_path / "crash.arena"),
+             "--dir", str(tmp_path / "snap")]
+    rc, out = sgd(*crash, "--die-at", "174")
+    assert rc == -signal.SIGKILL, out
+    # The arena survived the kill: resume from memory at the last commit (step 169), and replay
+    # steps 170..174 to exactly the uninterrupted run's weights.
+    rc, out = sgd(*crash)
+    assert rc == 0, out
+    assert "restored step 169 from memory" in out, out
+    assert weights(out) == weights(clean)
+    # A new machine (no arena): the persisted final snapshot comes back from storage.
+    os.unlink(tmp_path / "crash.arena")
+    rc, out = sgd(*crash)
+    assert rc == 0 and "restored step 299 from storage" in out, out
+    assert weights(out) == weights(clean)
