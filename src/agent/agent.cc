@@ -82,6 +82,7 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
 Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
   group_.reset();
+  spares_.reset();
   control_.reset();
 }
 
@@ -102,6 +103,7 @@ int Agent::Run() {
     return 1;
   }
   control_ = std::move(control).value();
+  if (options_.prestart) StartSparePool();
 
   if (Status st = rdzv_.Join(); !st.ok()) {
     EFDL_LOG_ERROR("cannot join job '{}': {}", options_.job_id, st.message());
@@ -116,6 +118,7 @@ int Agent::Run() {
     if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
     if (sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
+    if (spares_) spares_->Maintain();
     if (auto event = rdzv_.WaitEvent(options_.poll_interval)) {
       if (auto code = HandleEvent(*event)) return *code;
     }
@@ -164,6 +167,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       }
       return std::nullopt;
     case Type::kJobComplete:
+      spares_.reset();
       StopWorkers(/*graceful=*/false, "the job is complete");
       RemoveJobArenas(options_.job_id, options_.node_id);
       EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
@@ -173,8 +177,10 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                     options_.node_id, event.round, event.message.empty() ? "" : ": ",
                     event.message);
       StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
+      if (spares_) spares_->Clear();  // refilled when the node takes part in a round again
       return std::nullopt;
     case Type::kFailed:
+      spares_.reset();
       StopWorkers(/*graceful=*/false, event.message);
       EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
       rdzv_.Leave();
@@ -219,6 +225,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   wg.round = a.round;
   wg.out_fd = options_.out_fd;
   wg.err_fd = options_.err_fd;
+  wg.spares = spares_.get();
   for (int lr = 0; lr < a.nproc; ++lr) {
     WorkerSpec spec;
     spec.local_rank = lr;
@@ -244,6 +251,27 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   return std::nullopt;
 }
 
+void Agent::StartSparePool() {
+  SparePoolOptions so;
+  so.command = options_.command;
+  so.nproc = options_.nproc;
+  // What a worker's environment will hold apart from the per-round variables (OMP_NUM_THREADS,
+  // ...): the spares must start with it, as libraries read some of it while being imported.
+  rdzv::Assignment typical;
+  typical.nproc = options_.nproc;
+  for (int lr = 0; lr < options_.nproc; ++lr) {
+    so.start_env[lr] = WorkerEnvironment(options_, typical, lr, 0, socket_path_);
+  }
+  auto pool = SparePool::Create(std::move(so));
+  if (!pool.ok()) {
+    EFDL_LOG_WARN("{}", pool.status().message());
+    return;
+  }
+  spares_ = std::move(pool).value();
+  spares_->Maintain();
+  EFDL_LOG_INFO("pre-starting {} python worker(s) (--prestart)", options_.nproc);
+}
+
 void Agent::StopWorkers(bool graceful, const std::string& reason) {
   if (!group_) return;
   const int64_t round = group_->round();
@@ -260,6 +288,7 @@ int Agent::Shutdown(int signal) {
                 options_.job_id);
   // Leave first so the other nodes re-round at once, while our workers take their snapshot.
   rdzv_.Leave();
+  spares_.reset();
   StopWorkers(/*graceful=*/true, fmt::format("node {} is leaving ({})", options_.node_id,
                                              SignalName(signal)));
   return 128 + signal;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "agent/control_server.h"
+#include "agent/spare_pool.h"
 #include "agent/worker_group.h"
 #include "common/net.h"
 #include "rendezvous/rendezvous.h"
@@ -36,6 +37,9 @@ struct AgentOptions {
   std::string log_dir;                     // empty: worker output only to our stdout/stderr
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
   std::string control_socket_path;         // empty: control.sock in a private temp directory
+  // Python commands: keep a pre-started worker per local rank (SparePool) to activate at the
+  // next round instead of spawning one.
+  bool prestart = false;
   std::chrono::milliseconds poll_interval{std::chrono::milliseconds(50)};
   int out_fd = STDOUT_FILENO;              // where prefixed worker output goes
   int err_fd = STDERR_FILENO;
@@ -79,6 +83,7 @@ class Agent {
   std::optional<int> PollWorkers();
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
   int Shutdown(int signal);
+  void StartSparePool();
   void StopWorkers(bool graceful, const std::string& reason);
 
   const AgentOptions options_;
@@ -87,6 +92,7 @@ class Agent {
   TempDir socket_dir_;
   std::string socket_path_;
   std::unique_ptr<ControlServer> control_;
+  std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
   std::unique_ptr<WorkerGroup> group_;
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;

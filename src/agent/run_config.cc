@@ -194,6 +194,12 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.max_nodes = nodes.max;
   a.max_restarts = f.max_restarts;
   a.stop_grace = Millis(f.stop_grace_s);
+  if (f.prestart && !ParsePythonCommand(f.command)) {
+    return Status::InvalidArgument(
+        "--prestart needs a worker command of the form 'python3 [-u] SCRIPT ...' or 'python3 -m "
+        "MODULE ...'; drop --prestart (or unset EFDL_PRESTART)");
+  }
+  a.prestart = f.prestart;
   a.log_dir = absolute(f.log_dir);
   a.snapshot_dir = absolute(f.snapshot_dir);
 

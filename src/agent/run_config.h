@@ -27,6 +27,7 @@ struct RunFlags {
   double stop_grace_s = 10;
   std::string log_dir;
   std::string snapshot_dir = "efdl-snapshots";
+  bool prestart = false;                     // pre-started python workers (SparePool)
   std::vector<std::string> command;
 };
 

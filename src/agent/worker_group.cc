@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "agent/control_server.h"
+#include "agent/spare_pool.h"
 #include "common/log.h"
 
 namespace efdl::agent {
@@ -47,6 +48,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
   group->wake_read_ = wake[0];
   group->wake_write_ = wake[1];
 
+  int activated = 0;
   for (const WorkerSpec& spec : opts.workers) {
     int log_fd = -1;
     if (!spec.log_path.empty()) {
@@ -59,14 +61,22 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
       }
       group->log_fds_.push_back(log_fd);
     }
-    SpawnOptions so;
-    so.argv = opts.argv;
-    so.env_set = spec.env;
-    so.stdout_mode = SpawnOptions::Stdio::kPipe;
-    so.stderr_mode = SpawnOptions::Stdio::kPipe;
-    so.new_process_group = true;
-    so.die_with_parent = true;
-    auto proc = Subprocess::Spawn(so);
+    std::optional<Subprocess> spare;
+    if (opts.spares != nullptr) spare = opts.spares->Activate(spec.local_rank, spec.env, opts.round);
+    Result<Subprocess> proc = Status::Internal("unset");
+    if (spare) {
+      proc = std::move(*spare);
+      ++activated;
+    } else {
+      SpawnOptions so;
+      so.argv = opts.argv;
+      so.env_set = spec.env;
+      so.stdout_mode = SpawnOptions::Stdio::kPipe;
+      so.stderr_mode = SpawnOptions::Stdio::kPipe;
+      so.new_process_group = true;
+      so.die_with_parent = true;
+      proc = Subprocess::Spawn(so);
+    }
     if (!proc.ok()) {
       return proc.status().WithContext(fmt::format("starting rank {}", spec.rank));
     }
@@ -77,6 +87,10 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
     group->streams_.push_back(Stream{out, opts.out_fd, log_fd, prefix, {}});
     group->streams_.push_back(Stream{err, opts.err_fd, log_fd, prefix, {}});
     group->workers_.push_back(Worker{spec, std::move(proc).value(), false});
+  }
+  if (opts.spares != nullptr) {
+    EFDL_LOG_INFO("round {}: {} of {} worker(s) taken from pre-started spares", opts.round,
+                  activated, opts.workers.size());
   }
   group->pump_ = std::thread([g = group.get()] { g->PumpOutput(); });
   return group;

@@ -24,6 +24,7 @@
 namespace efdl::agent {
 
 class ControlServer;
+class SparePool;
 
 struct WorkerSpec {
   int local_rank = 0;
@@ -39,6 +40,8 @@ struct WorkerGroupOptions {
   // Where prefixed output lines go; not owned (tests pass pipes).
   int out_fd = STDOUT_FILENO;
   int err_fd = STDERR_FILENO;
+  // Pre-started workers to activate instead of spawning (not owned; nullptr: always spawn).
+  SparePool* spares = nullptr;
 };
 
 struct WorkerExit {

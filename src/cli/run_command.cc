@@ -130,6 +130,10 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "EFDL_LOG_DIR");
   OptionWithEnv(run, "--snapshot-dir", f.snapshot_dir,
                 "snapshot storage given to workers as EFDL_SNAPSHOT_DIR", "EFDL_SNAPSHOT_DIR");
+  run->add_flag("--prestart,!--no-prestart", f.prestart,
+                "python commands: keep one pre-started interpreter per local rank (torch "
+                "imported) and use it for the next round's worker (faster re-rounds)")
+      ->envname("EFDL_PRESTART");
   run->add_option("command", f.command, "the training command, after --")->expected(-1);
   run->callback([args, &runner] { runner.Set([args] { return RunAgent(*args); }); });
 }

@@ -167,6 +167,9 @@ Result<Subprocess> Subprocess::Spawn(const SpawnOptions& options) {
     } else if (child_err >= 0 && ::dup2(child_err, STDERR_FILENO) < 0) {
       ChildFail(status_pipe[1], 3);
     }
+    for (int fd : options.inherit_fds) {
+      if (fd <= STDERR_FILENO || ::fcntl(fd, F_SETFD, 0) != 0) ChildFail(status_pipe[1], 6);
+    }
     if (!options.cwd.empty() && ::chdir(options.cwd.c_str()) != 0) ChildFail(status_pipe[1], 4);
     ::execve(exe.c_str(), argv.data(), envp.data());
     ChildFail(status_pipe[1], 5);
@@ -193,8 +196,8 @@ Result<Subprocess> Subprocess::Spawn(const SpawnOptions& options) {
   if (n > 0) {
     proc.Wait();
     static constexpr const char* kStages[] = {"", "setpgid", "prctl", "redirecting output",
-                                              "chdir", "exec"};
-    int stage = payload[0] >= 1 && payload[0] <= 5 ? payload[0] : 5;
+                                              "chdir", "exec", "keeping a descriptor"};
+    int stage = payload[0] >= 1 && payload[0] <= 6 ? payload[0] : 5;
     return Status::Internal(fmt::format("cannot start '{}': {} failed: {}", options.argv[0],
                                         kStages[stage], std::strerror(payload[1])));
   }

@@ -33,6 +33,9 @@ struct SpawnOptions {
   std::string stderr_path;                        // kFile (appended)
   bool new_process_group = true;                  // child leads its own group: signals reach all
   bool die_with_parent = true;
+  // Descriptors of ours the child keeps under the same numbers (close-on-exec cleared in the
+  // child only), e.g. a pipe end it is told about on its command line. Must not be 0-2.
+  std::vector<int> inherit_fds;
 };
 
 class Subprocess {

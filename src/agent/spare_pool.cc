@@ -1,0 +1,288 @@
+#include "agent/spare_pool.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <regex>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+
+extern char** environ;
+
+namespace efdl::agent {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Interpreter options that change nothing a spare could get wrong; with an argument: -W, -X.
+bool HarmlessFlag(std::string_view arg) {
+  static constexpr std::array<std::string_view, 8> kFlags = {"-u", "-B", "-O", "-OO",
+                                                             "-b", "-bb", "-q", "-s"};
+  for (std::string_view f : kFlags) {
+    if (arg == f) return true;
+  }
+  return false;
+}
+
+// The environment Subprocess::Spawn builds: ours with `add` on top.
+std::map<std::string, std::string> MergedEnvironment(const std::map<std::string, std::string>& add) {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view kv(*e);
+    size_t eq = kv.find('=');
+    if (eq != std::string_view::npos) {
+      env[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
+    }
+  }
+  for (const auto& [k, v] : add) env[k] = v;
+  return env;
+}
+
+std::map<std::string, std::string> StartupPart(const std::map<std::string, std::string>& env) {
+  std::map<std::string, std::string> out;
+  for (const auto& [k, v] : env) {
+    if (!IsRoundVariable(k)) out.emplace(k, v);
+  }
+  return out;
+}
+
+// Whether a process started with `ours + started_with` sees, for every variable that is not a
+// round variable, what a worker spawned with `ours + wanted` would.
+bool SameStartup(const std::map<std::string, std::string>& started_with,
+                 const std::map<std::string, std::string>& wanted) {
+  auto effective = [](const std::map<std::string, std::string>& add,
+                      const std::string& k) -> std::optional<std::string> {
+    if (auto it = add.find(k); it != add.end()) return it->second;
+    if (const char* v = std::getenv(k.c_str())) return std::string(v);
+    return std::nullopt;
+  };
+  for (const auto* side : {&started_with, &wanted}) {
+    for (const auto& [k, v] : *side) {
+      if (IsRoundVariable(k)) continue;
+      if (effective(started_with, k) != effective(wanted, k)) return false;
+    }
+  }
+  return true;
+}
+
+std::string ReadAvailable(int fd, size_t limit) {
+  std::string out;
+  if (fd < 0) return out;
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  char buf[4096];
+  while (out.size() < limit) {
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<PythonCommand> ParsePythonCommand(const std::vector<std::string>& argv) {
+  if (argv.empty()) return std::nullopt;
+  static const std::regex kPython(R"(python(\d+(\.\d+)?)?)");
+  if (!std::regex_match(std::filesystem::path(argv[0]).filename().string(), kPython)) {
+    return std::nullopt;
+  }
+  PythonCommand cmd;
+  cmd.interpreter.push_back(argv[0]);
+  size_t i = 1;
+  for (; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (a.empty() || a[0] != '-' || a == "-m") break;
+    if (HarmlessFlag(a)) {
+      cmd.interpreter.push_back(a);
+    } else if ((a == "-W" || a == "-X") && i + 1 < argv.size()) {
+      cmd.interpreter.push_back(a);
+      cmd.interpreter.push_back(argv[++i]);
+    } else if (a.size() > 2 && (a.starts_with("-W") || a.starts_with("-X"))) {
+      cmd.interpreter.push_back(a);
+    } else {
+      return std::nullopt;  // -c, -, -I, -E, -S, ...: run it the ordinary way
+    }
+  }
+  if (i >= argv.size()) return std::nullopt;
+  if (argv[i] == "-m" && i + 1 >= argv.size()) return std::nullopt;
+  cmd.program.assign(argv.begin() + static_cast<std::ptrdiff_t>(i), argv.end());
+  return cmd;
+}
+
+bool IsRoundVariable(std::string_view name) {
+  static constexpr std::array<std::string_view, 13> kNames = {
+      "RANK",        "LOCAL_RANK",  "WORLD_SIZE",      "LOCAL_WORLD_SIZE", "GROUP_RANK",
+      "NODE_RANK",   "NNODES",      "GROUP_WORLD_SIZE", "ROLE_NAME",       "ROLE_RANK",
+      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+  for (std::string_view n : kNames) {
+    if (name == n) return true;
+  }
+  return name.starts_with("EFDL_") || name.starts_with("TORCHELASTIC_") ||
+         name.starts_with("HOROVOD_");
+}
+
+Result<std::unique_ptr<SparePool>> SparePool::Create(SparePoolOptions options) {
+  auto cmd = ParsePythonCommand(options.command);
+  if (!cmd) {
+    return Status::InvalidArgument(
+        "--prestart needs a python command ('python3 [-u] SCRIPT ...' or 'python3 -m MODULE "
+        "...'); run without --prestart");
+  }
+  if (options.nproc < 1) return Status::InvalidArgument("spare pool: nproc must be >= 1");
+  return std::unique_ptr<SparePool>(new SparePool(std::move(options), std::move(*cmd)));
+}
+
+SparePool::SparePool(SparePoolOptions options, PythonCommand cmd)
+    : options_(std::move(options)), cmd_(std::move(cmd)), slots_(options_.nproc) {
+  for (Slot& s : slots_) s.due = Clock::now();
+}
+
+SparePool::~SparePool() { Clear(); }
+
+void SparePool::Discard(Slot& slot) {
+  if (slot.message_fd >= 0) {
+    ::close(slot.message_fd);
+    slot.message_fd = -1;
+  }
+  if (slot.proc) {
+    (void)slot.proc->Signal(SIGKILL);
+    (void)slot.proc->Stop(std::chrono::milliseconds(0));
+    slot.proc.reset();
+  }
+}
+
+void SparePool::Clear() {
+  for (Slot& s : slots_) {
+    Discard(s);
+    s.due.reset();
+  }
+}
+
+Status SparePool::StartSpare(int local_rank, Slot& slot) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    return Status::IOError(fmt::format("pipe: {}", std::strerror(errno)));
+  }
+  SpawnOptions so;
+  so.argv = cmd_.interpreter;
+  so.argv.insert(so.argv.end(), {"-m", "efdl.preload", std::to_string(fds[0])});
+  if (auto it = options_.start_env.find(local_rank); it != options_.start_env.end()) {
+    so.env_set = it->second;
+  }
+  so.stdout_mode = SpawnOptions::Stdio::kPipe;
+  so.stderr_mode = SpawnOptions::Stdio::kPipe;
+  so.new_process_group = true;
+  so.die_with_parent = true;
+  so.inherit_fds = {fds[0]};
+  auto proc = Subprocess::Spawn(so);
+  ::close(fds[0]);
+  if (!proc.ok()) {
+    ::close(fds[1]);
+    return proc.status();
+  }
+  slot.proc = std::move(proc).value();
+  slot.message_fd = fds[1];
+  slot.started_with = so.env_set;
+  slot.due.reset();
+  EFDL_LOG_DEBUG("pre-started a worker for local rank {} (pid {})", local_rank, slot.proc->pid());
+  return Status::OK();
+}
+
+void SparePool::Maintain() {
+  if (!enabled_) return;
+  const auto now = Clock::now();
+  for (size_t lr = 0; lr < slots_.size(); ++lr) {
+    Slot& s = slots_[lr];
+    if (s.proc) {
+      auto st = s.proc->Poll();
+      if (!st) continue;
+      // A spare only ends on its own when it cannot work at all; retrying would spin.
+      std::string err = ReadAvailable(s.proc->stderr_fd(), 2048);
+      while (!err.empty() && err.back() == '\n') err.pop_back();
+      EFDL_LOG_WARN("pre-started worker for local rank {} {} before use{}{}; starting workers "
+                    "without --prestart from now on",
+                    lr, DescribeWaitStatus(*st), err.empty() ? "" : ": ", err);
+      Clear();
+      enabled_ = false;
+      return;
+    }
+    if (!s.due || now < *s.due) continue;
+    if (Status st = StartSpare(static_cast<int>(lr), s); !st.ok()) {
+      EFDL_LOG_WARN("cannot pre-start a worker ({}); starting workers without --prestart",
+                    st.message());
+      Clear();
+      enabled_ = false;
+      return;
+    }
+  }
+}
+
+std::optional<Subprocess> SparePool::Activate(int local_rank,
+                                              const std::map<std::string, std::string>& env,
+                                              int64_t round) {
+  if (local_rank < 0 || static_cast<size_t>(local_rank) >= slots_.size()) return std::nullopt;
+  Slot& s = slots_[static_cast<size_t>(local_rank)];
+  if (enabled_) s.due = Clock::now() + options_.refill_delay;
+  if (!s.proc || s.proc->Poll()) {
+    Discard(s);
+    return std::nullopt;
+  }
+  if (!SameStartup(s.started_with, env)) {
+    EFDL_LOG_INFO("local rank {}: the pre-started worker has a different start-up environment; "
+                  "spawning a new one",
+                  local_rank);
+    options_.start_env[local_rank] = StartupPart(env);
+    Discard(s);
+    return std::nullopt;
+  }
+  nlohmann::json msg = {{"round", round},
+                        {"argv", cmd_.program},
+                        {"env", MergedEnvironment(env)}};
+  const std::string text = msg.dump();
+  // The spare may still be importing: the whole message must fit in the pipe, never block.
+  if (text.size() > 65536) {
+    (void)::fcntl(s.message_fd, F_SETPIPE_SZ, static_cast<int>(text.size()));
+  }
+  ::fcntl(s.message_fd, F_SETFL, ::fcntl(s.message_fd, F_GETFL) | O_NONBLOCK);
+  size_t off = 0;
+  while (off < text.size()) {
+    ssize_t n = ::write(s.message_fd, text.data() + off, text.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    off += static_cast<size_t>(n);
+  }
+  if (off < text.size()) {
+    EFDL_LOG_WARN("local rank {}: cannot hand the round to the pre-started worker ({}); "
+                  "spawning a new one",
+                  local_rank, off == 0 && errno != EAGAIN ? std::strerror(errno)
+                                                          : "message too large for its pipe");
+    Discard(s);
+    return std::nullopt;
+  }
+  ::close(s.message_fd);  // end of message
+  s.message_fd = -1;
+  std::optional<Subprocess> out = std::move(s.proc);
+  s.proc.reset();
+  return out;
+}
+
+std::vector<pid_t> SparePool::pids() const {
+  std::vector<pid_t> out;
+  for (const Slot& s : slots_) {
+    if (s.proc && s.proc->running()) out.push_back(s.proc->pid());
+  }
+  return out;
+}
+
+}  // namespace efdl::agent
