@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "efdl/etcd.h"
 #include "efdl/status.h"
 
 namespace efdl {
@@ -32,6 +33,14 @@ struct EmbeddedEtcdOptions {
   // false: Start returns once etcd is spawned (a cluster member cannot serve before a quorum
   // of members runs); call WaitUntilHealthy later.
   bool wait_until_healthy = true;
+  // Non-empty cert_file: clients connect over TLS (https) to etcd's --cert-file/--key-file;
+  // non-empty trusted_ca_file also requires client certificates signed by it
+  // (--client-cert-auth). The health check connects with `health_tls`.
+  std::string cert_file;
+  std::string key_file;
+  std::string trusted_ca_file;
+  etcd::TlsOptions health_tls;
+  std::vector<std::string> extra_args;  // appended to etcd's command line (e.g. --auth-token-ttl)
 };
 
 class EmbeddedEtcd {

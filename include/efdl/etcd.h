@@ -200,18 +200,35 @@ class Client {
   virtual Result<int64_t> CurrentRevision();
 };
 
+// TLS to etcd (https endpoints). PEM file paths, read by Connect(); all empty: plaintext.
+struct TlsOptions {
+  std::string ca_file;    // CAs trusted for the server's certificate (empty: the system's roots)
+  std::string cert_file;  // client certificate, for etcd's --client-cert-auth (with key_file)
+  std::string key_file;
+  bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
+};
+
 struct ClientOptions {
   std::vector<std::string> endpoints;            // "host:port"
   Duration call_timeout = std::chrono::seconds(5);
   Duration connect_timeout = std::chrono::seconds(3);
+  TlsOptions tls;
+  // etcd user/password auth (etcd's Authenticate RPC). Empty user: no auth. The client sends
+  // the token it gets as the "token" metadata and authenticates again when etcd says the token
+  // is invalid or expired. The password stays in this struct only; it is never logged.
+  std::string user;
+  std::string password;
 };
 
 // Parses "host:port[,host:port...]" (an optional http:// prefix is accepted). Rejects empty
 // lists, missing or non-numeric ports and ports out of range with a message naming the bad part.
 Result<std::vector<std::string>> ParseEndpoints(const std::string& spec);
 
-// Connects to the cluster through the real gRPC client. Fails within connect_timeout with a
-// message naming the endpoints when none answers.
+// Connects to the cluster through the real gRPC client (over TLS and authenticated when the
+// options say so). Fails within connect_timeout with a message naming the endpoints when none
+// answers, and with one line naming the cause for an unreadable certificate file, an untrusted
+// server certificate, a refused client certificate, TLS to a plaintext endpoint (or plaintext
+// to a TLS one), or a wrong user name or password.
 Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
 // The smallest key greater than every key with this prefix (etcd's range_end for prefixes).

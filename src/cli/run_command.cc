@@ -10,6 +10,7 @@
 #include "agent/agent.h"
 #include "agent/run_config.h"
 #include "cli/commands.h"
+#include "cli/etcd_flags.h"
 #include "common/log.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
@@ -21,6 +22,7 @@ namespace {
 
 struct RunArgs {
   std::string etcd;
+  EtcdSecurityFlags etcd_security;
   agent::RunFlags flags;
 };
 
@@ -74,6 +76,11 @@ int RunAgent(const RunArgs& args) {
   }
   etcd::ClientOptions client_options;
   client_options.endpoints = endpoints;
+  if (!embedded) {  // our private etcd is plaintext and has no users
+    if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &client_options); !st.ok()) {
+      return Fail(2, st.message());
+    }
+  }
   auto client = etcd::Connect(client_options);
   if (!client.ok()) {
     return Fail(2, fmt::format("cannot reach etcd at {}: {}; check --etcd (or "
@@ -101,6 +108,7 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   OptionWithEnv(run, "--etcd", args->etcd,
                 "etcd endpoints HOST:PORT[,HOST:PORT...]; none: a private etcd, single node",
                 "EFDL_ETCD_ENDPOINTS");
+  AddEtcdSecurityFlags(run, args->etcd_security);
   OptionWithEnv(run, "--job", f.job_id, "job id shared by all nodes of the job", "EFDL_JOB_ID");
   OptionWithEnv(run, "--nnodes", f.nnodes, "nodes in the job: N or MIN:MAX (default 1:1)",
                 "EFDL_NNODES");

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "cli/etcd_flags.h"
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
 
@@ -15,6 +16,7 @@ namespace {
 
 struct StatusArgs {
   std::string etcd;
+  EtcdSecurityFlags etcd_security;
   std::string job;
   bool json = false;
 };
@@ -33,6 +35,9 @@ int ShowStatus(const StatusArgs& args) {
   if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
   etcd::ClientOptions options;
   options.endpoints = *endpoints;
+  if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &options); !st.ok()) {
+    return Fail(2, st.message());
+  }
   auto client = etcd::Connect(options);
   if (!client.ok()) {
     return Fail(1, fmt::format("cannot reach etcd at {}: {}", args.etcd,
@@ -56,6 +61,7 @@ void RegisterStatusCommand(CLI::App& app, CommandRunner& runner) {
   CLI::App* cmd = app.add_subcommand("status", "Show a job's nodes, round and recent events");
   OptionWithEnv(cmd, "--etcd", args->etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
                 "EFDL_ETCD_ENDPOINTS");
+  AddEtcdSecurityFlags(cmd, args->etcd_security);
   OptionWithEnv(cmd, "--job", args->job, "the job id", "EFDL_JOB_ID")->required();
   cmd->add_flag("--json", args->json, "one JSON object instead of a table");
   cmd->callback([args, &runner] { runner.Set([args] { return ShowStatus(*args); }); });

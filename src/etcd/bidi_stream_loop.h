@@ -159,6 +159,7 @@ class BidiStreamLoop {
     // Ask the member to end the stream when it loses its raft leader, so we move to another
     // member instead of waiting on one that cannot serve (as etcd's own client does).
     stream_->context.AddMetadata("hasleader", "true");
+    ChannelSet::AttachToken(&stream_->context, channels_->TokenForStream(kAuthTimeout));
     stream_->rw = Prepare(channels_->at(endpoint), &stream_->context, &cq_);
     stream_->start_pending = true;
     stream_->rw->StartCall(&stream_->start_tag);
@@ -266,6 +267,8 @@ class BidiStreamLoop {
                         gpr_time_from_micros(std::max<int64_t>(micros, 0), GPR_TIMESPAN));
   }
 
+  // Bounds the (rare) re-authentication before a stream opens, which blocks this loop.
+  static constexpr std::chrono::milliseconds kAuthTimeout{2000};
   static constexpr std::chrono::milliseconds kMinBackoff{50};
   static constexpr std::chrono::milliseconds kMaxBackoff{1000};
 

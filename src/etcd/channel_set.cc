@@ -2,11 +2,54 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "common/log.h"
+
 namespace efdl::etcd {
 
 namespace {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+using SteadyClock = std::chrono::steady_clock;
+
+// etcd 3.4's fixed error texts (etcdserver/api/v3rpc/rpctypes): stable, and the only way to
+// tell its auth failures apart (several share a gRPC code).
+constexpr std::string_view kAuthFailed = "authentication failed, invalid user ID or password";
+constexpr std::string_view kAuthNotEnabled = "authentication is not enabled";
+constexpr std::string_view kInvalidToken = "invalid auth token";
+constexpr std::string_view kUserEmpty = "user name is empty";
+constexpr std::string_view kPermissionDenied = "permission denied";
+constexpr std::string_view kAuthOldRevision = "revision of auth store is old";
+
+// No call used the token for this long: re-authenticate before opening a stream. Well under
+// etcd's default --auth-token-ttl (300 s), after which an unused simple token is forgotten.
+constexpr auto kStreamTokenMaxAge = std::chrono::seconds(60);
+
+bool Contains(const std::string& text, std::string_view part) {
+  return text.find(part) != std::string::npos;
+}
+
+Result<std::string> ReadPem(const std::string& path, std::string_view flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return Status::InvalidArgument(fmt::format(
+        "{} '{}': cannot read the file ({}); give a readable PEM file", flag, path,
+        std::strerror(errno)));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN ") == std::string::npos) {
+    return Status::InvalidArgument(fmt::format(
+        "{} '{}': not a PEM file (no -----BEGIN line); give the PEM-encoded file", flag, path));
+  }
+  return text.str();
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           const std::shared_ptr<grpc::ChannelCredentials>& creds) {
   grpc::ChannelArguments args;
   // etcd restarts take about a second: try to reconnect soon and often instead of gRPC's
   // default one-second-then-exponential backoff, so calls and streams resume promptly.
@@ -26,22 +69,117 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   // processes (and one client's broken connection does not affect another's).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetMaxReceiveMessageSize(-1);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(address, creds ? creds : grpc::InsecureChannelCredentials(),
+                                   args);
 }
 
 }  // namespace
 
-ChannelSet::ChannelSet(const std::vector<std::string>& endpoints) {
+Result<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls) {
+  if (!tls.enabled()) return std::shared_ptr<grpc::ChannelCredentials>();
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    return Status::InvalidArgument(
+        "--etcd-cert and --etcd-key go together: give both (the client certificate and its "
+        "private key) or neither");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!tls.ca_file.empty()) {
+    EFDL_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(tls.ca_file, "--etcd-cacert"));
+  }
+  if (!tls.cert_file.empty()) {
+    EFDL_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(tls.cert_file, "--etcd-cert"));
+    EFDL_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(tls.key_file, "--etcd-key"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+ChannelSet::ChannelSet(const std::vector<std::string>& endpoints,
+                       std::shared_ptr<grpc::ChannelCredentials> credentials, std::string user,
+                       std::string password)
+    : user_(std::move(user)), password_(std::move(password)) {
   endpoints_.reserve(endpoints.size());
   for (const std::string& address : endpoints) {
     EndpointChannel e;
     e.address = address;
-    e.channel = MakeChannel(address);
+    e.channel = MakeChannel(address, credentials);
     e.kv = etcdserverpb::KV::NewStub(e.channel);
     e.lease = etcdserverpb::Lease::NewStub(e.channel);
     e.watch = etcdserverpb::Watch::NewStub(e.channel);
+    e.auth = etcdserverpb::Auth::NewStub(e.channel);
+    e.maintenance = etcdserverpb::Maintenance::NewStub(e.channel);
     endpoints_.push_back(std::move(e));
   }
+}
+
+std::string ChannelSet::token() const {
+  std::lock_guard<std::mutex> lock(token_mu_);
+  return token_;
+}
+
+void ChannelSet::AttachToken(grpc::ClientContext* context, const std::string& token) {
+  if (!token.empty()) context->AddMetadata("token", token);
+}
+
+void ChannelSet::NoteTokenUsed() {
+  token_used_ns_.store(SteadyClock::now().time_since_epoch().count(), std::memory_order_relaxed);
+}
+
+std::string ChannelSet::TokenForStream(Duration timeout) {
+  if (!auth_enabled()) return {};
+  const auto used = SteadyClock::time_point(
+      SteadyClock::duration(token_used_ns_.load(std::memory_order_relaxed)));
+  std::string current = token();
+  if (SteadyClock::now() - used > kStreamTokenMaxAge) {
+    Status st = Authenticate(current, timeout);
+    if (!st.ok()) EFDL_LOG_WARN("{}", st.message());
+    current = token();
+  }
+  return current;
+}
+
+Status ChannelSet::Authenticate(const std::string& stale, Duration timeout) {
+  if (!auth_enabled()) return Status::OK();
+  std::lock_guard<std::mutex> lock(token_mu_);
+  if (token_ != stale) return Status::OK();  // another thread got a fresh one meanwhile
+  const auto deadline = SteadyClock::now() + timeout;
+  std::string errors;
+  for (size_t k = 0; k < endpoints_.size(); ++k) {
+    EndpointChannel& e = endpoints_[(preferred() + k) % endpoints_.size()];
+    etcdserverpb::AuthenticateRequest request;
+    request.set_name(user_);
+    request.set_password(password_);
+    etcdserverpb::AuthenticateResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + (deadline - SteadyClock::now()));
+    grpc::Status status = e.auth->Authenticate(&context, request, &response);
+    if (status.ok()) {
+      token_ = response.token();
+      NoteTokenUsed();
+      return Status::OK();
+    }
+    const std::string& msg = status.error_message();
+    if (Contains(msg, kAuthFailed)) {
+      return Status::InvalidArgument(fmt::format(
+          "etcd at {} refused user '{}': wrong user name or password; check --etcd-user and "
+          "--etcd-password-file (EFDL_ETCD_USER, EFDL_ETCD_PASSWORD_FILE)",
+          e.address, user_));
+    }
+    if (Contains(msg, kAuthNotEnabled)) {
+      // The cluster does not check credentials: carry on without a token, as etcdctl does.
+      EFDL_LOG_DEBUG("etcd at {} has auth disabled; user '{}' is not needed", e.address, user_);
+      token_.clear();
+      NoteTokenUsed();
+      return Status::OK();
+    }
+    if (!errors.empty()) errors += "; ";
+    errors += fmt::format("{}: {}", e.address, msg);
+    if (!IsRetriableGrpc(status) || SteadyClock::now() >= deadline) {
+      Status st = FromGrpc(status, "authenticate", e.address);
+      return st.WithContext(fmt::format("cannot authenticate to etcd as '{}'", user_));
+    }
+  }
+  return Status::Unavailable(fmt::format(
+      "cannot authenticate to etcd as '{}': no endpoint answered ({})", user_, errors));
 }
 
 void ChannelSet::MarkBad(size_t i) {
@@ -62,6 +200,19 @@ std::string ChannelSet::Describe() const {
 Status FromGrpc(const grpc::Status& status, std::string_view operation,
                 std::string_view endpoint) {
   const std::string& msg = status.error_message();
+  if (Contains(msg, kUserEmpty) || Contains(msg, kInvalidToken)) {
+    return Status::InvalidArgument(fmt::format(
+        "etcd {} refused by {}: etcd requires authentication ({}); give --etcd-user and "
+        "--etcd-password-file (EFDL_ETCD_USER, EFDL_ETCD_PASSWORD_FILE)",
+        operation, endpoint, msg));
+  }
+  if (status.error_code() == grpc::StatusCode::PERMISSION_DENIED ||
+      Contains(msg, kPermissionDenied)) {
+    return Status::FailedPrecondition(fmt::format(
+        "etcd {} refused by {}: permission denied; the etcd user needs a role with readwrite "
+        "on the job's keys (etcdctl role grant-permission ROLE --prefix=true readwrite /efdl/)",
+        operation, endpoint));
+  }
   switch (status.error_code()) {
     case grpc::StatusCode::OK:
       return Status::OK();
@@ -85,6 +236,10 @@ Status FromGrpc(const grpc::Status& status, std::string_view operation,
       return Status::Unavailable(fmt::format(
           "etcd {} failed: {} is unavailable ({}); check that etcd runs there", operation,
           endpoint, msg));
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return Status::InvalidArgument(fmt::format(
+          "etcd {} refused by {}: not authenticated ({}); check --etcd-user and "
+          "--etcd-password-file", operation, endpoint, msg));
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
       return Status::Unavailable(fmt::format("etcd {} at {}: {} (request too large or server "
                                              "overloaded)", operation, endpoint, msg));
@@ -96,6 +251,11 @@ Status FromGrpc(const grpc::Status& status, std::string_view operation,
 
 bool IsRetriableGrpc(const grpc::Status& status) {
   return status.error_code() == grpc::StatusCode::UNAVAILABLE;
+}
+
+bool IsStaleTokenGrpc(const grpc::Status& status) {
+  const std::string& msg = status.error_message();
+  return Contains(msg, kInvalidToken) || Contains(msg, kAuthOldRevision);
 }
 
 }  // namespace efdl::etcd

@@ -109,7 +109,9 @@ Result<std::unique_ptr<EmbeddedEtcd>> EmbeddedEtcd::Start(EmbeddedEtcdOptions op
 
 Status EmbeddedEtcd::Launch(bool wait) {
   EFDL_ASSIGN_OR_RETURN(std::string binary, FindProgram(options_.binary));
-  const std::string client_url = fmt::format("http://{}:{}", options_.host, client_port_);
+  const bool tls = !options_.cert_file.empty();
+  const std::string client_url =
+      fmt::format("{}://{}:{}", tls ? "https" : "http", options_.host, client_port_);
   const std::string peer_url = fmt::format("http://{}:{}", options_.host, peer_port_);
   SpawnOptions spawn;
   spawn.argv = {binary,
@@ -125,6 +127,15 @@ Status EmbeddedEtcd::Launch(bool wait) {
                 "--initial-cluster-state", "new",
                 "--logger", "zap",
                 "--log-outputs", "stderr"};
+  if (tls) {
+    spawn.argv.insert(spawn.argv.end(),
+                      {"--cert-file", options_.cert_file, "--key-file", options_.key_file});
+    if (!options_.trusted_ca_file.empty()) {
+      spawn.argv.insert(spawn.argv.end(), {"--client-cert-auth", "--trusted-ca-file",
+                                           options_.trusted_ca_file});
+    }
+  }
+  spawn.argv.insert(spawn.argv.end(), options_.extra_args.begin(), options_.extra_args.end());
   // Debian's etcd reads ETCD_* variables too; keep the caller's from changing our setup.
   for (const char* var : {"ETCD_NAME", "ETCD_DATA_DIR", "ETCD_LISTEN_CLIENT_URLS",
                           "ETCD_ADVERTISE_CLIENT_URLS", "ETCD_INITIAL_CLUSTER",
@@ -151,7 +162,8 @@ Status EmbeddedEtcd::WaitUntilHealthy() {
   const auto deadline = std::chrono::steady_clock::now() + options_.start_timeout;
   etcd::ClientOptions client_options;
   client_options.endpoints = {endpoint()};
-  etcd::GrpcClient client(client_options, client_options.endpoints);
+  EFDL_ASSIGN_OR_RETURN(auto credentials, etcd::MakeChannelCredentials(options_.health_tls));
+  etcd::GrpcClient client(client_options, client_options.endpoints, credentials);
   Status last_error = Status::Unavailable("nothing listens on the client port yet");
   while (true) {
     if (auto exited = impl_->process.Poll()) {

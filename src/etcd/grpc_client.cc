@@ -7,6 +7,7 @@
 
 #include "etcd/convert.h"
 #include "etcd/lease_keeper.h"
+#include "etcd/tls_probe.h"
 #include "etcd/watcher.h"
 
 namespace efdl::etcd {
@@ -148,8 +149,11 @@ class GrpcWatch final : public Watch {
 
 }  // namespace
 
-GrpcClient::GrpcClient(const ClientOptions& options, const std::vector<std::string>& endpoints)
-    : options_(options), channels_(std::make_shared<ChannelSet>(endpoints)) {}
+GrpcClient::GrpcClient(const ClientOptions& options, const std::vector<std::string>& endpoints,
+                       std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : options_(options),
+      channels_(std::make_shared<ChannelSet>(endpoints, std::move(credentials), options.user,
+                                             options.password)) {}
 
 GrpcClient::~GrpcClient() {
   std::lock_guard<std::mutex> lock(engines_mu_);
@@ -178,6 +182,8 @@ Status GrpcClient::Unary(std::string_view operation, bool idempotent, Duration t
   size_t tried_this_round = 0;
   std::chrono::milliseconds pause{20};
   std::vector<std::string> last_error(n);
+  std::string token = channels_->auth_enabled() ? channels_->token() : std::string();
+  bool reauthenticated = false;
   while (true) {
     EndpointChannel& endpoint = channels_->at(i);
     const bool was_ready = endpoint.channel->GetState(false) == GRPC_CHANNEL_READY;
@@ -188,10 +194,21 @@ Status GrpcClient::Unary(std::string_view operation, bool idempotent, Duration t
     }
     grpc::ClientContext context;
     context.set_deadline(ToSystem(attempt_deadline));
+    ChannelSet::AttachToken(&context, token);
     const grpc::Status status = call(endpoint, &context);
     if (status.ok()) {
       channels_->MarkGood(i);
+      if (!token.empty()) channels_->NoteTokenUsed();
       return Status::OK();
+    }
+    // etcd forgot or outdated our token (expiry after disuse, a restart, an auth change): it
+    // did not execute the call, so get a new token and repeat it, once.
+    if (channels_->auth_enabled() && !reauthenticated && IsStaleTokenGrpc(status)) {
+      reauthenticated = true;
+      const auto left = std::chrono::duration_cast<Duration>(deadline - SteadyClock::now());
+      EFDL_RETURN_IF_ERROR(channels_->Authenticate(token, std::max(left, Duration(1))));
+      token = channels_->token();
+      continue;
     }
     const bool cut_short = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
                            attempt_deadline < deadline;
@@ -406,11 +423,27 @@ Result<int64_t> GrpcClient::Ping(Duration timeout) {
   request.set_key(std::string(1, '\0'));
   request.set_count_only(true);
   etcdserverpb::RangeResponse response;
+  if (!ping_denied_.load(std::memory_order_relaxed)) {
+    Status st = Unary("status check", true, timeout,
+                      [&](EndpointChannel& e, grpc::ClientContext* ctx) {
+                        return e.kv->Range(ctx, request, &response);
+                      });
+    if (st.ok()) return response.header().revision();
+    // An etcd user whose role covers only the job's prefix may not read this key.
+    if (!channels_->auth_enabled() || st.message().find("permission denied") == std::string::npos) {
+      return st;
+    }
+    ping_denied_.store(true, std::memory_order_relaxed);
+  }
+  // Maintenance.Status needs no key permission; it is served by the member alone (not
+  // linearizable), which for a "from now" watch start only means a few events more.
+  etcdserverpb::StatusRequest status_request;
+  etcdserverpb::StatusResponse status_response;
   EFDL_RETURN_IF_ERROR(Unary("status check", true, timeout,
                              [&](EndpointChannel& e, grpc::ClientContext* ctx) {
-                               return e.kv->Range(ctx, request, &response);
+                               return e.maintenance->Status(ctx, status_request, &status_response);
                              }));
-  return response.header().revision();
+  return status_response.header().revision();
 }
 
 Result<std::unique_ptr<Client>> Connect(const ClientOptions& options) {
@@ -426,11 +459,30 @@ Result<std::unique_ptr<Client>> Connect(const ClientOptions& options) {
     EFDL_ASSIGN_OR_RETURN(std::vector<std::string> parsed, ParseEndpoints(e));
     endpoints.insert(endpoints.end(), parsed.begin(), parsed.end());
   }
-  auto client = std::make_unique<GrpcClient>(options, endpoints);
-  auto revision = client->Ping(options.connect_timeout);
-  if (!revision.ok()) {
-    return revision.status().WithContext("cannot connect to etcd");
+  if (options.user.empty() && !options.password.empty()) {
+    return Status::InvalidArgument(
+        "an etcd password was given without a user: give --etcd-user (or EFDL_ETCD_USER) too");
   }
+  EFDL_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(options.tls));
+  auto client = std::make_unique<GrpcClient>(options, endpoints, credentials);
+  // A failed handshake shows as "unavailable": say which TLS setting is the likely cause.
+  auto explain = [&](const Status& st) {
+    std::string advice;
+    if (st.code() == Status::Code::kUnavailable || st.code() == Status::Code::kDeadlineExceeded) {
+      for (const std::string& endpoint : endpoints) {
+        advice = DiagnoseTlsEndpoint(endpoint, options.tls, std::chrono::milliseconds(1500));
+        if (!advice.empty()) {
+          advice = fmt::format("{}: {}", endpoint, advice);
+          break;
+        }
+      }
+    }
+    Status out = advice.empty() ? st : Status::Unavailable(advice + " (" + st.message() + ")");
+    return out.WithContext("cannot connect to etcd");
+  };
+  if (Status st = client->Authenticate(options.connect_timeout); !st.ok()) return explain(st);
+  auto revision = client->Ping(options.connect_timeout);
+  if (!revision.ok()) return explain(revision.status());
   return std::unique_ptr<Client>(std::move(client));
 }
 

@@ -3,6 +3,7 @@
 // first use.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -16,7 +17,10 @@ class KeepAliveEngine;
 
 class GrpcClient final : public Client {
  public:
-  GrpcClient(const ClientOptions& options, const std::vector<std::string>& endpoints);
+  // `credentials`: from MakeChannelCredentials (nullptr: plaintext). Auth uses options.user and
+  // options.password; call Authenticate once before the first call (Connect does).
+  GrpcClient(const ClientOptions& options, const std::vector<std::string>& endpoints,
+             std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
   // Stops the engines' threads. Watches and keepers may outlive the client (they then deliver
   // nothing), but the client must not be destroyed from one of its own callbacks.
   ~GrpcClient() override;
@@ -38,6 +42,8 @@ class GrpcClient final : public Client {
 
   // CurrentRevision with its own time limit (used by Connect and health checks).
   Result<int64_t> Ping(Duration timeout);
+  // Gets the first auth token (a no-op without a user).
+  Status Authenticate(Duration timeout) { return channels_->Authenticate("", timeout); }
 
  private:
   // Runs `call(endpoint, context)` with the deadline `timeout` from now, trying the endpoints
@@ -54,6 +60,8 @@ class GrpcClient final : public Client {
   std::mutex engines_mu_;
   std::shared_ptr<WatchEngine> watch_;          // guarded by engines_mu_
   std::shared_ptr<KeepAliveEngine> keepalive_;  // guarded by engines_mu_
+  // Our etcd user may not read the linearizable ping's key: ping with Maintenance.Status.
+  std::atomic<bool> ping_denied_{false};
 };
 
 }  // namespace efdl::etcd
