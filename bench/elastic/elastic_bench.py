@@ -5,7 +5,7 @@ steps), nnodes 2:3, default settings of each system except where noted:
   (a) SIGKILL of one whole node   -> first step of the survivors' new round (world 2)
   (b) SIGTERM of one node's agent -> first step of the new round (world 2)
   (c) start of a new node         -> first step with it included (world 3)
-Systems: efdl (this build), torchrun with the c10d rendezvous, torchrun with the etcd-v2
+Systems: efdl (this build), efdl-prestart (the same with `efdl run --prestart`), torchrun with the c10d rendezvous, torchrun with the etcd-v2
 rendezvous (etcd started with --enable-v2). torchrun runs through torchrun_py311.py, which
 works around torchrun 1.13's crash on Python 3.11 (see that file). In (b) the node killed is
 never the c10d store's host (SIGTERM of that node ends a c10d job).
@@ -13,7 +13,7 @@ never the c10d store's host (SIGTERM of that node ends a c10d job).
 Also: the efdl agent's CPU use while training is steady, and etcd requests per node per minute
 (from etcd's /metrics), both over a 20 s window at world 3.
 
-Usage: /usr/bin/python3 bench/elastic/elastic_bench.py [--systems efdl,c10d,etcd-v2]
+Usage: /usr/bin/python3 bench/elastic/elastic_bench.py [--systems efdl,efdl-prestart,c10d,etcd-v2]
        [--timeout 120]. Needs EFDL_BIN or ./build/efdl. Prints one table with ratios.
 """
 
@@ -39,12 +39,13 @@ def worker_env():
 def start_node(c, system, name, store_port):
     env = cluster.base_env()
     env.update(worker_env())
-    if system == "efdl":
+    if system.startswith("efdl"):
         # Defaults except the snapshot dir; --ttl/--last-call etc. at their defaults.
         argv = [cluster.efdl_bin(), "run", "--etcd", c.endpoint, "--job", c.job, "--nnodes",
                 "2:3", "--node-id", name, "--nproc-per-node", "1",
-                "--snapshot-dir", os.path.join(c.dir, "snapshots"), "--",
-                cluster.PYTHON, cluster.WORKER]
+                "--snapshot-dir", os.path.join(c.dir, "snapshots")]
+        argv += ["--prestart"] if system == "efdl-prestart" else []
+        argv += ["--", cluster.PYTHON, cluster.WORKER]
     else:
         endpoint = c.endpoint if system == "etcd-v2" else "127.0.0.1:%d" % store_port
         argv = TORCHRUN + ["--nnodes", "2:3", "--nproc_per_node", "1", "--max_restarts", "100",
@@ -71,6 +72,9 @@ def etcd_requests(endpoint):
 
 
 ROUND_LINE = ": node rank "
+# Steady training before each event: long enough for efdl --prestart's spares (started 2 s
+# after a round begins, then `import torch`) to be ready, as they are in a long-running job.
+SETTLE_S = 6.0
 
 
 def scenario(system, kind, timeout, steady=None, breakdown=None):
@@ -84,16 +88,18 @@ def scenario(system, kind, timeout, steady=None, breakdown=None):
         if kind != "join":
             nodes.append(start_node(c, system, "n2", store_port))
             c.wait_for_world(3, timeout=timeout, by_round=False)
-            if steady is not None and system == "efdl":
+            if steady is not None and system.startswith("efdl"):
                 time.sleep(2)
                 cpu0 = sum(cpu_seconds(n.proc.pid) for n in nodes)
                 req0, t0 = etcd_requests(c.endpoint), time.monotonic()
                 time.sleep(20)
                 dt = time.monotonic() - t0
-                steady["cpu_percent_per_agent"] = 100 * (
+                steady[system] = {}
+                steady[system]["cpu_percent_per_agent"] = 100 * (
                     sum(cpu_seconds(n.proc.pid) for n in nodes) - cpu0) / dt / len(nodes)
-                steady["etcd_requests_per_node_min"] = (
+                steady[system]["etcd_requests_per_node_min"] = (
                     (etcd_requests(c.endpoint) - req0) / len(nodes) / (dt / 60))
+            time.sleep(SETTLE_S)
             victim = nodes[2]
             t0 = time.monotonic()
             if kind == "kill":
@@ -104,11 +110,11 @@ def scenario(system, kind, timeout, steady=None, breakdown=None):
                                     by_round=False)
         else:
             c.wait_for_world(2, timeout=timeout, by_round=False)
-            time.sleep(1.0)
+            time.sleep(SETTLE_S)
             t0 = time.monotonic()
             nodes.append(start_node(c, system, "n2", store_port))
             done = c.wait_for_world(3, since=t0, timeout=timeout, by_round=False)
-        if system == "efdl" and breakdown is not None:
+        if system.startswith("efdl") and breakdown is not None:
             # When the agents had the new round's workers spawning: the rest is worker start-up
             # (python, import torch, init_process_group) and the first step.
             members = nodes[:2] if kind != "join" else nodes
@@ -119,7 +125,7 @@ def scenario(system, kind, timeout, steady=None, breakdown=None):
                 if times:
                     ready.append(min(times))
             if len(ready) == len(members):
-                breakdown[kind] = max(ready) - t0
+                breakdown[(system, kind)] = max(ready) - t0
         return done - t0
     except AssertionError as e:
         print("  %s/%s: no result (%s)" % (system, kind, str(e).splitlines()[0]), flush=True)
@@ -130,7 +136,7 @@ def scenario(system, kind, timeout, steady=None, breakdown=None):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--systems", default="efdl,c10d,etcd-v2")
+    parser.add_argument("--systems", default="efdl,efdl-prestart,c10d,etcd-v2")
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
     if cluster.efdl_bin() is None:
@@ -151,24 +157,27 @@ def main():
         return "%7.2f s" % t if t is not None else "      - "
 
     header = "%-28s" % "scenario" + "".join("%12s" % s for s in systems)
-    header += "".join("%14s" % ("ratio " + s) for s in systems if s != "efdl")
+    header += "".join("%14s" % ("ratio " + s) for s in systems if not s.startswith("efdl"))
     print("\n" + header)
     for kind, label in kinds:
         row = "%-28s" % label + "".join("%12s" % fmt(results[(s, kind)]) for s in systems)
-        base = results.get(("efdl", kind))
+        # Ratios against the fastest efdl variant run.
+        ours = [results.get((s, kind)) for s in systems if s.startswith("efdl")]
+        ours = [t for t in ours if t is not None]
+        base = min(ours) if ours else None
         for s in systems:
-            if s == "efdl":
+            if s.startswith("efdl"):
                 continue
             other = results[(s, kind)]
             row += "%14s" % ("%.1fx" % (other / base) if base and other else "-")
         print(row)
     if breakdown:
-        print("\nefdl: event -> new round's workers spawned on every member (agent + rendezvous "
-              "part): " + ", ".join("%s %.2f s" % (k, v) for k, v in breakdown.items()))
-    if steady:
-        print("\nefdl steady state at world 3 (20 s): agent CPU %.2f%% of a core per agent; "
-              "%.0f etcd requests per node per minute" % (steady["cpu_percent_per_agent"],
-                                                        steady["etcd_requests_per_node_min"]))
+        print("\nevent -> new round's workers started on every member (agent + rendezvous "
+              "part): " + ", ".join("%s/%s %.2f s" % (s, k, v) for (s, k), v in breakdown.items()))
+    for s, v in steady.items():
+        print("\n%s steady state at world 3 (20 s): agent CPU %.2f%% of a core per agent; "
+              "%.0f etcd requests per node per minute" % (s, v["cpu_percent_per_agent"],
+                                                        v["etcd_requests_per_node_min"]))
 
 
 if __name__ == "__main__":
