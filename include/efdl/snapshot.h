@@ -109,6 +109,10 @@ class SnapshotEngine {
   virtual Status Restore(const SnapshotRef& ref, const std::vector<void*>& dst) = 0;
   // The seq the next commit gets (continues after every snapshot seen at Open).
   virtual uint64_t next_seq() const = 0;
+  // Makes the next commit's seq at least `seq` (never lowers it). The ranks of a round align
+  // their engines with it so that one seq names the same commit on every node. Same thread as
+  // Commit (not synchronised with it).
+  virtual void AdvanceSeq(uint64_t seq) = 0;
 };
 
 }  // namespace efdl::snapshot

@@ -173,5 +173,7 @@ PYBIND11_MODULE(_efdl, m) {
             Check(s);
           },
           py::arg("ref"), py::arg("ptrs"))
-      .def_property_readonly("next_seq", &snap::SnapshotEngine::next_seq);
+      .def_property_readonly("next_seq", &snap::SnapshotEngine::next_seq)
+      .def("advance_seq", &snap::SnapshotEngine::AdvanceSeq, py::arg("seq"),
+           "Makes the next commit's seq at least `seq` (aligns the ranks of a round).");
 }

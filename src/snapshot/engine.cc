@@ -221,6 +221,7 @@ class Engine final : public SnapshotEngine {
   }
 
   uint64_t next_seq() const override { return next_seq_; }
+  void AdvanceSeq(uint64_t seq) override { next_seq_ = std::max(next_seq_, seq); }
 
  private:
   Status RestoreFromMemory(const SnapshotRef& ref, const std::vector<void*>& dst) {
