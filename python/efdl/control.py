@@ -97,6 +97,10 @@ class ControlClient:
         """A snapshot of `step` is complete in the node's memory."""
         self._send_quiet({"type": "committed", "step": int(step)})
 
+    def notify_persisted(self, step):
+        """The snapshot of `step` is durable in storage (sent after a successful flush)."""
+        self._send_quiet({"type": "persisted", "step": int(step)})
+
     def notify_stopping(self, step, snapshot=True):
         """Answer to a stop request: this worker exits 0 after the snapshot of `step`."""
         round_ = self._stop.round if self._stop is not None else self.round

@@ -149,6 +149,8 @@ class State:
         # Storage gets one copy per job (global rank 0) or one per rank.
         self._writer = per_rank or local_rank == 0
         persist = (per_rank or rank == 0) and _env_int("EFDL_AGENT_PERSISTS", 0) == 0
+        self._persists = persist and self._writer
+        self._last_step = None  # step of this process' newest commit (for "persisted" reports)
         self._engine = _efdl.SnapshotEngine(
             self._job, scope, self._arena_path, self._storage_dir,
             num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", 2), keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
@@ -267,6 +269,13 @@ class State:
         """Waits until the newest snapshot is in storage (raises SnapshotError on failure)."""
         if self._writer:
             self._engine.flush(timeout)
+            self._report_persisted()
+
+    def _report_persisted(self):
+        # Tells the node agent which step is now durable (docs/control-protocol.md): a suspend
+        # records it. Only a process that writes storage knows it.
+        if self._persists and self._last_step is not None and self._control is not None:
+            self._control.notify_persisted(self._last_step)
 
     def last_persist_error(self):
         """The background persister's last failure (e.g. a full disk), or None."""
@@ -283,6 +292,7 @@ class State:
             meta = self._meta()
             fill = self._fill if 0 in plan.ptrs else None
             self._engine.commit(plan.ptrs, int(step) if isinstance(step, int) else 0, meta, fill)
+            self._last_step = step if isinstance(step, int) else 0
         if self._control is not None:
             self._control.notify_committed(step if isinstance(step, int) else 0)
 

@@ -71,6 +71,7 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
       {"TORCHELASTIC_RUN_ID", options.job_id},
   };
+  if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
   // As torchrun does: several processes per node must not each spawn a thread per core.
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;

@@ -36,6 +36,7 @@ struct AgentOptions {
   std::chrono::milliseconds stop_grace{std::chrono::seconds(10)};
   std::string log_dir;                     // empty: worker output only to our stdout/stderr
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
+  std::string job_secret;                  // passed to workers as EFDL_JOB_SECRET; never logged
   std::string control_socket_path;         // empty: control.sock in a private temp directory
   // Python commands: keep a pre-started worker per local rank (SparePool) to activate at the
   // next round instead of spawning one.

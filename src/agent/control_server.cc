@@ -133,6 +133,11 @@ std::optional<int64_t> ControlServer::newest_step() const {
   return newest_step_;
 }
 
+std::optional<int64_t> ControlServer::newest_persisted_step() const {
+  std::lock_guard lock(mutex_);
+  return newest_persisted_;
+}
+
 std::vector<int> ControlServer::StoppingRanks(int64_t round) const {
   std::lock_guard lock(mutex_);
   auto it = stopping_.find(round);
@@ -183,6 +188,11 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
       EFDL_LOG_INFO("rank {} stopping after step {} (snapshot: {})", client.rank, step,
                     BoolField(msg, "snapshot", false));
     }
+    return true;
+  }
+  if (type == "persisted") {
+    int64_t step = IntField(msg, "step", -1);
+    if (step >= 0 && (!newest_persisted_ || step > *newest_persisted_)) newest_persisted_ = step;
     return true;
   }
   json reply_id = msg.contains("id") ? msg["id"] : json(nullptr);

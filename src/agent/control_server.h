@@ -43,6 +43,8 @@ class ControlServer {
   std::optional<int64_t> newest_step() const;
   // Local ranks of `round` that answered a stop with "stopping" (connected or not since).
   std::vector<int> StoppingRanks(int64_t round) const;
+  // The newest step a worker reported as persisted to storage ("persisted"), if any.
+  std::optional<int64_t> newest_persisted_step() const;
 
  private:
   struct Client {
@@ -70,6 +72,7 @@ class ControlServer {
   std::map<int, Client> clients_;          // by fd; GUARDED_BY(mutex_); fds closed by Serve only
   int64_t round_ = -1;                     // GUARDED_BY(mutex_)
   std::optional<int64_t> newest_step_;     // GUARDED_BY(mutex_)
+  std::optional<int64_t> newest_persisted_;  // GUARDED_BY(mutex_)
   std::map<int64_t, std::vector<int>> stopping_;  // by round; GUARDED_BY(mutex_)
 };
 

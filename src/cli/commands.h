@@ -31,5 +31,7 @@ void RegisterPlanCommand(CLI::App& app, CommandRunner& runner);       // src/cli
 void RegisterRunCommand(CLI::App& app, CommandRunner& runner);        // src/cli/run_command.cc
 void RegisterStatusCommand(CLI::App& app, CommandRunner& runner);     // src/cli/status_command.cc
 void RegisterSimCommand(CLI::App& app, CommandRunner& runner);        // src/cli/sim_command.cc
+void RegisterSuspendCommand(CLI::App& app, CommandRunner& runner);    // src/cli/suspend_command.cc
+void RegisterResumeCommand(CLI::App& app, CommandRunner& runner);     // src/cli/suspend_command.cc
 
 }  // namespace efdl::cli

@@ -19,6 +19,8 @@ int main(int argc, char** argv) {
   efdl::cli::RegisterRunCommand(app, runner);
   efdl::cli::RegisterStatusCommand(app, runner);
   efdl::cli::RegisterSimCommand(app, runner);
+  efdl::cli::RegisterSuspendCommand(app, runner);
+  efdl::cli::RegisterResumeCommand(app, runner);
 
   try {
     app.parse(argc, argv);

@@ -15,6 +15,7 @@
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
 #include "rendezvous/rendezvous.h"
+#include "security/job_secret.h"
 
 namespace efdl::cli {
 
@@ -87,6 +88,9 @@ int RunAgent(const RunArgs& args) {
                                "EFDL_ETCD_ENDPOINTS) and that etcd is running",
                                fmt::join(endpoints, ","), client.status().message()));
   }
+  auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
+  if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
+  plan->agent.job_secret = std::move(secret).value();
   auto rendezvous = rdzv::NewEtcdRendezvous(**client, plan->rendezvous);
   plan->agent.poll_signal = TakePendingShutdownSignal;
   int code;

@@ -19,6 +19,7 @@
 #include "common/net.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/rendezvous.h"
+#include "rendezvous/suspend.h"
 
 namespace efdl::rdzv {
 namespace {
@@ -70,6 +71,7 @@ class EtcdRendezvous final : public Rendezvous {
   void ReportWorkerFailure(int64_t round, const std::string& detail) override;
   void ReportWorkersSucceeded(int64_t round) override;
   void Leave() override;
+  Status ReportSuspended(std::optional<int64_t> persisted_step) override;
 
  private:
   // --- plumbing ---
@@ -94,6 +96,9 @@ class EtcdRendezvous final : public Rendezvous {
   void Fail(const std::string& message);
   void ReleaseRegistration(bool announce_leaving);
   int64_t CurrentRoundForEvents() const;
+  // P round says suspended: emit kSuspended once and stop all protocol work; the lease stays
+  // until the agent's Leave(), so `efdl suspend` sees the node until its workers are down.
+  void OnSuspended(const RoundRecord& rec);
 
   // --- coordinator side ---
   void BecomeCoordinator();
@@ -288,6 +293,9 @@ void EtcdRendezvous::OnTimers() {
     if (s.ok()) {
       fenced_since_.reset();
       EFDL_LOG_INFO("rdzv {}: rejoined job {} as a new member", opt_.node_id, opt_.job_id);
+    } else if (s.IsFailedPrecondition()) {
+      Fail(s.message());  // the job was suspended meanwhile: retrying cannot help
+      return;
     } else if (fenced_since_ && now - *fenced_since_ >= opt_.join_timeout) {
       Fail(fmt::format("node {} lost its lease and could not rejoin job {} within the join "
                        "timeout: {}",
@@ -509,6 +517,13 @@ Status EtcdRendezvous::Register() {
     }
     current = *dec;
     current_rev = found->mod_revision;
+    if (current.phase == Phase::kSuspended) {
+      keeper->reset();
+      drop_lease();
+      auto info = ReadSuspension(client_, opt_.job_id);
+      return Status::FailedPrecondition(
+          SuspendedJobMessage(opt_.job_id, info.ok() ? info->step : std::nullopt));
+    }
   }
   auto w1 = client_.StartWatch(keys_.round, {false, read_rev + 1, false},
                                WatchInto(Input::Type::kRound, generation_));
@@ -542,6 +557,10 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
   if (mod_rev <= round_mod_rev_) return;
   round_ = rec;
   round_mod_rev_ = mod_rev;
+  if (rec.phase == Phase::kSuspended) {
+    OnSuspended(rec);
+    return;
+  }
   if (rec.phase == Phase::kComplete) {
     Emit(MakeEvent(Event::Type::kJobComplete, rec.round, false,
                    "every worker of the job succeeded"));
@@ -677,6 +696,10 @@ void EtcdRendezvous::TakeOver() {
   if (!rd.ok() || !rd->has_value()) return;
   auto rec = RoundRecord::Decode((*rd)->value);
   if (!rec.ok() || rec->phase == Phase::kComplete) return;
+  if (rec->phase == Phase::kSuspended) {
+    ApplyRound(*rec, (*rd)->mod_revision);
+    return;
+  }
   // Someone else may have taken over already; only replace a coordinator that is really gone.
   if (rec->coordinator == opt_.node_id) return;
   auto ck = client_.Get(keys_.Node(rec->coordinator));
@@ -689,7 +712,10 @@ void EtcdRendezvous::TakeOver() {
   next.coordinator = opt_.node_id;
   std::erase(next.deputies, opt_.node_id);
   next.graceful = false;
-  next.message = fmt::format("coordinator {} is gone; {} took over", gone, opt_.node_id);
+  // An empty coordinator is a resumed job's (suspend.h): keep its "resumed ..." message.
+  if (!gone.empty()) {
+    next.message = fmt::format("coordinator {} is gone; {} took over", gone, opt_.node_id);
+  }
   if (rec->phase != Phase::kGathering) {
     next.round = rec->round + 1;
     next.phase = Phase::kProposed;
@@ -768,7 +794,39 @@ void EtcdRendezvous::Leave() {
   }
   in_cv_.notify_all();
   if (driver_.joinable()) driver_.join();
-  if (!finished_) ReleaseRegistration(true);
+  if (!finished_) {
+    ReleaseRegistration(true);
+  } else if (lease_ != 0) {
+    ReleaseRegistration(false);  // suspended: the lease was kept until now
+  }
+}
+
+Status EtcdRendezvous::ReportSuspended(std::optional<int64_t> persisted_step) {
+  SuspendReport report{persisted_step, WallClockTimestamp()};
+  auto put = client_.Put(keys_.Suspended(opt_.node_id), report.Encode());
+  if (!put.ok()) {
+    return put.status().WithContext(
+        fmt::format("job {}: cannot record node {}'s suspend step", opt_.job_id, opt_.node_id));
+  }
+  return Status::OK();
+}
+
+void EtcdRendezvous::OnSuspended(const RoundRecord& rec) {
+  if (finished_) return;
+  Emit(MakeEvent(Event::Type::kSuspended, CurrentRoundForEvents(), /*graceful=*/true,
+                 rec.message.empty() ? fmt::format("job {} is suspended", opt_.job_id)
+                                     : rec.message));
+  finished_ = true;
+  started_round_ = 0;
+  started_standby_ = false;
+  StopCoordinating();
+  round_watch_.reset();
+  assign_watch_.reset();
+  deputy_watch_.reset();
+  deputy_target_.clear();
+  takeover_at_.reset();
+  rejoin_at_.reset();
+  unplaced_since_.reset();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1067,6 +1125,7 @@ void EtcdRendezvous::CoordinatorStep() {
       return;
     }
     case Phase::kComplete:
+    case Phase::kSuspended:   // unreachable: OnSuspended stopped coordinating
       return;
   }
 }

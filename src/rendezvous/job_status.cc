@@ -7,6 +7,7 @@
 #include <map>
 
 #include "rendezvous/protocol.h"
+#include "rendezvous/suspend.h"
 
 namespace efdl::rdzv {
 
@@ -17,9 +18,10 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
   JobKeys keys(job_id);
   auto snap = client.Txn({}, {etcd::TxnOp::Get(keys.round), etcd::TxnOp::Get(keys.status),
                               etcd::TxnOp::Get(keys.nodes, true), etcd::TxnOp::Get(keys.ack, true),
-                              etcd::TxnOp::Get(keys.complete)});
+                              etcd::TxnOp::Get(keys.complete),
+                              etcd::TxnOp::Get(keys.suspended, true)});
   if (!snap.ok()) return snap.status().WithContext(fmt::format("cannot read job {}", job_id));
-  if (snap->gets.size() != 5) return Status::Internal("etcd answered a short transaction");
+  if (snap->gets.size() != 6) return Status::Internal("etcd answered a short transaction");
   JobStatus out;
   out.job_id = job_id;
   out.complete = !snap->gets[4].kvs.empty();
@@ -35,6 +37,17 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
   out.master_addr = round->master_addr;
   out.master_port = round->master_port;
   out.message = round->message;
+  out.suspended = round->phase == Phase::kSuspended;
+  if (out.suspended) {
+    std::map<std::string, SuspendReport> reports;
+    for (const auto& kv : snap->gets[5].kvs) {
+      auto report = SuspendReport::Decode(kv.value);
+      std::string node = kv.key.substr(keys.suspended.size());
+      reports[node] = report.ok() ? *report : SuspendReport{};
+      out.suspend_reports[node] = reports[node].step;
+    }
+    out.suspended_step = JobSuspendStep(reports);
+  }
 
   std::map<std::string, NodeStatus> live;
   for (const auto& kv : snap->gets[2].kvs) {
@@ -105,6 +118,11 @@ std::string JobStatus::ToJson() const {
             {"phase", phase},         {"coordinator", coordinator},
             {"world_size", world_size}, {"nnodes", nnodes},   {"master_addr", master_addr},
             {"master_port", master_port}, {"complete", complete}, {"message", message}};
+  j["suspended"] = suspended;
+  j["suspended_step"] = suspended_step ? json(*suspended_step) : json(nullptr);
+  json reports = json::object();
+  for (const auto& [node, step] : suspend_reports) reports[node] = step ? json(*step) : json(nullptr);
+  j["suspend_reports"] = reports;
   for (const auto* list : {&members, &standbys, &waiting}) {
     json arr = json::array();
     for (const auto& n : *list) arr.push_back(NodeJson(n));
@@ -121,6 +139,16 @@ std::string JobStatus::ToText() const {
   std::string out = fmt::format(
       "job {}: round {} ({}){}, world size {}, {} node(s), master {}:{}\n", job_id, round, phase,
       complete ? ", COMPLETE" : "", world_size, nnodes, master_addr, master_port);
+  if (suspended) {
+    out += fmt::format("  SUSPENDED {}; `efdl resume --job {}` continues it\n",
+                       suspended_step ? fmt::format("at step {}", *suspended_step)
+                                      : std::string("(no persisted step reported yet)"),
+                       job_id);
+    for (const auto& [node, step] : suspend_reports) {
+      out += fmt::format("  {:<24} stopped, persisted step {}\n", node,
+                         step ? std::to_string(*step) : "-");
+    }
+  }
   out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", "NODE", "ADDRESS",
                      "PROCS", "RANK", "STATE", "LAST REPORT", "RESTARTS");
   for (const auto* list : {&members, &standbys, &waiting}) {

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +41,9 @@ struct JobStatus {
   std::string master_addr;
   int master_port = 0;
   bool complete = false;
+  bool suspended = false;      // `efdl suspend` ran and `efdl resume` did not yet
+  std::optional<int64_t> suspended_step;   // the last persisted step the agents reported
+  std::map<std::string, std::optional<int64_t>> suspend_reports;  // node -> its reported step
   std::string message;         // why the round last changed
   std::vector<NodeStatus> members;    // in rank order (including "gone" ones)
   std::vector<NodeStatus> standbys;

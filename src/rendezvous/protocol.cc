@@ -16,7 +16,8 @@ JobKeys::JobKeys(const std::string& job_id)
       ack(prefix + "ack/"),
       round(prefix + "round"),
       status(prefix + "status"),
-      complete(prefix + "complete") {}
+      complete(prefix + "complete"),
+      suspended(prefix + "suspended/") {}
 
 Status ValidateId(const std::string& what, const std::string& id) {
   if (id.empty() || id.size() > 128) {
@@ -35,7 +36,7 @@ Status ValidateId(const std::string& what, const std::string& id) {
 }
 
 namespace {
-constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete"};
+constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete", "suspended"};
 constexpr const char* kAckNames[] = {"ack", "done", "failed", "leaving"};
 
 template <class T>
@@ -96,7 +97,7 @@ Result<RoundRecord> RoundRecord::Decode(const std::string& text) {
               Field(j, "ma", r.master_addr) && Field(j, "mp", r.master_port) &&
               Field(j, "msg", r.message);
     if (!ok) return false;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < static_cast<int>(std::size(kPhaseNames)); ++i) {
       if (ph == kPhaseNames[i]) {
         r.phase = static_cast<Phase>(i);
         return true;
@@ -189,6 +190,24 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
   plan.formed = static_cast<int>(plan.members.size()) >= limits.min_nodes &&
                 !plan.members.empty() &&
                 (limits.world_size <= 0 || offset == limits.world_size);
+std::string SuspendReport::Encode() const {
+  json j = {{"step", step ? json(*step) : json(nullptr)}};
+  if (!time.empty()) j["t"] = time;
+  return j.dump();
+}
+
+Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
+  return ParseWith<SuspendReport>("suspend report", text, [](const json& j, SuspendReport& s) {
+    int64_t step = -1;
+    if (!(Field(j, "step", step) && Field(j, "t", s.time))) return false;
+    if (j.contains("step") && !j["step"].is_null()) {
+      if (step < 0) return false;
+      s.step = step;
+    }
+    return true;
+  });
+}
+
   return plan;
 }
 

@@ -10,6 +10,9 @@
 //                    by the node itself; only the coordinator watches the ack/ prefix.
 //   P status         written by the coordinator once per round for `efdl status` (never watched).
 //   P complete       present once every member of a round reported success.
+//   P suspended/<node>  not lease-bound; {step (int or null), t}: written by each agent of a
+//                    suspended job once its workers stopped: the newest snapshot step it found
+//                    persisted in storage. The job's step is the largest one (suspend.h).
 //
 // ROUND LIFE (phases of P round)
 //   gathering(r)  the coordinator waits for >= MIN registered nodes, then for MAX or --last-call.
@@ -21,6 +24,11 @@
 //                 most 128 puts, etcd's default --max-txn-ops), then the round record with the
 //                 master address/port (the rank-0 node's offer). A node starts when it has both.
 //   complete      every member of the active round acked `done`.
+//   suspended     written by `efdl suspend` (CAS on P round, so it beats any proposal in
+//                 flight; c is empty). Every node stops its workers gracefully, writes
+//                 P suspended/<node> and leaves; a node that joins meanwhile is refused.
+//                 `efdl resume` replaces it with gathering(r+1) without a coordinator: the
+//                 first node to join takes over as for a vanished coordinator.
 //
 // ONE WRITER, CAS EVERYWHERE. Every write of P round is a txn guarded by the mod_revision the
 // writer last saw, so exactly one proposer wins each change. Whoever wins a proposal becomes the
@@ -64,7 +72,9 @@ struct JobKeys {
   std::string round;
   std::string status;
   std::string complete;
+  std::string suspended;       // prefix + "suspended/"
   std::string Node(const std::string& id) const { return nodes + id; }
+  std::string Suspended(const std::string& id) const { return suspended + id; }
   std::string Assign(const std::string& id) const { return assign + id; }
   std::string Ack(const std::string& id) const { return ack + id; }
 };
@@ -72,7 +82,7 @@ struct JobKeys {
 // Job ids and node ids become parts of etcd keys and file names: [A-Za-z0-9._-], 1..128 chars.
 Status ValidateId(const std::string& what, const std::string& id);
 
-enum class Phase { kGathering, kProposed, kActive, kComplete };
+enum class Phase { kGathering, kProposed, kActive, kComplete, kSuspended };
 const char* PhaseName(Phase phase);
 
 struct RoundRecord {
@@ -117,6 +127,14 @@ struct AckRecord {
   int restarts = 0;            // worker failures this node reported so far
   std::string Encode() const;
   static Result<AckRecord> Decode(const std::string& text);
+};
+
+// P suspended/<node>: one agent's report after its workers stopped for a suspend.
+struct SuspendReport {
+  std::optional<int64_t> step;   // newest snapshot step found persisted; nullopt: none
+  std::string time;              // ISO-8601 UTC
+  std::string Encode() const;
+  static Result<SuspendReport> Decode(const std::string& text);
 };
 
 // One node the planner may place.

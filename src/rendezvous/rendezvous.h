@@ -61,6 +61,8 @@ struct Event {
     kJobComplete,    // every worker of a round exited 0: exit 0
     kFenced,         // this node lost its lease: stop workers now, never rejoin `round`
     kFailed,         // unrecoverable (below MIN past join timeout, ...): `message` says why
+    kSuspended,      // `efdl suspend`: stop workers gracefully (snapshot first), then call
+                     // ReportSuspended() and Leave(); no more events follow
   };
   Type type = Type::kRoundStarted;
   int64_t round = 0;
@@ -84,6 +86,13 @@ class Rendezvous {
   virtual void ReportWorkersSucceeded(int64_t round) = 0;
   // Leaves the job at once: revokes the lease so the others re-round without waiting.
   virtual void Leave() = 0;
+  // After kSuspended, once this node's workers stopped: records the newest snapshot step this
+  // node found persisted (nullopt: none) for `efdl suspend` / `efdl status`. Blocking (one etcd
+  // write); call before Leave(). Doubles that never emit kSuspended need not override it.
+  virtual Status ReportSuspended(std::optional<int64_t> persisted_step) {
+    (void)persisted_step;
+    return Status::OK();
+  }
 };
 
 // `client` must outlive the returned object. The protocol is described in

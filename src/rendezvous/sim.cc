@@ -349,6 +349,7 @@ class Harness {
             EFDL_LOG_WARN("sim: node {} failed: {}", n.id, e->message);
             break;
           case Event::Type::kJobComplete:
+          case Event::Type::kSuspended:
             break;
         }
       }

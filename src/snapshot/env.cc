@@ -126,7 +126,9 @@ class PosixEnv final : public Env {
       pos = path.find('/', pos + 1);
       partial = path.substr(0, pos);
       if (partial.empty()) continue;
-      if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      // Owner-only: snapshots hold the job's model and data; directories that already exist
+      // (a shared parent) keep their mode.
+      if (::mkdir(partial.c_str(), 0700) != 0 && errno != EEXIST) {
         return ErrnoStatus("cannot create directory", partial, errno);
       }
     }
