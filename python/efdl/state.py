@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from efdl import _efdl
+from efdl import _agreement, _efdl
 
 __all__ = ["State", "SnapshotMismatchError", "SnapshotError"]
 
@@ -127,14 +127,19 @@ class State:
         d["_commits"] = 0
         d["_plan"] = None
         d["_model_cache"] = None
+        d["_model_split"] = None   # (_model_cache it was made from, names, tensors)
+        d["_param_cache"] = None   # see _param_index
         d["_restored"] = None
         d["_restored_meta"] = None
         d["_lock"] = threading.Lock()
         d["_sched_sd"] = None
+        d["_vote"] = None
+        d["_vote_checked"] = False
 
         from efdl.backend import _env
         rank, local_rank = _env.rank(), _env.local_rank()
         per_rank = _env_int("EFDL_SNAPSHOT_PER_RANK", 0) != 0
+        self._per_rank = per_rank
         self._job = default_job_id()
         node = os.environ.get("EFDL_NODE_ID", "").strip() or socket.gethostname()
         scope = "rank%d" % rank if per_rank else "node"
@@ -158,7 +163,11 @@ class State:
             persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000))
         self._control = self._connect_control()
 
-        self._restore_newest()
+        world = _agreement.group_size()
+        if world:
+            self._restore_agreed(world)
+        else:
+            self._restore_newest()
         d["model"], d["optimizer"], d["scheduler"] = model, optimizer, scheduler
         given = [p for p in ("model", "optimizer", "scheduler") if d[p] is not None]
         if self._restored is not None and given:
@@ -246,10 +255,18 @@ class State:
 
         Returns True when a snapshot was taken. When the node's agent asked this worker to stop
         (a graceful round change), snapshots regardless of the interval, persists it, and exits
-        the process with status 0.
+        the process with status 0. With a process group of more than one rank, the ranks agree
+        on the stop (efdl._agreement.StopVote): all of them stop at the same call, one call
+        after the first rank saw the request - so every rank must call commit() equally often.
         """
         step = self._values.get("step", self._commits)
         stop = self._control is not None and self._control.stop_requested()
+        if not self._vote_checked:
+            self._vote_checked = True
+            if _agreement.group_size():
+                self._vote = _agreement.StopVote()
+        if self._vote is not None:
+            stop = self._vote.poll(stop)
         self._commits += 1
         if not stop and self._interval > 1:
             try:
@@ -283,13 +300,13 @@ class State:
 
     def _snapshot(self, step):
         with self._lock:
-            names, tensors = self._collect_tensors()
+            names, tensors, scalars = self._collect_tensors()
             plan = self._plan
             # Same tensor objects at the same addresses: the layout and the copy list still hold.
             if (plan is None or plan.key != [id(t) for t in tensors]
                     or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
                 plan = self._make_plan(names, tensors)
-            meta = self._meta()
+            meta = self._meta(scalars)
             fill = self._fill if 0 in plan.ptrs else None
             self._engine.commit(plan.ptrs, int(step) if isinstance(step, int) else 0, meta, fill)
             self._last_step = step if isinstance(step, int) else 0
@@ -333,22 +350,49 @@ class State:
             params.extend(group["params"])
         return params
 
+    def _param_index(self):
+        """({id(param): index in the optimizer's param_groups}, name cache), rebuilt when the
+        optimizer or its groups change."""
+        opt = self.optimizer
+        key = [id(opt)]
+        for g in opt.param_groups:
+            key += (id(g["params"]), len(g["params"]))
+        cached = self._param_cache
+        if cached is None or cached[0] != key:
+            index = {id(p): i for i, p in enumerate(self._optimizer_params())}
+            cached = self.__dict__["_param_cache"] = (key, index, {})
+        return cached[1], cached[2]
+
     def _collect_tensors(self):
-        names, tensors = [], []
+        """(names, tensors, {param index: non-tensor optimizer state}) of a commit.
+
+        On the path of every commit, so: one pass over the optimizer state, iterated rather than
+        looked up (a lookup hashes the parameter through Python-level Tensor.__hash__), and each
+        name formatted once."""
+        names, tensors, scalars = [], [], {}
         if self.model is not None:
-            for name, t in self._model_entries():
-                names.append(name)
-                tensors.append(t)
+            split = self._model_split
+            if split is None or split[0] is not self._model_cache:
+                entries = self._model_entries()
+                split = (entries, [n for n, _ in entries], [t for _, t in entries])
+                self.__dict__["_model_split"] = split
+            names.extend(split[1])
+            tensors.extend(split[2])
         if self.optimizer is not None:
-            state = self.optimizer.state
-            for i, p in enumerate(self._optimizer_params()):
-                s = state.get(p)
-                if not s:
+            index, opt_names = self._param_index()
+            for p, s in self.optimizer.state.items():
+                i = index.get(id(p))
+                if i is None or not s:
                     continue
                 for key, v in s.items():
                     if isinstance(v, torch.Tensor):
-                        names.append("optimizer/%d/%s" % (i, key))
+                        name = opt_names.get((i, key))
+                        if name is None:
+                            name = opt_names[(i, key)] = "optimizer/%d/%s" % (i, key)
+                        names.append(name)
                         tensors.append(v)
+                    else:
+                        scalars.setdefault(i, {})[key] = v
         self._sched_sd = None
         if self.scheduler is not None:
             self._sched_sd = sd = self.scheduler.state_dict()
@@ -360,24 +404,18 @@ class State:
             if isinstance(v, torch.Tensor):
                 names.append("kw/" + key)
                 tensors.append(v)
-        return names, tensors
+        return names, tensors, scalars
 
-    def _meta(self):
+    def _meta(self, scalars):
+        """The manifest's meta text; `scalars`: non-tensor optimizer state by parameter index."""
         kwargs = {k: v for k, v in self._values.items() if not isinstance(v, torch.Tensor)}
         meta = {"kwargs": kwargs}
         if self.optimizer is not None:
             groups = []
             for g in self.optimizer.param_groups:
-                groups.append({k: v for k, v in g.items() if k != "params"})
-                groups[-1]["num_params"] = len(g["params"])
-            scalars = {}
-            state = self.optimizer.state
-            for i, p in enumerate(self._optimizer_params()):
-                s = state.get(p)
-                if s:
-                    small = {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)}
-                    if small:
-                        scalars[i] = small
+                g = dict(g)
+                g["num_params"] = len(g.pop("params"))
+                groups.append(g)
             meta["optimizer"] = {"param_groups": groups, "state": scalars}
         if self.scheduler is not None:
             sd = self._sched_sd if self._sched_sd is not None else self.scheduler.state_dict()
@@ -391,37 +429,100 @@ class State:
 
     # -- restore -------------------------------------------------------------------------------
 
+    def _read(self, ref, ptrs):
+        """Copies tensor i of `ref` to ptrs[i] (0: skip): from this node's engine, or from a
+        snapshot received from another rank."""
+        if isinstance(ref, _agreement.ReceivedSnapshot):
+            ref.restore(ptrs)
+        else:
+            self._engine.restore(ref, ptrs)
+
+    def _usable_meta(self, ref):
+        """The unpickled metadata of `ref` when it can be restored (metadata readable; a storage
+        file's checksum verified, so a corrupt one is skipped before anything is restored from
+        it), else None with a warning."""
+        try:
+            meta_doc = json.loads(ref.meta_json)
+            meta = pickle.loads(base64.b64decode(meta_doc["pickle"]))
+        except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
+            warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
+                          % (ref.seq, ref.path, e))
+            return None
+        if ref.source == "storage":
+            try:
+                self._engine.restore(ref, [0] * len(ref.tensors))
+            except SnapshotError as e:
+                warnings.warn("efdl: skipping snapshot seq %d in %s: %s" % (ref.seq, ref.path, e))
+                return None
+        return meta
+
+    def _adopt(self, ref, meta):
+        """Makes `ref` the snapshot this State restores from; restores the user values now."""
+        kw = [t for t in ref.tensors if t[0].startswith("kw/")]
+        tensors = self._read_tensors(ref, kw) if kw else {}
+        self._restored = ref
+        self._restored_meta = meta
+        values = dict(meta.get("kwargs", {}))
+        for name, t in tensors.items():
+            values[name[len("kw/"):]] = t
+        self._values.update(values)
+
     def _restore_newest(self):
         """Restores the user values from the newest usable snapshot and remembers it, so the
         model/optimizer/scheduler (given now or later) restore from the same one."""
         for ref in self._engine.candidates():
-            try:
-                meta_doc = json.loads(ref.meta_json)
-                meta = pickle.loads(base64.b64decode(meta_doc["pickle"]))
-            except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
-                warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
-                              % (ref.seq, ref.path, e))
+            meta = self._usable_meta(ref)
+            if meta is None:
                 continue
-            tensors = {}
-            kw = [t for t in ref.tensors if t[0].startswith("kw/")]
             try:
-                if ref.source == "storage":
-                    # Verify the whole file now, so a corrupt one is skipped before anything
-                    # (kwargs now, the model later) is restored from it.
-                    self._engine.restore(ref, [0] * len(ref.tensors))
-                if kw:
-                    tensors = self._read_tensors(ref, kw)
+                self._adopt(ref, meta)
             except SnapshotError as e:
                 warnings.warn("efdl: skipping snapshot seq %d in %s: %s" % (ref.seq, ref.path, e))
                 continue
-            self._restored = ref
-            self._restored_meta = meta
-            values = dict(meta.get("kwargs", {}))
-            for name, t in tensors.items():
-                values[name[len("kw/"):]] = t
-            self._values.update(values)
             return True
         return False
+
+    def _restore_agreed(self, world):
+        """_restore_newest for a round of `world` ranks: all of them restore the same snapshot,
+        the newest some rank holds; ranks lacking it receive it from a holder (_agreement).
+        Collective: every rank of the default group constructs its State."""
+        import torch.distributed as dist
+        usable = []
+        for ref in self._engine.candidates():
+            meta = self._usable_meta(ref)
+            if meta is not None:
+                usable.append((ref, meta))
+                if not self._per_rank:
+                    break  # only the newest counts for a node copy
+        infos = _agreement.gather(([(r.seq, r.step) for r, _ in usable], self._engine.next_seq),
+                                  world)
+        try:
+            decision = _agreement.decide([offer for offer, _ in infos], self._per_rank)
+        except _agreement.NoCommonSnapshotError as e:
+            raise SnapshotError("job %r: %s" % (self._job, e)) from None
+        # From now on one seq names the same commit on every node of the round.
+        self._engine.advance_seq(max(next_seq for _, next_seq in infos))
+        if decision.key is None:
+            return False
+        rank = dist.get_rank()
+        if rank in decision.receive_from:
+            src = decision.receive_from[rank]
+            try:
+                ref = _agreement.receive_snapshot(src)
+            except RuntimeError as e:
+                raise SnapshotError("job %r: receiving snapshot seq %d from rank %d failed: %s"
+                                    % (self._job, decision.key[0], src, e)) from None
+            meta = self._usable_meta(ref)
+            if meta is None:
+                raise SnapshotError("job %r: snapshot seq %d received from rank %d has unreadable "
+                                    "metadata" % (self._job, decision.key[0], src))
+        else:
+            ref, meta = next(u for u in usable if (u[0].seq, u[0].step) == decision.key)
+            receivers = sorted(r for r, s in decision.receive_from.items() if s == rank)
+            if receivers:
+                _agreement.send_snapshot(self._engine, ref, receivers)
+        self._adopt(ref, meta)
+        return True
 
     def _existing_optimizer_buffers(self, params):
         """Optimizer state tensors that already exist, by snapshot name: restored in place."""
@@ -450,7 +551,7 @@ class State:
 
     def _read_tensors(self, ref, entries):
         out, ptrs = self._destinations(ref, entries)
-        self._engine.restore(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
+        self._read(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
         return out
 
     def _restore_parts(self, parts):
@@ -464,7 +565,7 @@ class State:
             finishes.append(finish)
         try:
             if ptrs:
-                self._engine.restore(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
+                self._read(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
         except SnapshotError as e:
             raise SnapshotError("restoring the %s from snapshot seq %d (%s) failed: %s; remove "
                                 "%s or use a new EFDL_JOB_ID to start fresh"

@@ -148,11 +148,13 @@ class Cluster:
                 time.sleep(0.1)
         raise AssertionError("etcd did not become healthy within 30 s")
 
-    def agent_argv(self, node_id, nnodes="2:3", nproc=1, extra=(), command=None):
+    def agent_argv(self, node_id, nnodes="2:3", nproc=1, extra=(), command=None,
+                   snapshot_dir=None):
+        """snapshot_dir: this node's storage (default: one directory shared by all nodes)."""
         argv = [efdl_bin(), "run", "--etcd", self.endpoint, "--job", self.job,
                 "--nnodes", nnodes, "--node-id", node_id, "--nproc-per-node", str(nproc),
                 "--ttl", "3", "--last-call", "1", "--stop-grace", "3",
-                "--snapshot-dir", os.path.join(self.dir, "snapshots")]
+                "--snapshot-dir", snapshot_dir or os.path.join(self.dir, "snapshots")]
         argv += list(extra)
         argv += ["--"] + (command or [PYTHON, WORKER])
         return argv

@@ -1,0 +1,200 @@
+"""Cross-rank agreement for State: which snapshot a round restores, and when it stops.
+
+Both need torch.distributed's default group with world size > 1 (group_size() says); with
+world 1, or before init(), State decides alone.
+
+Restore. Each rank lists the snapshots it can restore (its node's arena, its storage directory),
+the ranks gather those lists, and decide() picks the newest snapshot some rank holds. Ranks that
+hold it restore it locally; each rank that lacks it (a newcomer with empty shared memory, a node
+whose copy is older) receives it point-to-point from a rank that holds it: the manifest and the
+packed tensor bytes, read through that rank's engine (so checksums are verified at the source).
+
+Stop. The agent's stop request reaches each rank at its own moment; if ranks left at different
+commits, the late one would block in a collective with peers that are gone. StopVote therefore
+all-reduces (MAX) the local stop flag asynchronously at every commit() call and reads the result
+at the next call, so every rank sees the agreed stop at the same call: the price is one tiny
+all-reduce per call that overlaps the next training step, and a stop takes effect one call later.
+
+Contract: every rank calls the same sequence of collectives here (State's constructor, commit()),
+as DDP already requires of a training loop. Not thread-safe: use from the training thread.
+"""
+
+import collections
+import ctypes
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from efdl.backend import _dist
+
+_ALIGN = 64
+
+# key: (seq, step) of the chosen snapshot or None (nobody holds one); holders: ranks that restore
+# it locally; receive_from: {rank lacking it: rank that sends it}.
+Decision = collections.namedtuple("Decision", ["key", "holders", "receive_from"])
+
+
+class NoCommonSnapshotError(RuntimeError):
+    """Per-rank snapshots without a step that every rank holds (they cannot move between ranks)."""
+
+
+def group_size():
+    """World size of the default group when one exists and spans more than one rank, else 0."""
+    if not _dist.is_initialized():
+        return 0
+    size = dist.get_world_size()
+    return size if size > 1 else 0
+
+
+def decide(offers, per_rank=False):
+    """The restore decision from every rank's offer.
+
+    offers[r]: the (seq, step) keys rank r can restore, newest first (may be empty). A seq names
+    one commit on every node (the ranks align their engines' seq after each agreement); the step
+    is compared too, so two unrelated snapshots that happen to share a seq are not confused.
+
+    Data-parallel (per_rank False): the newest key any rank offers; ranks without it receive it,
+    spread round-robin over the holders. per_rank: each rank's state is its own shard, so the
+    newest key that every rank holds; NoCommonSnapshotError when ranks hold snapshots but none in
+    common.
+    """
+    world = len(offers)
+    offered = [set(o) for o in offers]
+    if per_rank:
+        common = set.intersection(*offered) if offered else set()
+        if not common:
+            if any(offered):
+                have = ", ".join("rank %d: %s" % (r, "seq %d" % max(o)[0] if o else "none")
+                                 for r, o in enumerate(offered))
+                raise NoCommonSnapshotError(
+                    "per-rank snapshots hold no step that every rank has (newest %s); sharded "
+                    "states cannot be moved between ranks: restart at the world size that wrote "
+                    "them, or start fresh with a new EFDL_JOB_ID" % have)
+            return Decision(None, [], {})
+        return Decision(max(common), list(range(world)), {})
+    newest = [o[0] for o in offers if o]
+    if not newest:
+        return Decision(None, [], {})
+    key = max(newest)
+    holders = [r for r in range(world) if key in offered[r]]
+    lacking = [r for r in range(world) if key not in offered[r]]
+    return Decision(key, holders, {r: holders[i % len(holders)] for i, r in enumerate(lacking)})
+
+
+def gather(obj, world):
+    """Every rank's `obj` (small, picklable), in rank order."""
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def packed_layout(tensors):
+    """Offsets of the (name, dtype, shape, nbytes) entries in one packed buffer, and its size."""
+    offsets, total = [], 0
+    for _, _, _, nbytes in tensors:
+        offsets.append(total)
+        total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, total
+
+
+def _send_bytes(payload, dst):
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+        torch.empty(0, dtype=torch.uint8)
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst)
+    if len(payload):
+        dist.send(data, dst)
+
+
+def _recv_bytes(src):
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src)
+    data = torch.empty(int(n.item()), dtype=torch.uint8)
+    if data.numel():
+        dist.recv(data, src)
+    return data.numpy().tobytes()
+
+
+def send_snapshot(engine, ref, destinations):
+    """Sends `ref` (a snapshot this rank's engine can read) to each rank in `destinations`.
+
+    The bytes are read once into a packed buffer through engine.restore (checksums verified);
+    a failure is sent instead of data, so the receivers raise rather than wait for a timeout.
+    """
+    header = {"seq": ref.seq, "step": ref.step, "tensors": list(ref.tensors),
+              "meta_json": ref.meta_json, "origin": "%s %s" % (ref.source, ref.path)}
+    buf = None
+    try:
+        offsets, total = packed_layout(ref.tensors)
+        buf = torch.empty(total, dtype=torch.uint8)
+        base = buf.data_ptr()
+        engine.restore(ref, [base + off for off in offsets])
+    except Exception as e:  # noqa: BLE001 - reported to the receivers, then re-raised here
+        header = {"error": "rank %d could not read snapshot seq %d (%s): %s"
+                           % (dist.get_rank(), ref.seq, ref.path, e)}
+        for dst in destinations:
+            _send_bytes(pickle.dumps(header, protocol=4), dst)
+        raise
+    blob = pickle.dumps(header, protocol=4)
+    for dst in destinations:
+        _send_bytes(blob, dst)
+        dist.send(buf, dst)
+
+
+class ReceivedSnapshot:
+    """A snapshot received from another rank: looks like an engine's SnapshotRef to State
+    (source, seq, step, path, tensors, meta_json) and restores from its packed buffer.
+    Owns the buffer (released with the object)."""
+
+    source = "peer"
+    slot = -1
+
+    def __init__(self, header, buf, src):
+        self.seq = header["seq"]
+        self.step = header["step"]
+        self.tensors = [tuple(t) for t in header["tensors"]]
+        self.meta_json = header["meta_json"]
+        self.path = "rank %d (%s)" % (src, header["origin"])
+        self._buf = buf
+        self._offsets, _ = packed_layout(self.tensors)
+
+    def restore(self, ptrs):
+        """Copies tensor i into ptrs[i] (0: skip), like SnapshotEngine.restore."""
+        if len(ptrs) != len(self.tensors):
+            raise ValueError("restore got %d destinations for %d tensors"
+                             % (len(ptrs), len(self.tensors)))
+        base = self._buf.data_ptr()
+        for ptr, off, entry in zip(ptrs, self._offsets, self.tensors):
+            if ptr:
+                ctypes.memmove(ptr, base + off, entry[3])
+
+
+def receive_snapshot(src):
+    """Receives the snapshot rank `src` sends with send_snapshot(); raises RuntimeError with the
+    sender's reason when it could not read it."""
+    header = pickle.loads(_recv_bytes(src))
+    if "error" in header:
+        raise RuntimeError(header["error"])
+    _, total = packed_layout(header["tensors"])
+    buf = torch.empty(total, dtype=torch.uint8)
+    dist.recv(buf, src)
+    return ReceivedSnapshot(header, buf, src)
+
+
+class StopVote:
+    """Agreement on graceful stops (see the module docstring). poll(local) returns True on every
+    rank at the same call, one call after some rank passed local=True."""
+
+    def __init__(self):
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._work = None
+
+    def poll(self, local_stop):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if int(self._flag.item()) > 0:
+                return True
+        self._flag.fill_(1 if local_stop else 0)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        return False
