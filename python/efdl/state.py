@@ -697,11 +697,27 @@ class State:
             self._control.notify_stopping(step if isinstance(step, int) else 0, snapshot=True)
         raise SystemExit(0)
 
+    def __del__(self):
+        # The atexit hook only reaches States still alive at exit; the usual `state` local of a
+        # main() that returns is gone by then. Its newest commit must reach storage all the same
+        # (tests/faults/test_state_exit.py). Best effort, like the exit hook.
+        d = self.__dict__
+        if d.get("_exit_flush_pid") is None or d.get("_exit_flush_pid") != os.getpid():
+            return
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 - in a finalizer: report, do not raise
+            try:
+                sys.stderr.write("efdl: persisting the last snapshot failed: %s\n" % e)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
     def _install_exit_hooks(self):
         if not self._writer:
             return
         ref = weakref.ref(self)
         owner = os.getpid()  # forked children (DataLoader workers) inherit these hooks
+        self._exit_flush_pid = owner
 
         def flush_at_exit():
             state = ref()
