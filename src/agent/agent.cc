@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "common/log.h"
+#include "snapshot/store.h"
 
 namespace efdl::agent {
 
@@ -36,6 +37,34 @@ void RemoveJobArenas(const std::string& job_id, const std::string& node_id) {
       if (rm) EFDL_LOG_WARN("cannot remove snapshot arena {}: {}", entry.path().string(), rm.message());
     }
   }
+}
+
+// The step of the newest snapshot of the job in storage (python/efdl/state.py writes them to
+// <snapshot dir>/<job>/, or rank-<N>/ below it for per-rank snapshots, where the job's step is
+// the oldest rank's newest), read from the file's checked header and manifest; nullopt when
+// there is none (or the directory is not visible from this node).
+std::optional<int64_t> NewestStoredStep(const std::string& snapshot_dir, const std::string& job_id) {
+  if (snapshot_dir.empty()) return std::nullopt;
+  auto newest_in = [](const std::string& dir) -> std::optional<int64_t> {
+    snapshot::SnapshotStore store(snapshot::Env::Posix(), dir, /*keep=*/1);
+    for (const auto& entry : store.List()) {
+      auto info = store.ReadInfo(entry.path);
+      if (info.ok()) return info->manifest.step;
+      EFDL_LOG_WARN("skipping snapshot {}: {}", entry.path, info.status().message());
+    }
+    return std::nullopt;
+  };
+  const std::filesystem::path job_dir = std::filesystem::path(snapshot_dir) / job_id;
+  if (auto step = newest_in(job_dir.string())) return step;
+  std::optional<int64_t> oldest_rank;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(job_dir, ec)) {
+    if (!entry.path().filename().string().starts_with("rank-")) continue;
+    auto step = newest_in(entry.path().string());
+    if (!step) return std::nullopt;  // a rank without a snapshot: the job has none complete
+    if (!oldest_rank || *step < *oldest_rank) oldest_rank = step;
+  }
+  return oldest_rank;
 }
 
 }  // namespace
@@ -107,7 +136,11 @@ int Agent::Run() {
   if (options_.prestart) StartSparePool();
 
   if (Status st = rdzv_.Join(); !st.ok()) {
-    EFDL_LOG_ERROR("cannot join job '{}': {}", options_.job_id, st.message());
+    if (st.IsFailedPrecondition()) {
+      EFDL_LOG_ERROR("{}", st.message());  // e.g. the job is suspended: the line says what to do
+    } else {
+      EFDL_LOG_ERROR("cannot join job '{}': {}", options_.job_id, st.message());
+    }
     return 1;
   }
   EFDL_LOG_INFO("node {} joined job '{}' with {} worker(s) per node, nodes {}:{}",
@@ -180,6 +213,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
       if (spares_) spares_->Clear();  // refilled when the node takes part in a round again
       return std::nullopt;
+    case Type::kSuspended:
+      return Suspend(event);
     case Type::kFailed:
       spares_.reset();
       StopWorkers(/*graceful=*/false, event.message);
@@ -282,6 +317,36 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
   }
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
   group_.reset();
+}
+
+int Agent::Suspend(const rdzv::Event& event) {
+  EFDL_LOG_INFO("job '{}' is being suspended ({}): stopping workers after their snapshot",
+                options_.job_id, event.message);
+  // Graceful: each worker snapshots at its next commit() and persists before exiting; one that
+  // does not answer gets SIGTERM, whose State hook persists the newest snapshot too.
+  StopWorkers(/*graceful=*/true, fmt::format("job '{}' is being suspended", options_.job_id));
+  const std::optional<int64_t> reported = control_->newest_persisted_step();
+  const std::optional<int64_t> committed = control_->newest_step();
+  const std::optional<int64_t> stored = NewestStoredStep(options_.snapshot_dir, options_.job_id);
+  // Storage is the truth for a resume; the workers' reports only tell whether it is behind.
+  const std::optional<int64_t> step = stored ? stored : reported;
+  if (reported && (!stored || *stored < *reported)) {
+    EFDL_LOG_WARN("a worker reported step {} persisted, but {} holds {}", *reported,
+                  options_.snapshot_dir, stored ? fmt::format("step {}", *stored) : "no snapshot");
+  } else if (reported && committed && *committed > *reported) {
+    EFDL_LOG_WARN("the newest snapshot (step {}) is only in this node's memory; storage has "
+                  "step {}", *committed, *reported);
+  }
+  if (Status st = rdzv_.ReportSuspended(step); !st.ok()) EFDL_LOG_WARN("{}", st.message());
+  rdzv_.Leave();
+  if (step) {
+    EFDL_LOG_INFO("job '{}': suspended at step {}", options_.job_id, *step);
+  } else {
+    EFDL_LOG_INFO("job '{}': suspended; no snapshot of it is in {} (its workers never "
+                  "committed, or this node does not write storage)",
+                  options_.job_id, options_.snapshot_dir);
+  }
+  return 0;
 }
 
 int Agent::Shutdown(int signal) {

@@ -84,6 +84,8 @@ class Agent {
   std::optional<int> PollWorkers();
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
   int Shutdown(int signal);
+  // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
+  int Suspend(const rdzv::Event& event);
   void StartSparePool();
   void StopWorkers(bool graceful, const std::string& reason);
 

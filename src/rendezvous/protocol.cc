@@ -107,6 +107,24 @@ Result<RoundRecord> RoundRecord::Decode(const std::string& text) {
   });
 }
 
+std::string SuspendReport::Encode() const {
+  json j = {{"step", step ? json(*step) : json(nullptr)}};
+  if (!time.empty()) j["t"] = time;
+  return j.dump();
+}
+
+Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
+  return ParseWith<SuspendReport>("suspend report", text, [](const json& j, SuspendReport& s) {
+    int64_t step = -1;
+    if (!(Field(j, "step", step) && Field(j, "t", s.time))) return false;
+    if (j.contains("step") && !j["step"].is_null()) {
+      if (step < 0) return false;
+      s.step = step;
+    }
+    return true;
+  });
+}
+
 std::string NodeRecord::Encode() const { return json{{"addr", addr}, {"nproc", nproc}}.dump(); }
 
 Result<NodeRecord> NodeRecord::Decode(const std::string& text) {
@@ -190,24 +208,6 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
   plan.formed = static_cast<int>(plan.members.size()) >= limits.min_nodes &&
                 !plan.members.empty() &&
                 (limits.world_size <= 0 || offset == limits.world_size);
-std::string SuspendReport::Encode() const {
-  json j = {{"step", step ? json(*step) : json(nullptr)}};
-  if (!time.empty()) j["t"] = time;
-  return j.dump();
-}
-
-Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
-  return ParseWith<SuspendReport>("suspend report", text, [](const json& j, SuspendReport& s) {
-    int64_t step = -1;
-    if (!(Field(j, "step", step) && Field(j, "t", s.time))) return false;
-    if (j.contains("step") && !j["step"].is_null()) {
-      if (step < 0) return false;
-      s.step = step;
-    }
-    return true;
-  });
-}
-
   return plan;
 }
 

@@ -1,0 +1,195 @@
+"""End-to-end suspend and resume (EFDL-SPEC section 4): a real etcd, real `efdl run` agents and
+State workers on loopback; `efdl suspend` / `efdl resume` / `efdl status` as a user runs them.
+
+Every process runs in its own session and is killed by process group when a test ends.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+from cluster import PYTHON, REPO, Cluster, base_env, efdl_bin  # noqa: E402
+
+pytestmark = pytest.mark.skipif(efdl_bin() is None, reason="efdl binary not built (set EFDL_BIN)")
+
+EXAMPLE = os.path.join(REPO, "examples", "suspend_resume.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "suspend_worker.py")
+# The example's per-step line with --print-indices (after the agent's "[rank N] " prefix).
+IDX_RE = re.compile(r"^\[rank \d+\] STEP round=\d+ rank=(\d+) world=(\d+) step=(\d+) epoch=(\d+) "
+                    r"samples=(\d+) idx=([\d,]+)$")
+DIGITS_TRAIN = 1438  # training samples of the digits split in examples/digits.py
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(job="susp-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000))
+    c.start_etcd()
+    env = {"EFDL_SHM_DIR": str(tmp_path / "shm")}
+    os.makedirs(env["EFDL_SHM_DIR"])
+    c.test_env = env
+    yield c
+    c.close()
+
+
+def efdl(cluster, *argv, timeout=90):
+    out = subprocess.run([efdl_bin(), *argv, "--etcd", cluster.endpoint, "--job", cluster.job],
+                         env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=timeout)
+    return out.returncode, out.stdout
+
+
+def suspend(cluster):
+    rc, out = efdl(cluster, "suspend", "--timeout", "60")
+    assert rc == 0, out
+    m = re.search(r"suspended at step (\d+)", out)
+    return (int(m.group(1)) if m else None), out
+
+
+def processes_of_job(job):
+    """Pids of live processes whose environment has EFDL_JOB_ID=job (workers of the job)."""
+    needle = ("EFDL_JOB_ID=%s" % job).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/environ" % entry, "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
+
+
+def example_steps(agent):
+    """{(rank, epoch, step): (samples, [indices])} of the example's STEP lines."""
+    out = {}
+    for line in agent.output().splitlines():
+        m = IDX_RE.match(line)
+        if m:
+            rank, _, step, epoch, samples = map(int, m.groups()[:5])
+            out[(rank, epoch, step)] = (samples, [int(i) for i in m.group(6).split(",")])
+    return out
+
+
+def test_suspended_two_node_job_resumes_at_the_next_step_and_sample(cluster):
+    cmd = [PYTHON, EXAMPLE, "--epochs", "1", "--print-indices", "--step-delay", "0.05"]
+    agents = [cluster.start_agent(n, env=cluster.test_env, nnodes="2:2", command=cmd)
+              for n in ("a", "b")]
+    wait_for(lambda: any(s[4] >= 4 for a in agents for s in a.steps()), 120, "step 4")
+    step, out = suspend(cluster)
+    assert step is not None, out
+    for a in agents:
+        assert a.wait(30) == 0, a.output()[-3000:]
+    assert "suspended at step %d" % step in agents[0].output() + agents[1].output()
+    assert not processes_of_job(cluster.job), "workers still run after the suspend"
+    before = {}
+    for a in agents:
+        before.update(example_steps(a))
+    # Graceful: every rank stopped at the commit of step S (none ran past it).
+    assert max(k[2] for k in before) == step, sorted(before)
+
+    rc, out = efdl(cluster, "status", "--json")
+    doc = json.loads(out[out.index("{"):])
+    assert rc == 0 and doc["suspended"] and doc["suspended_step"] == step, out
+    assert doc["phase"] == "suspended"
+
+    late = cluster.start_agent("c", env=cluster.test_env, nnodes="2:2", command=cmd)
+    assert late.wait(30) != 0
+    assert ("job %s is suspended at step %d; run `efdl resume --job %s` to continue"
+            % (cluster.job, step, cluster.job)) in late.output(), late.output()[-2000:]
+
+    rc, out = efdl(cluster, "resume")
+    assert rc == 0 and "resumed" in out, out
+    again = [cluster.start_agent(n, env=cluster.test_env, nnodes="2:2", command=cmd)
+             for n in ("a", "b")]
+    for a in again:
+        assert a.wait(180) == 0, a.output()[-3000:]
+    text = "\n".join(a.output() for a in again)
+    m = re.search(r"RESUME epoch=0 step=(\d+) samples=(\d+) world=2", text)
+    assert m, text[-3000:]
+    assert int(m.group(1)) == step + 1
+    assert int(m.group(2)) == before[(0, 0, step)][0]  # the sample count at step S
+    after = {}
+    for a in again:
+        after.update(example_steps(a))
+    assert min(k[2] for k in after) == step + 1
+    # The epoch's data: steps 0..S before, S+1.. after, every sample exactly once.
+    seen = [i for k, (_, idx) in before.items() if k[2] <= step for i in idx]
+    seen += [i for _, idx in after.values() for i in idx]
+    assert sorted(seen) == list(range(DIGITS_TRAIN))
+
+
+def test_suspend_during_a_persist_records_the_newest_step(cluster):
+    env = dict(cluster.test_env, EFDL_PERSIST_MIN_INTERVAL_MS="0", SUSPEND_WORKER_MB="64")
+    a = cluster.start_agent("a", env=env, nnodes="1", command=[PYTHON, WORKER])
+    wait_for(lambda: len(a.steps()) >= 3, 90, "three commits")
+    step, out = suspend(cluster)
+    assert a.wait(30) == 0, a.output()[-3000:]
+    last = max(s[4] for s in a.steps())
+    assert step == last, (step, last, out)  # the newest commit, not an older persisted one
+
+    assert efdl(cluster, "resume")[0] == 0
+    env["SUSPEND_WORKER_STEPS"] = str(step + 2)
+    b = cluster.start_agent("a2", env=env, nnodes="1", command=[PYTHON, WORKER])
+    assert b.wait(90) == 0, b.output()[-3000:]
+    assert "RESUMED step=%d value=%d" % (step, step + 1) in b.output(), b.output()[-2000:]
+
+
+def test_suspend_without_a_snapshot_still_stops_and_says_so(cluster):
+    a = cluster.start_agent("a", env=cluster.test_env, nnodes="1",
+                            command=["/bin/sleep", "600"])
+    cluster.wait_joined(a)
+    wait_for(lambda: a.worker_pids(), 30, "the worker")
+    step, out = suspend(cluster)
+    assert step is None and "no agent found a persisted snapshot" in out, out
+    assert a.wait(30) == 0, a.output()[-3000:]
+    assert "suspended; no snapshot of it" in a.output()
+    rc, out = efdl(cluster, "status")
+    assert rc == 0 and "SUSPENDED (no persisted step reported yet)" in out, out
+    # Resuming twice is an error that says why.
+    assert efdl(cluster, "resume")[0] == 0
+    rc, out = efdl(cluster, "resume")
+    assert rc == 1 and "is not suspended" in out, out
+
+
+def test_suspend_and_resume_of_an_unknown_job_fail_clearly(cluster):
+    for command in ("suspend", "resume"):
+        rc, out = efdl(cluster, command)
+        assert rc == 1 and "no job '%s' in etcd" % cluster.job in out, out
+        assert len(out.strip().splitlines()) == 1, out
+
+
+def test_example_suspend_resume_demo(tmp_path):
+    env = base_env()
+    env["EFDL_BIN"] = efdl_bin()
+    env["EFDL_SHM_DIR"] = str(tmp_path)
+    proc = subprocess.Popen([PYTHON, EXAMPLE, "--demo", "--suspend-after", "8"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    m = re.search(r"demo: suspended at step (\d+), resumed at step (\d+)", out)
+    assert m and int(m.group(2)) == int(m.group(1)) + 1, out[-3000:]
+    assert "DONE test accuracy" in out
