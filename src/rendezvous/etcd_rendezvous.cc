@@ -714,10 +714,7 @@ void EtcdRendezvous::TakeOver() {
   next.graceful = false;
   // An empty coordinator is a resumed job's (suspend.h): keep its "resumed ..." message.
   if (!gone.empty()) {
-    // An empty coordinator is a resumed job's (suspend.h): keep its "resumed ..." message.
-  if (!gone.empty()) {
     next.message = fmt::format("coordinator {} is gone; {} took over", gone, opt_.node_id);
-  }
   }
   if (rec->phase != Phase::kGathering) {
     next.round = rec->round + 1;
