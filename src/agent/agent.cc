@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "agent/stale_dirs.h"
 #include "common/log.h"
 #include "snapshot/store.h"
 
@@ -119,6 +120,8 @@ Agent::~Agent() {
 int Agent::Run() {
   socket_path_ = options_.control_socket_path;
   if (socket_path_.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    RemoveStaleAgentDirs(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp");
     auto dir = TempDir::Create("efdl-agent");
     if (!dir.ok()) {
       EFDL_LOG_ERROR("{}", dir.status().message());

@@ -51,8 +51,9 @@ struct SparePoolOptions {
   // Added to the agent's environment when a spare starts, per local rank (missing: none).
   std::map<int, std::map<std::string, std::string>> start_env;
   // Wait after an activation before starting the replacement, so that the new spare's imports
-  // do not compete for the CPU with the start-up of the round that just began.
-  std::chrono::milliseconds refill_delay{std::chrono::seconds(2)};
+  // do not compete for the CPU with the start-up of the round that just began (a joining node's
+  // fresh interpreter importing torch, init_process_group, the first steps).
+  std::chrono::milliseconds refill_delay{std::chrono::seconds(5)};
 };
 
 class SparePool {

@@ -1,0 +1,75 @@
+#include "agent/stale_dirs.h"
+
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+
+#include "common/log.h"
+
+namespace efdl::agent {
+
+namespace {
+
+// True only when connecting is refused: a socket file whose listener is gone.
+bool DeadSocket(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  int err = errno;
+  ::close(fd);
+  return rc != 0 && err == ECONNREFUSED;
+}
+
+}  // namespace
+
+int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age) {
+  namespace fs = std::filesystem;
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(base, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("efdl-agent-")) continue;
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+        st.st_uid != ::geteuid()) {
+      continue;
+    }
+    int others = 0;
+    bool has_socket = false;
+    std::error_code list_ec;
+    for (const auto& inner : fs::directory_iterator(entry.path(), list_ec)) {
+      if (inner.path().filename() == "control.sock") {
+        has_socket = true;
+      } else {
+        ++others;
+      }
+    }
+    if (list_ec || others > 0) continue;
+    const std::string sock = (entry.path() / "control.sock").string();
+    const bool stale = has_socket ? DeadSocket(sock)
+                                  : std::time(nullptr) - st.st_mtime >= empty_age.count();
+    if (!stale) continue;
+    std::error_code rm;
+    fs::remove_all(entry.path(), rm);
+    if (rm) {
+      EFDL_LOG_DEBUG("cannot remove stale agent directory {}: {}", entry.path().string(),
+                     rm.message());
+      continue;
+    }
+    EFDL_LOG_DEBUG("removed {}, left by an agent that was killed", entry.path().string());
+    ++removed;
+  }
+  return removed;
+}
+
+}  // namespace efdl::agent

@@ -1,0 +1,66 @@
+#include "agent/stale_dirs.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "common/net.h"
+
+namespace efdl::agent {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A unix socket bound at `path`; listening unless `close_it` (then only the file remains, as
+// after a SIGKILLed agent). Returns the fd (-1 when closed).
+int BoundSocket(const std::string& path, bool close_it) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::listen(fd, 4), 0);
+  if (close_it) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(RemoveStaleAgentDirs, RemovesOnlyDirectoriesOfDeadAgents) {
+  auto tmp = TempDir::Create("efdl-stale-test");
+  ASSERT_TRUE(tmp.ok());
+  const fs::path base = tmp->path();
+  for (const char* d : {"efdl-agent-dead01", "efdl-agent-live01", "efdl-agent-other1",
+                        "efdl-agent-empty1", "efdl-agent-empty2", "unrelated-dir"}) {
+    fs::create_directory(base / d);
+  }
+  BoundSocket(base / "efdl-agent-dead01" / "control.sock", /*close_it=*/true);
+  int live = BoundSocket(base / "efdl-agent-live01" / "control.sock", /*close_it=*/false);
+  BoundSocket(base / "efdl-agent-other1" / "control.sock", /*close_it=*/true);
+  std::ofstream(base / "efdl-agent-other1" / "keep.txt") << "not ours to delete\n";
+  BoundSocket(base / "unrelated-dir" / "control.sock", /*close_it=*/true);
+  // An empty directory from long ago vs one an agent may have just made.
+  fs::last_write_time(base / "efdl-agent-empty1",
+                      fs::file_time_type::clock::now() - std::chrono::minutes(5));
+
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 2);
+  EXPECT_FALSE(fs::exists(base / "efdl-agent-dead01"));
+  EXPECT_FALSE(fs::exists(base / "efdl-agent-empty1"));
+  EXPECT_TRUE(fs::exists(base / "efdl-agent-live01" / "control.sock"));
+  EXPECT_TRUE(fs::exists(base / "efdl-agent-other1" / "keep.txt"));
+  EXPECT_TRUE(fs::exists(base / "efdl-agent-empty2"));
+  EXPECT_TRUE(fs::exists(base / "unrelated-dir" / "control.sock"));
+  ::close(live);
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 1);  // its agent is gone now
+  EXPECT_FALSE(fs::exists(base / "efdl-agent-live01"));
+}
+
+}  // namespace
+}  // namespace efdl::agent
