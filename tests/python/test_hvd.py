@@ -113,6 +113,18 @@ def rank_program():
     out["momentum"] = torch.cat(bufs).tolist()
     out["lr"] = opt.param_groups[0]["lr"]
 
+    # An LR scheduler made before the optimizer is distributed (it wraps optimizer.step on the
+    # object): the step must still average, and still count for the scheduler.
+    model = _model(torch, seed=11)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    model(torch.full((2, 6), float(rank + 1), dtype=torch.float64)).sum().backward()
+    opt.step()
+    sched.step()
+    out["scheduler_first"] = [_flat(torch, model).tolist(), opt._step_count,
+                              opt.param_groups[0]["lr"]]
+
     t = torch.tensor([float(rank + 1), -float(rank)])
     out["allreduce_avg"] = hvd.allreduce(t).tolist()
     out["allreduce_sum"] = hvd.allreduce(t, op=hvd.Sum).tolist()
@@ -183,6 +195,13 @@ def test_layout_follows_the_nodes(three_ranks):
     assert layouts == [[0, 3, 0, 2, 0, 2, False], [1, 3, 1, 2, 0, 1, False],
                        [2, 3, 0, 1, 1, 2, False]]
     assert [out["before"] for out in three_ranks] == [[0, 3, 0], [1, 3, 1], [2, 3, 0]]
+
+
+def test_scheduler_made_before_distributing_the_optimizer_does_not_skip_averaging(three_ranks):
+    # Every rank stepped on its own data: equal parameters only if the gradients were averaged.
+    params = [o["scheduler_first"][0] for o in three_ranks]
+    assert params[0] == params[1] == params[2]
+    assert [o["scheduler_first"][1:] for o in three_ranks] == [[1, 0.05]] * 3
 
 
 def test_optimizer_state_and_hyperparameters_come_from_the_root(three_ranks):

@@ -13,6 +13,7 @@ accepted and ignored). Thread-safety: call from one thread per process, like tor
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -641,4 +642,36 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     except Exception:
         optimizer.__class__ = base
         raise
+    _reroute_scheduler_step(optimizer)
     return optimizer
+
+
+def _reroute_scheduler_step(optimizer):
+    """A torch LR scheduler made before the conversion has replaced `optimizer.step` on the
+    object with a wrapper that counts calls and then runs the step of the class the optimizer had
+    *then*: that wrapper would skip the gradient reduction (each rank applying only its own
+    gradients, the ranks drifting apart). Replace it with one that counts the same way and runs
+    the distributed step."""
+    patched = optimizer.__dict__.get("step")
+    if patched is None:
+        return
+    counts = getattr(patched, "_with_counter", False)            # torch < 2.0
+    tracks = getattr(patched, "_wrapped_by_lr_sched", False)     # torch >= 2.0
+    if not (counts or tracks):
+        warnings.warn("DistributedOptimizer: optimizer.step was replaced on the object itself; "
+                      "that replacement is kept and may bypass the gradient averaging",
+                      RuntimeWarning)
+        return
+    ref = weakref.ref(optimizer)   # as torch's wrapper: no reference cycle through the object
+
+    def step(*args, **kwargs):
+        opt = ref()
+        if counts:
+            opt._step_count += 1
+        if tracks:
+            opt._opt_called = True
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._with_counter = counts
+    step._wrapped_by_lr_sched = tracks
+    optimizer.step = step
