@@ -72,9 +72,9 @@ def etcd_requests(endpoint):
 
 
 ROUND_LINE = ": node rank "
-# Steady training before each event: long enough for efdl --prestart's spares (started 2 s
+# Steady training before each event: long enough for efdl --prestart's spares (started 5 s
 # after a round begins, then `import torch`) to be ready, as they are in a long-running job.
-SETTLE_S = 6.0
+SETTLE_S = 9.0
 
 
 def scenario(system, kind, timeout, steady=None, breakdown=None):
