@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -13,6 +14,8 @@
 #include <cstring>
 #include <filesystem>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -36,6 +39,64 @@ Result<sockaddr_in> Resolve(const std::string& host, uint16_t port) {
   return addr;
 }
 }  // namespace
+
+Result<std::string> InterfaceOfAddress(const std::string& host) {
+  // The host's addresses, as raw bytes with their family.
+  std::vector<std::pair<int, std::string>> wanted;
+  in_addr v4{};
+  in6_addr v6{};
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) {
+    wanted.emplace_back(AF_INET, std::string(reinterpret_cast<const char*>(&v4), sizeof(v4)));
+  } else if (::inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    wanted.emplace_back(AF_INET6, std::string(reinterpret_cast<const char*>(&v6), sizeof(v6)));
+  } else {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+    if (rc != 0 || res == nullptr) {
+      return Status::NotFound(fmt::format("cannot resolve host '{}': {}", host, gai_strerror(rc)));
+    }
+    for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
+      if (p->ai_family == AF_INET) {
+        const auto& a = reinterpret_cast<const sockaddr_in*>(p->ai_addr)->sin_addr;
+        wanted.emplace_back(AF_INET, std::string(reinterpret_cast<const char*>(&a), sizeof(a)));
+      } else if (p->ai_family == AF_INET6) {
+        const auto& a = reinterpret_cast<const sockaddr_in6*>(p->ai_addr)->sin6_addr;
+        wanted.emplace_back(AF_INET6, std::string(reinterpret_cast<const char*>(&a), sizeof(a)));
+      }
+    }
+    ::freeaddrinfo(res);
+  }
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) {
+    return Status::IOError(fmt::format("cannot list network interfaces: {}", std::strerror(errno)));
+  }
+  std::string found;
+  for (ifaddrs* i = ifs; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_name == nullptr) continue;
+    const int family = i->ifa_addr->sa_family;
+    std::string bytes;
+    if (family == AF_INET) {
+      const auto& a = reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr;
+      bytes.assign(reinterpret_cast<const char*>(&a), sizeof(a));
+    } else if (family == AF_INET6) {
+      const auto& a = reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr;
+      bytes.assign(reinterpret_cast<const char*>(&a), sizeof(a));
+    } else {
+      continue;
+    }
+    for (const auto& [f, b] : wanted) {
+      if (f == family && b == bytes) found = i->ifa_name;
+    }
+  }
+  ::freeifaddrs(ifs);
+  if (found.empty()) {
+    return Status::NotFound(fmt::format("no network interface of this machine has the address of '{}'", host));
+  }
+  return found;
+}
 
 Result<uint16_t> PickFreePort(const std::string& host) {
   EFDL_ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(host, 0));

@@ -14,6 +14,10 @@ Result<uint16_t> PickFreePort(const std::string& host = "127.0.0.1");
 bool TcpConnectable(const std::string& host, uint16_t port, int timeout_ms);
 // This machine's host name.
 std::string HostName();
+// The name of the network interface that holds `host`'s address (a numeric IPv4/IPv6 address or
+// a name resolved here), e.g. "lo" for 127.0.0.1; NotFound when no local interface has it (an
+// address behind NAT, or another machine's). Horovod's gloo needs it as HOROVOD_GLOO_IFACE.
+Result<std::string> InterfaceOfAddress(const std::string& host);
 
 // A directory made with mkdtemp under $TMPDIR (or /tmp), removed with everything in it when the
 // object is destroyed (unless Release()d).

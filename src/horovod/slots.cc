@@ -91,28 +91,33 @@ Result<std::vector<EnvMap>> WorkerEnvForHost(const std::vector<HostSlots>& hosts
   const std::string& me = hosts[host_index].hostname;
   std::vector<EnvMap> out;
   for (const auto& s : slots) {
-    if (s.hostname != me) continue;
-    EnvMap env{
-        {"HOROVOD_HOSTNAME", s.hostname},
-        {"HOROVOD_RANK", std::to_string(s.rank)},
-        {"HOROVOD_SIZE", std::to_string(s.size)},
-        {"HOROVOD_LOCAL_RANK", std::to_string(s.local_rank)},
-        {"HOROVOD_LOCAL_SIZE", std::to_string(s.local_size)},
-        {"HOROVOD_CROSS_RANK", std::to_string(s.cross_rank)},
-        {"HOROVOD_CROSS_SIZE", std::to_string(s.cross_size)},
-        {"HOROVOD_CONTROLLER", "gloo"},
-        {"HOROVOD_CPU_OPERATIONS", "gloo"},
-        {"HOROVOD_GLOO_RENDEZVOUS_ADDR", options.rendezvous_addr},
-        {"HOROVOD_GLOO_RENDEZVOUS_PORT", std::to_string(options.rendezvous_port)},
-    };
-    if (options.elastic) env["HOROVOD_ELASTIC"] = "1";
-    if (!options.gloo_iface.empty()) env["HOROVOD_GLOO_IFACE"] = options.gloo_iface;
-    if (options.gloo_timeout_seconds > 0) {
-      env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = std::to_string(options.gloo_timeout_seconds);
-    }
-    out.push_back(std::move(env));
+    if (s.hostname == me) out.push_back(WorkerEnv(s, options));
   }
   return out;
+}
+
+EnvMap WorkerEnv(const SlotInfo& s, const WorkerEnvOptions& options) {
+  EnvMap env{
+      {"HOROVOD_HOSTNAME", s.hostname},
+      {"HOROVOD_RANK", std::to_string(s.rank)},
+      {"HOROVOD_SIZE", std::to_string(s.size)},
+      {"HOROVOD_LOCAL_RANK", std::to_string(s.local_rank)},
+      {"HOROVOD_LOCAL_SIZE", std::to_string(s.local_size)},
+      {"HOROVOD_CROSS_RANK", std::to_string(s.cross_rank)},
+      {"HOROVOD_CROSS_SIZE", std::to_string(s.cross_size)},
+      {"HOROVOD_CONTROLLER", "gloo"},
+      {"HOROVOD_CPU_OPERATIONS", "gloo"},
+  };
+  if (options.rendezvous_port != 0) {
+    env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = options.rendezvous_addr;
+    env["HOROVOD_GLOO_RENDEZVOUS_PORT"] = std::to_string(options.rendezvous_port);
+  }
+  if (options.elastic) env["HOROVOD_ELASTIC"] = "1";
+  if (!options.gloo_iface.empty()) env["HOROVOD_GLOO_IFACE"] = options.gloo_iface;
+  if (options.gloo_timeout_seconds > 0) {
+    env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = std::to_string(options.gloo_timeout_seconds);
+  }
+  return env;
 }
 
 }  // namespace efdl::horovod

@@ -61,6 +61,11 @@ struct WorkerEnvOptions {
 
 using EnvMap = std::map<std::string, std::string>;
 
+// The HOROVOD_* variables of the one process `slot`. The rendezvous address and port are set
+// only when the port is not 0 (a worker without them cannot initialise real Horovod, and
+// EFDL's Python layer then keeps to torch.distributed).
+EnvMap WorkerEnv(const SlotInfo& slot, const WorkerEnvOptions& options);
+
 // The HOROVOD_* variables for each local process (index = local rank) of hosts[host_index].
 // Fails like AssignSlots, on a host_index out of range, and on an empty address or port 0.
 Result<std::vector<EnvMap>> WorkerEnvForHost(const std::vector<HostSlots>& hosts,

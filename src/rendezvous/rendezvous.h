@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "efdl/etcd.h"
@@ -51,6 +52,16 @@ struct Assignment {
   int world_size = 0;                  // sum of nproc over the round
   std::string master_addr;             // rank-0 node's advertise address
   uint16_t master_port = 0;            // chosen fresh by the rank-0 node for this round
+  // Horovod (docs/horovod.md). The rank-0 node's agent serves the round's Gloo rendezvous at
+  // master_addr:horovod_port (0: not offered).
+  uint16_t horovod_port = 0;
+  // Per local rank: Horovod's cross rank and cross size. Empty when every node of the round
+  // runs the same number of processes: then they are node_rank and nnodes.
+  std::vector<int> cross_rank{};
+  std::vector<int> cross_size{};
+  // The rank-0 node only: every member's (node id, nproc) in rank order, for the rendezvous
+  // server's scope sizes. Other nodes never receive this O(N) list.
+  std::vector<std::pair<std::string, int>> horovod_hosts{};
 };
 
 struct Event {
