@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "cli/etcd_flags.h"
 #include "efdl/etcd.h"
 #include "rendezvous/suspend.h"
 
@@ -20,6 +21,7 @@ namespace {
 
 struct SuspendArgs {
   std::string etcd;
+  EtcdSecurityFlags etcd_security;
   std::string job;
   double timeout_s = 300;
   bool no_wait = false;
@@ -47,6 +49,10 @@ std::unique_ptr<etcd::Client> ConnectOrFail(const char* command, const SuspendAr
   }
   etcd::ClientOptions options;
   options.endpoints = *endpoints;
+  if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &options); !st.ok()) {
+    code = Fail(command, 2, st.message());
+    return nullptr;
+  }
   auto client = etcd::Connect(options);
   if (!client.ok()) {
     code = Fail(command, 1, fmt::format("cannot reach etcd at {}: {}", args.etcd,
@@ -134,6 +140,7 @@ CLI::App* AddCommon(CLI::App& app, const char* name, const char* help, SuspendAr
   CLI::App* cmd = app.add_subcommand(name, help);
   OptionWithEnv(cmd, "--etcd", args.etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
                 "EFDL_ETCD_ENDPOINTS");
+  AddEtcdSecurityFlags(cmd, args.etcd_security);
   OptionWithEnv(cmd, "--job", args.job, "the job id", "EFDL_JOB_ID")->required();
   return cmd;
 }
