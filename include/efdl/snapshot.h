@@ -46,6 +46,9 @@ struct Manifest {
   std::vector<TensorEntry> tensors;
   uint64_t data_bytes = 0;     // size of the data region (tensors plus alignment padding)
   std::string meta_json = "{}";
+  // Hex HMAC-SHA256 with the job's secret (EngineOptions::hmac_key) over the rest of the
+  // manifest and the data region; empty: none. Set on stored snapshots only.
+  std::string hmac;
 
   std::string Serialize() const;
   static Result<Manifest> Parse(std::string_view json);
@@ -73,6 +76,9 @@ struct EngineOptions {
   int copy_threads = 0;        // 0: min(4, hardware threads)
   std::chrono::milliseconds persist_min_interval{0};
   Env* env = nullptr;          // file access for storage; nullptr: POSIX
+  // Non-empty (the job's secret): stored snapshots carry an HMAC-SHA256 with this key, and a
+  // storage snapshot restores only when its HMAC verifies (snapshot/hmac.h).
+  std::string hmac_key;
 };
 
 // Where a commit's tensor bytes come from. `data` non-null: copied by the engine's threads.

@@ -20,7 +20,8 @@ written by local rank 0, for data-parallel jobs where all ranks hold the same st
 rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
 EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is written at most once a second; exit,
 SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1: the node agent persists; the worker
-does not).
+does not), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
+secret EFDL_JOB_SECRET and restore only when it verifies).
 """
 
 import atexit
@@ -66,6 +67,19 @@ def _env_int(name, default):
 
 def _safe_name(text):
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:80]
+
+
+def _snapshot_hmac_key():
+    """The key of the stored snapshots' HMAC: the job's secret when EFDL_SNAPSHOT_HMAC=1, else
+    "" (no HMAC). Stored snapshots then restore only when their HMAC verifies."""
+    if os.environ.get("EFDL_SNAPSHOT_HMAC", "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return ""
+    secret = os.environ.get("EFDL_JOB_SECRET", "")
+    if not secret:
+        raise ValueError("EFDL_SNAPSHOT_HMAC=1 needs the job's secret in EFDL_JOB_SECRET, which "
+                         "`efdl run` gives its workers: run under efdl run, or unset "
+                         "EFDL_SNAPSHOT_HMAC")
+    return secret
 
 
 def default_job_id():
@@ -160,7 +174,8 @@ class State:
             self._job, scope, self._arena_path, self._storage_dir,
             num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", 2), keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
             persist=persist and self._writer, copy_threads=_env_int("EFDL_SNAPSHOT_THREADS", 0),
-            persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000))
+            persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000),
+            hmac_key=_snapshot_hmac_key())
         self._control = self._connect_control()
 
         world = _agreement.group_size()

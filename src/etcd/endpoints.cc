@@ -25,7 +25,8 @@ Result<std::string> ParseOne(std::string_view item, const std::string& spec) {
   }
   if (s.starts_with("https://")) {
     return Status::InvalidArgument(fmt::format(
-        "etcd endpoint '{}': TLS is not supported; use an http:// endpoint or plain host:port", s));
+        "etcd endpoint '{}': give it as host:port; TLS is turned on by --etcd-cacert (and "
+        "--etcd-cert/--etcd-key for client certificates)", s));
   }
   if (s.starts_with("http://")) s.remove_prefix(7);
   if (!s.empty() && s.back() == '/') s.remove_suffix(1);

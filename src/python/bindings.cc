@@ -79,7 +79,7 @@ PYBIND11_MODULE(_efdl, m) {
   py::class_<snap::SnapshotEngine>(m, "SnapshotEngine")
       .def(py::init([](std::string job_id, std::string scope, std::string arena_path,
                        std::string storage_dir, int num_slots, int keep, bool persist,
-                       int copy_threads, int persist_min_interval_ms) {
+                       int copy_threads, int persist_min_interval_ms, std::string hmac_key) {
              snap::EngineOptions o;
              o.job_id = std::move(job_id);
              o.scope = std::move(scope);
@@ -90,11 +90,13 @@ PYBIND11_MODULE(_efdl, m) {
              o.persist = persist;
              o.copy_threads = copy_threads;
              o.persist_min_interval = std::chrono::milliseconds(persist_min_interval_ms);
+             o.hmac_key = std::move(hmac_key);
              return Unwrap(snap::SnapshotEngine::Open(std::move(o)));
            }),
            py::arg("job_id"), py::arg("scope"), py::arg("arena_path"), py::arg("storage_dir"),
            py::arg("num_slots") = 2, py::arg("keep") = 2, py::arg("persist") = true,
-           py::arg("copy_threads") = 0, py::arg("persist_min_interval_ms") = 0)
+           py::arg("copy_threads") = 0, py::arg("persist_min_interval_ms") = 0,
+           py::arg("hmac_key") = "")
       .def(
           "set_layout",
           [](snap::SnapshotEngine& e, const std::vector<TensorTuple>& tensors) {

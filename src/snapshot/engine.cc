@@ -16,6 +16,7 @@
 #include "efdl/snapshot.h"
 #include "snapshot/arena.h"
 #include "snapshot/hash.h"
+#include "snapshot/hmac.h"
 #include "snapshot/layout.h"
 #include "snapshot/parallel.h"
 #include "snapshot/persister.h"
@@ -61,6 +62,7 @@ class Engine final : public SnapshotEngine {
         p.keep = options_.keep;
         p.env = options_.env;
         p.min_interval = options_.persist_min_interval;
+        p.hmac_key = options_.hmac_key;
         persister_ = std::make_unique<Persister>(std::move(p));
         persister_->Start();
       }
@@ -172,7 +174,13 @@ class Engine final : public SnapshotEngine {
   Status Flush(std::chrono::milliseconds timeout) override {
     if (persister_) return persister_->Flush(timeout);
     if (!store_) return Status::OK();
-    Persister once({options_.arena_path, options_.storage_dir, options_.keep, options_.env});
+    PersisterOptions p;
+    p.arena_path = options_.arena_path;
+    p.storage_dir = options_.storage_dir;
+    p.keep = options_.keep;
+    p.env = options_.env;
+    p.hmac_key = options_.hmac_key;
+    Persister once(std::move(p));
     return once.Flush(timeout);
   }
 
@@ -305,6 +313,9 @@ class Engine final : public SnapshotEngine {
     // files are immutable once renamed into place.
     if (verified_path_ != ref.path || verified_seq_ != ref.manifest.seq) {
       EFDL_RETURN_IF_ERROR(VerifySnapshotData(**file, *info, ref.path, &runner_));
+      if (!options_.hmac_key.empty()) {
+        EFDL_RETURN_IF_ERROR(VerifySnapshotHmac(options_.hmac_key, **file, *info, ref.path));
+      }
       verified_path_ = ref.path;
       verified_slot_ = -1;
       verified_seq_ = ref.manifest.seq;

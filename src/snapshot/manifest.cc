@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <limits>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -10,7 +11,27 @@ namespace efdl::snapshot {
 
 namespace {
 constexpr const char* kFormat = "efdl-snapshot/1";
+
+// A field that is not an integer in range. nlohmann's get<integer>() would cast a float, which
+// is undefined behaviour when it does not fit (1e300), and wrap a negative value into uint64.
+struct BadInteger {
+  std::string field;
+};
+
+uint64_t U64(const nlohmann::json& v, const char* field) {
+  if (!v.is_number_unsigned()) throw BadInteger{field};
+  return v.get<uint64_t>();
 }
+
+int64_t I64(const nlohmann::json& v, const char* field) {
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() &&
+       v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+    throw BadInteger{field};
+  }
+  return v.get<int64_t>();
+}
+}  // namespace
 
 std::string TensorsJson(const std::vector<TensorEntry>& tensors) {
   nlohmann::json tensors_json = nlohmann::json::array();
@@ -32,6 +53,7 @@ std::string Manifest::Serialize() const {
   out += TensorsJson(tensors);
   out += ",\"meta\":";
   out += meta_json.empty() ? "{}" : meta_json;
+  if (!hmac.empty()) out += ",\"hmac\":" + nlohmann::json(hmac).dump();
   out += '}';
   return out;
 }
@@ -41,30 +63,37 @@ Result<Manifest> Manifest::Parse(std::string_view text) {
   if (j.is_discarded() || !j.is_object()) {
     return Status::Corruption("snapshot manifest is not valid JSON");
   }
-  if (j.value("format", "") != kFormat) {
-    return Status::Corruption(fmt::format("snapshot manifest has format '{}', expected '{}'",
-                                          j.value("format", ""), kFormat));
+  // value() would throw on a non-string "format": read it only once it is known to be one.
+  auto format = j.find("format");
+  if (format == j.end() || !format->is_string() || format->get<std::string>() != kFormat) {
+    std::string got = format == j.end() ? "" : format->dump().substr(0, 64);
+    return Status::Corruption(
+        fmt::format("snapshot manifest has format {}, expected '{}'", got, kFormat));
   }
   Manifest m;
   try {
     m.job = j.at("job").get<std::string>();
-    m.seq = j.at("seq").get<uint64_t>();
-    m.step = j.at("step").get<int64_t>();
+    m.seq = U64(j.at("seq"), "seq");
+    m.step = I64(j.at("step"), "step");
     m.wall_time = j.at("wall_time").get<double>();
     m.scope = j.value("scope", "node");
-    m.data_bytes = j.at("data_bytes").get<uint64_t>();
+    m.data_bytes = U64(j.at("data_bytes"), "data_bytes");
     for (const auto& t : j.at("tensors")) {
       TensorEntry e;
       e.name = t.at("name").get<std::string>();
       e.dtype = t.at("dtype").get<std::string>();
-      e.shape = t.at("shape").get<std::vector<int64_t>>();
-      e.offset = t.at("offset").get<uint64_t>();
-      e.nbytes = t.at("nbytes").get<uint64_t>();
+      for (const auto& d : t.at("shape")) e.shape.push_back(I64(d, "shape"));
+      e.offset = U64(t.at("offset"), "offset");
+      e.nbytes = U64(t.at("nbytes"), "nbytes");
       m.tensors.push_back(std::move(e));
     }
     m.meta_json = j.contains("meta") ? j["meta"].dump() : "{}";
+    m.hmac = j.value("hmac", "");
   } catch (const nlohmann::json::exception& e) {
     return Status::Corruption(fmt::format("snapshot manifest is incomplete: {}", e.what()));
+  } catch (const BadInteger& e) {
+    return Status::Corruption(fmt::format(
+        "snapshot manifest field '{}' is not a whole number in range", e.field));
   }
   return m;
 }

@@ -17,7 +17,7 @@ namespace efdl::snapshot {
 
 Persister::Persister(PersisterOptions options)
     : options_(std::move(options)),
-      store_(options_.env, options_.storage_dir, options_.keep) {
+      store_(options_.env, options_.storage_dir, options_.keep, options_.hmac_key) {
   auto entries = store_.List();
   if (!entries.empty()) persisted_seq_ = entries.front().seq;
 }

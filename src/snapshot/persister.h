@@ -31,6 +31,7 @@ struct PersisterOptions {
   Env* env = nullptr;
   std::chrono::milliseconds min_interval{0};    // at most one write per interval (0: no limit)
   std::chrono::milliseconds poll_interval{500}; // also look without Notify (writer elsewhere)
+  std::string hmac_key;                         // non-empty: files carry an HMAC (hmac.h)
 };
 
 class Persister {

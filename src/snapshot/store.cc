@@ -11,6 +11,7 @@
 
 #include "common/log.h"
 #include "common/net.h"
+#include "snapshot/hmac.h"
 
 namespace efdl::snapshot {
 
@@ -30,8 +31,11 @@ bool ParseSeq(std::string_view name, uint64_t* seq) {
 
 }  // namespace
 
-SnapshotStore::SnapshotStore(Env* env, std::string dir, int keep)
-    : env_(env != nullptr ? env : Env::Posix()), dir_(std::move(dir)), keep_(std::max(1, keep)) {}
+SnapshotStore::SnapshotStore(Env* env, std::string dir, int keep, std::string hmac_key)
+    : env_(env != nullptr ? env : Env::Posix()),
+      dir_(std::move(dir)),
+      keep_(std::max(1, keep)),
+      hmac_key_(std::move(hmac_key)) {}
 
 std::string SnapshotStore::FileName(uint64_t seq) {
   return fmt::format("{}{:016d}{}", kPrefix, seq, kSuffix);
@@ -60,9 +64,16 @@ Status SnapshotStore::Write(const Manifest& manifest, const uint8_t* data,
   const std::string tmp =
       fmt::format("{}/.tmp-{}-{}-{}{}", dir_, HostName(), ::getpid(), manifest.seq, kSuffix);
   const std::string final_path = dir_ + "/" + FileName(manifest.seq);
+  Manifest signed_manifest;
+  const Manifest* to_write = &manifest;
+  if (!hmac_key_.empty()) {
+    signed_manifest = manifest;
+    EFDL_ASSIGN_OR_RETURN(signed_manifest.hmac, ComputeSnapshotHmac(hmac_key_, manifest, data));
+    to_write = &signed_manifest;
+  }
   auto file = env_->NewWritableFile(tmp);
   if (!file.ok()) return file.status();
-  Status s = WriteSnapshotFile(file->get(), manifest, data, data_checksum);
+  Status s = WriteSnapshotFile(file->get(), *to_write, data, data_checksum);
   if (s.ok()) s = (*file)->Sync();
   Status c = (*file)->Close();
   if (s.ok()) s = c;

@@ -18,7 +18,8 @@ namespace efdl::snapshot {
 
 class SnapshotStore {
  public:
-  SnapshotStore(Env* env, std::string dir, int keep);
+  // `hmac_key` non-empty: Write adds the snapshot's HMAC (snapshot/hmac.h) to the manifest.
+  SnapshotStore(Env* env, std::string dir, int keep, std::string hmac_key = {});
 
   const std::string& dir() const { return dir_; }
   // Writes one snapshot durably, then prunes to the newest `keep`. On failure (e.g. a full disk)
@@ -43,6 +44,7 @@ class SnapshotStore {
   Env* env_;
   std::string dir_;
   int keep_;
+  std::string hmac_key_;  // never logged
 };
 
 }  // namespace efdl::snapshot

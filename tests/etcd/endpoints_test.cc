@@ -24,7 +24,7 @@ TEST(ParseEndpoints, RejectsMalformedEntriesNamingThem) {
                         Case{"host:70000", "invalid port '70000'"},
                         Case{"host:0", "invalid port '0'"},
                         Case{":2379", "has no host"}, Case{"a:1,,b:2", "empty entry"},
-                        Case{"https://h:1", "TLS is not supported"},
+                        Case{"https://h:1", "TLS is turned on by --etcd-cacert"},
                         Case{"::1:2379", "write IPv6 addresses as [addr]:port"},
                         Case{"[::1]2379", "malformed"}}) {
     auto parsed = ParseEndpoints(c.spec);
