@@ -83,6 +83,7 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
       {"GROUP_RANK", std::to_string(a.node_rank)},
       {"NODE_RANK", std::to_string(a.node_rank)},
       {"NNODES", std::to_string(a.nnodes)},
+      {"NPROC_PER_NODE", std::to_string(a.nproc)},
       {"GROUP_WORLD_SIZE", std::to_string(a.nnodes)},
       {"ROLE_NAME", "default"},
       {"ROLE_RANK", std::to_string(rank)},
@@ -103,6 +104,32 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
   };
   if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
   // As torchrun does: several processes per node must not each spawn a thread per core.
+  if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  return env;
+}
+
+std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& options,
+                                                       const rdzv::Assignment& a,
+                                                       int restart_count) {
+  std::map<std::string, std::string> env = {
+      {"NNODES", std::to_string(a.nnodes)},
+      {"NODE_RANK", std::to_string(a.node_rank)},
+      {"NPROC_PER_NODE", std::to_string(a.nproc)},
+      {"MASTER_ADDR", a.master_addr},
+      {"MASTER_PORT", std::to_string(a.master_port)},
+      {"WORLD_SIZE", std::to_string(a.world_size)},
+      {"RANK", std::to_string(a.rank_offset)},
+      // Recipes written for one process per GPU gate the launch on local rank 0.
+      {"LOCAL_RANK", "0"},
+      {"EFDL_LAUNCHER", "1"},
+      {"EFDL_JOB_ID", options.job_id},
+      {"EFDL_NODE_ID", options.node_id},
+      {"EFDL_ROUND", std::to_string(a.round)},
+      {"EFDL_RESTART_COUNT", std::to_string(restart_count)},
+      {"EFDL_NUM_MIN_WORKERS", std::to_string(options.min_nodes)},
+      {"EFDL_NUM_MAX_WORKERS", std::to_string(options.max_nodes)},
+      {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
+  };
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;
 }
@@ -254,8 +281,13 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   assignment_ = a;
   control_->SetRound(a.round);
   if (a.standby) {
-    EFDL_LOG_INFO("round {}: standby (the job is at its maximum of {} nodes); waiting for a "
-                  "member to leave", a.round, options_.max_nodes);
+    if (options_.world_size > 0) {
+      EFDL_LOG_INFO("round {}: standby (the members' processes already add up to world size "
+                    "{}); waiting for a member to leave", a.round, options_.world_size);
+    } else {
+      EFDL_LOG_INFO("round {}: standby (the job is at its maximum of {} nodes); waiting for a "
+                    "member to leave", a.round, options_.max_nodes);
+    }
     return std::nullopt;
   }
   const int restart_count = rounds_started_++;
@@ -265,11 +297,15 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   wg.out_fd = options_.out_fd;
   wg.err_fd = options_.err_fd;
   wg.spares = spares_.get();
-  for (int lr = 0; lr < a.nproc; ++lr) {
+  // --launcher: one process (local rank 0) that starts the node's a.nproc workers itself.
+  const int processes = options_.launcher ? 1 : a.nproc;
+  for (int lr = 0; lr < processes; ++lr) {
     WorkerSpec spec;
     spec.local_rank = lr;
     spec.rank = a.rank_offset + lr;
-    spec.env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
+    spec.env = options_.launcher
+                   ? LauncherEnvironment(options_, a, restart_count)
+                   : WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
     if (!options_.log_dir.empty()) {
       spec.log_path = (std::filesystem::path(options_.log_dir) / options_.node_id /
                        fmt::format("round-{}.rank-{}.log", a.round, spec.rank))
@@ -277,9 +313,10 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     }
     wg.workers.push_back(std::move(spec));
   }
-  EFDL_LOG_INFO("round {}: node rank {} of {}, ranks {}..{} of world {}, master {}:{}", a.round,
+  EFDL_LOG_INFO("round {}: node rank {} of {}, ranks {}..{} of world {}, master {}:{}{}", a.round,
                 a.node_rank, a.nnodes, a.rank_offset, a.rank_offset + a.nproc - 1, a.world_size,
-                a.master_addr, a.master_port);
+                a.master_addr, a.master_port,
+                options_.launcher ? " (one launcher process for them)" : "");
   auto group = WorkerGroup::Start(std::move(wg));
   if (!group.ok()) {
     EFDL_LOG_ERROR("cannot start workers: {}", group.status().message());

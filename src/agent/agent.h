@@ -38,6 +38,10 @@ struct AgentOptions {
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
   std::string job_secret;                  // passed to workers as EFDL_JOB_SECRET; never logged
   std::string control_socket_path;         // empty: control.sock in a private temp directory
+  // One process per node (a third-party launcher such as torchrun) with LauncherEnvironment()
+  // instead of `nproc` workers with WorkerEnvironment().
+  bool launcher = false;
+  int world_size = 0;                      // >0: fragmented job (only for messages here)
   // Python commands: keep a pre-started worker per local rank (SparePool) to activate at the
   // next round instead of spawning one.
   bool prestart = false;
@@ -53,6 +57,15 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
                                                      const rdzv::Assignment& assignment,
                                                      int local_rank, int restart_count,
                                                      const std::string& control_socket);
+
+// The environment of the one process per node of `efdl run --launcher`: node-level values for
+// an inner launcher (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR/PORT, WORLD_SIZE = all
+// processes, RANK = this node's first global rank, EFDL_NUM_MAX_WORKERS) plus the EFDL_* ids.
+// No EFDL_CONTROL_SOCKET: the launcher's children are stopped by signals to its process group,
+// and would each claim a local rank the agent does not know.
+std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& options,
+                                                       const rdzv::Assignment& assignment,
+                                                       int restart_count);
 
 class Agent {
  public:

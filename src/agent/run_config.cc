@@ -37,6 +37,18 @@ bool IsLoopback(const std::string& endpoint) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1";
 }
 
+// Fragmented jobs (--world-size N): the range of N; the node-level checks need the resolved
+// process count and node range and are made in PlanRun.
+Status CheckWorldSize(const RunFlags& f) {
+  constexpr int kMaxWorldSize = 1'000'000;   // as plan::ChooseFragmentMembers
+  if (f.world_size < 0 || f.world_size > kMaxWorldSize) {
+    return Status::InvalidArgument(fmt::format(
+        "--world-size {} is out of range: give the job's total process count, 1 to {} (0 or "
+        "unset: the nodes' processes simply add up)", f.world_size, kMaxWorldSize));
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<NodeRange> ParseNodeRange(std::string_view spec) {
@@ -133,7 +145,18 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
         "{}: give the training program as an existing command or path after '--'",
         exe.status().message()));
   }
-  EFDL_ASSIGN_OR_RETURN(NodeRange nodes, ParseNodeRange(f.nnodes));
+  EFDL_RETURN_IF_ERROR(CheckWorldSize(f));
+  const std::string nnodes_spec =
+      !f.nnodes.empty() ? f.nnodes
+      : f.world_size > 0 && !f.etcd_endpoints.empty() ? fmt::format("1:{}", f.world_size)
+                         : std::string("1:1");
+  EFDL_ASSIGN_OR_RETURN(NodeRange nodes, ParseNodeRange(nnodes_spec));
+  if (f.world_size > 0 && nodes.max > f.world_size) {
+    return Status::InvalidArgument(fmt::format(
+        "--nnodes {} allows more nodes than --world-size {} has processes (each node runs at "
+        "least one); give at most --nnodes {}", nnodes_spec, f.world_size, f.world_size));
+  }
+
   plan.embedded_etcd = f.etcd_endpoints.empty();
   std::string job = f.job_id;
   if (job.empty()) {
@@ -148,7 +171,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   if (plan.embedded_etcd && nodes.max > 1) {
     return Status::InvalidArgument(fmt::format(
         "--nnodes {} needs an etcd shared by the nodes: pass --etcd HOST:PORT (or set "
-        "EFDL_ETCD_ENDPOINTS); without it efdl runs a single-node job", f.nnodes));
+        "EFDL_ETCD_ENDPOINTS); without it efdl runs a single-node job", nnodes_spec));
   }
   std::string node_id = f.node_id.empty() ? DefaultNodeId() : f.node_id;
   EFDL_RETURN_IF_ERROR(ValidateId("node id", node_id));
@@ -190,6 +213,19 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.node_id = node_id;
   a.command = f.command;
   a.nproc = f.nproc_per_node > 0 ? f.nproc_per_node : DefaultNprocPerNode();
+  if (f.world_size > 0 && a.nproc > f.world_size) {
+    return Status::InvalidArgument(fmt::format(
+        "this node's {} processes (--nproc-per-node{}) exceed --world-size {}; give at most "
+        "--nproc-per-node {}", a.nproc, f.nproc_per_node > 0 ? "" : ", default: visible GPUs",
+        f.world_size, f.world_size));
+  }
+  if (f.world_size > 0 && plan.embedded_etcd && a.nproc != f.world_size) {
+    return Status::InvalidArgument(fmt::format(
+        "--world-size {} with {} process(es) on this node needs more nodes and an etcd they "
+        "share: pass --etcd HOST:PORT (or set EFDL_ETCD_ENDPOINTS)", f.world_size, a.nproc));
+  }
+  a.launcher = f.launcher;
+  a.world_size = f.world_size;
   a.min_nodes = nodes.min;
   a.max_nodes = nodes.max;
   a.max_restarts = f.max_restarts;
@@ -217,6 +253,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   r.nproc = a.nproc;
   r.min_nodes = nodes.min;
   r.max_nodes = nodes.max;
+  r.world_size = f.world_size;
   r.ttl = Millis(f.ttl_s);
   r.last_call = Millis(f.last_call_s);
   r.join_timeout = Millis(f.join_timeout_s);

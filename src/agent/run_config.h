@@ -16,7 +16,9 @@ namespace efdl::agent {
 struct RunFlags {
   std::vector<std::string> etcd_endpoints;   // parsed; empty: a private embedded etcd
   std::string job_id;                        // empty: "default" without --etcd, else an error
-  std::string nnodes = "1:1";
+  std::string nnodes;                        // empty: 1:1, or 1:N with world_size N
+  int world_size = 0;                        // >0: fragmented job of exactly N processes
+  bool launcher = false;                     // one process per node (an inner launcher)
   int nproc_per_node = 0;                    // 0: visible GPUs, else 1
   std::string node_id;                       // empty: host name plus a unique suffix
   std::string advertise_addr;                // empty: 127.0.0.1 for loopback etcd, else host

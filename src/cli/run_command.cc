@@ -114,8 +114,18 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "EFDL_ETCD_ENDPOINTS");
   AddEtcdSecurityFlags(run, args->etcd_security);
   OptionWithEnv(run, "--job", f.job_id, "job id shared by all nodes of the job", "EFDL_JOB_ID");
-  OptionWithEnv(run, "--nnodes", f.nnodes, "nodes in the job: N or MIN:MAX (default 1:1)",
+  OptionWithEnv(run, "--nnodes", f.nnodes,
+                "nodes in the job: N or MIN:MAX (default 1:1; with --world-size N: 1:N)",
                 "EFDL_NNODES");
+  OptionWithEnv(run, "--world-size", f.world_size,
+                "fragmented job: a round forms only when the members' processes add up to "
+                "exactly N (nodes may differ in --nproc-per-node; extra nodes wait as standby)",
+                "EFDL_WORLD_SIZE");
+  run->add_flag("--launcher", f.launcher,
+                "start ONE process per node that launches the node's workers itself (torchrun, "
+                "accelerate, ...), with NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, "
+                "MASTER_PORT, WORLD_SIZE, RANK in its environment")
+      ->envname("EFDL_LAUNCHER");
   OptionWithEnv(run, "--nproc-per-node", f.nproc_per_node,
                 "worker processes on this node (default: visible GPUs, else 1)",
                 "EFDL_NPROC_PER_NODE");

@@ -110,6 +110,8 @@ class EtcdRendezvous final : public Rendezvous {
   void Finalize();
   void CompleteJob();
   void AssignStandby(const std::string& id);
+  // Whether a node that turns up during an active round gets a re-round (else it is a standby).
+  bool RoomForNewMember() const;
   std::vector<Candidate> Registered(bool acked_only) const;
   std::vector<std::string> PickDeputies(const std::vector<std::string>& preferred) const;
   void Record(const std::string& message);
@@ -305,7 +307,14 @@ void EtcdRendezvous::OnTimers() {
       rejoin_at_ = now + std::chrono::seconds(1);
     }
   }
-  if (unplaced_since_ && now - *unplaced_since_ >= opt_.join_timeout) {
+  if (unplaced_since_ && now - *unplaced_since_ >= opt_.join_timeout && opt_.world_size > 0) {
+    Fail(fmt::format(
+        "job {}: no round with this node formed within the join timeout of {} s (the registered "
+        "nodes' --nproc-per-node never added up to --world-size {}); start nodes that make it "
+        "add up",
+        opt_.job_id, std::chrono::duration_cast<std::chrono::seconds>(opt_.join_timeout).count(),
+        opt_.world_size));
+  } else if (unplaced_since_ && now - *unplaced_since_ >= opt_.join_timeout) {
     Fail(fmt::format(
         "job {}: no round with this node formed within the join timeout of {} s (fewer than "
         "--nnodes MIN={} nodes were available); start more nodes or lower MIN",
@@ -609,7 +618,10 @@ void EtcdRendezvous::TryStart() {
     a.rank_offset = assign_->rank_offset;
     a.nproc = opt_.nproc;
   }
-  e.message = a.standby ? "standby: the job is at its maximum size" : round_.message;
+  e.message = !a.standby             ? round_.message
+              : opt_.world_size > 0 ? "standby: the round's processes already add up to the "
+                                      "world size"
+                                    : "standby: the job is at its maximum size";
   started_round_ = round_.round;
   started_standby_ = a.standby;
   unplaced_since_.reset();
@@ -946,7 +958,7 @@ void EtcdRendezvous::OnNodesEvents(const std::vector<etcd::WatchEvent>& events) 
       registered_[id] = {e.kv.create_revision, *rec};
       unresponsive_.erase(id);
       if (round_.phase == Phase::kActive && !members_.count(id) && !standbys_.count(id)) {
-        if (static_cast<int>(members_.size()) < opt_.max_nodes) {
+        if (RoomForNewMember()) {
           reround_ = true;
           reround_why_ = fmt::format("node {} joined", id);
         } else {
@@ -995,7 +1007,7 @@ void EtcdRendezvous::OnAckEvents(const std::vector<etcd::WatchEvent>& events) {
           // A node left out for not acking in time announced itself again: treat as a join,
           // and be more patient with the next proposal.
           window_ = std::min(window_ * 2, opt_.liveness_window * 8);
-          if (static_cast<int>(members_.size()) < opt_.max_nodes) {
+          if (RoomForNewMember()) {
             reround_ = true;
             reround_why_ = fmt::format("node {} is back", id);
           } else {
@@ -1244,6 +1256,14 @@ void EtcdRendezvous::Finalize() {
   WriteStatus();
 }
 
+bool EtcdRendezvous::RoomForNewMember() const {
+  // Fragmented mode: an active round adds up to exactly world_size, so a newcomer can only
+  // wait; re-planning now could swap running members for fewer, larger nodes (a needless
+  // restart). The set is re-chosen when a member leaves or fails.
+  if (opt_.world_size > 0) return false;
+  return static_cast<int>(members_.size()) < opt_.max_nodes;
+}
+
 void EtcdRendezvous::AssignStandby(const std::string& id) {
   AssignRecord a{round_.round, 0, 0, true};
   auto txn = client_.Txn({etcd::Compare::ModRevisionIs(keys_.round, round_mod_rev_)},
@@ -1251,8 +1271,11 @@ void EtcdRendezvous::AssignStandby(const std::string& id) {
   if (txn.ok() && txn->succeeded) {
     standbys_.insert(id);
     assign_keys_.insert(id);
-    Record(fmt::format("node {} is a standby (the job is at its maximum of {} nodes)", id,
-                       opt_.max_nodes));
+    Record(opt_.world_size > 0
+               ? fmt::format("node {} is a standby (the round already adds up to world size {})",
+                             id, opt_.world_size)
+               : fmt::format("node {} is a standby (the job is at its maximum of {} nodes)", id,
+                             opt_.max_nodes));
     WriteStatus();
   } else {
     RereadRound();

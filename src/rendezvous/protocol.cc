@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "plan/fragment.h"
+
 namespace efdl::rdzv {
 
 using nlohmann::json;
@@ -175,6 +177,45 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
   });
 }
 
+namespace {
+
+// Fragmented mode (limits.world_size > 0): `order` is already previous members first, then
+// joiners by age, so ChooseFragmentMembers' "older first" rule keeps running members whenever
+// an exact fit with as few nodes exists, and the chosen keep that order (stable ranks).
+Plan PlanFragmentedRound(const std::vector<const Candidate*>& order, const PlanLimits& limits) {
+  Plan plan;
+  std::vector<int> nproc;
+  nproc.reserve(order.size());
+  for (const Candidate* c : order) nproc.push_back(c->nproc);
+  auto chosen = plan::ChooseFragmentMembers(nproc, limits.world_size);
+  const int count = chosen.ok() ? static_cast<int>(chosen->size()) : 0;
+  if (!chosen.ok() || count < limits.min_nodes || count > limits.max_nodes) {
+    for (const Candidate* c : order) plan.standbys.push_back(c->id);
+    return plan;
+  }
+  std::vector<bool> member(order.size(), false);
+  for (size_t i : *chosen) member[i] = true;
+  int offset = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Candidate* c = order[i];
+    if (!member[i]) {
+      plan.standbys.push_back(c->id);
+      continue;
+    }
+    if (plan.members.empty()) {
+      plan.master_addr = c->addr;
+      plan.master_port = c->port;
+    }
+    plan.members.push_back({c->id, static_cast<int>(plan.members.size()), offset, c->nproc});
+    offset += c->nproc;
+  }
+  plan.world_size = offset;
+  plan.formed = offset == limits.world_size;
+  return plan;
+}
+
+}  // namespace
+
 Plan PlanRound(const std::vector<Candidate>& candidates,
                const std::map<std::string, int>& previous_rank, const PlanLimits& limits) {
   std::vector<const Candidate*> order;
@@ -187,12 +228,12 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
   };
   std::sort(order.begin(), order.end(),
             [&](const Candidate* a, const Candidate* b) { return key(a) < key(b); });
+  if (limits.world_size > 0) return PlanFragmentedRound(order, limits);
 
   Plan plan;
   int offset = 0;
   for (const Candidate* c : order) {
-    bool fits = static_cast<int>(plan.members.size()) < limits.max_nodes &&
-                (limits.world_size <= 0 || offset + c->nproc <= limits.world_size);
+    bool fits = static_cast<int>(plan.members.size()) < limits.max_nodes;
     if (!fits) {
       plan.standbys.push_back(c->id);
       continue;
@@ -206,8 +247,7 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
   }
   plan.world_size = offset;
   plan.formed = static_cast<int>(plan.members.size()) >= limits.min_nodes &&
-                !plan.members.empty() &&
-                (limits.world_size <= 0 || offset == limits.world_size);
+                !plan.members.empty();
   return plan;
 }
 

@@ -169,8 +169,11 @@ struct PlanLimits {
 };
 
 // Orders and caps the candidates: previous members (`previous_rank`: node id -> its node rank
-// in the last round) first in their old order, then the others in join order; the first MAX
-// (or, in fragmented mode, the longest prefix whose procs fit world_size) are members. O(N log N).
+// in the last round) first in their old order, then the others in join order; the first MAX are
+// members. O(N log N). Fragmented mode (world_size > 0): plan::ChooseFragmentMembers over that
+// order picks nodes whose procs sum to exactly world_size (fewest, then largest, then earliest
+// in the order, so running members stay); formed only if their count is within MIN..MAX. The
+// members keep the order (ranks contiguous per node), every other candidate is a standby.
 Plan PlanRound(const std::vector<Candidate>& candidates,
                const std::map<std::string, int>& previous_rank, const PlanLimits& limits);
 

@@ -355,5 +355,42 @@ TEST_F(AgentLoopTest, JoinFailureEndsTheAgentWithItsMessage) {
   EXPECT_NE(log.Text().find("etcd at 127.0.0.1:1 did not answer"), std::string::npos);
 }
 
+TEST_F(AgentLoopTest, LauncherModeStartsOneProcessPerNodeAndStopsItsWholeGroup) {
+  // A 2-process node at ranks 1..2 of world 3 (after a 1-process node): the one launcher
+  // process gets node-level values and forks a child, as torchrun does with its workers.
+  opts_.nproc = 2;
+  opts_.launcher = true;
+  const std::string d = dir_.path();
+  opts_.command = {"sh", "-c", "env | sort > " + d + "/env.$EFDL_ROUND.$RANK; "
+                               "if [ $EFDL_ROUND = 2 ]; then exit 0; fi; "
+                               "sleep 300 & echo $! > " + d + "/child; wait"};
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 1, 2, 1, 2, 3)));
+  Agent agent(opts_, rdzv_);
+  pid_t child = 0;
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] { return !ReadFile(d + "/child").empty(); }));
+    child = std::stoi(ReadFile(d + "/child"));
+    EXPECT_TRUE(testing::ProcessAlive(child));
+    rdzv_.Push(Simple(Event::Type::kRoundClosing, 1, /*graceful=*/true, "node c joined"));
+    rdzv_.Push(Started(MakeAssignment(2, 1, 2, 1, 2, 3)));
+  });
+  EXPECT_EQ(agent.Run(), 0);
+  script.join();
+  ASSERT_GT(child, 0);
+  // The launcher's own child went with it on the round change: no orphan.
+  EXPECT_TRUE(WaitUntil([&] { return !testing::ProcessAlive(child); }, 5s)) << child;
+  std::string env = ReadFile(d + "/env.1.1");
+  for (const char* kv : {"NNODES=2\n", "NODE_RANK=1\n", "NPROC_PER_NODE=2\n", "RANK=1\n",
+                         "WORLD_SIZE=3\n", "MASTER_ADDR=127.0.0.1\n", "MASTER_PORT=29555\n",
+                         "EFDL_NUM_MAX_WORKERS=3\n", "EFDL_LAUNCHER=1\n", "LOCAL_RANK=0\n",
+                         "EFDL_ROUND=1\n"}) {
+    EXPECT_NE(env.find(kv), std::string::npos) << kv << env;
+  }
+  EXPECT_EQ(env.find("EFDL_CONTROL_SOCKET="), std::string::npos) << env;
+  EXPECT_EQ(ReadFile(d + "/env.1.2"), "");  // one process, not one per GPU
+  EXPECT_NE(ReadFile(d + "/env.2.1").find("EFDL_RESTART_COUNT=1\n"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace efdl::agent
