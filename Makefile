@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BUILD_DIR):$(PATH)
 export PYTHONPATH := $(CURDIR)/python
 export EFDL_BIN := $(CURDIR)/$(BUILD_DIR)/efdl
 
-.PHONY: all deps configure build test test-cpp test-python demo install bench clean
+.PHONY: all deps configure build test test-cpp test-python demo install bench clean sanitize
 
 all: build
 
@@ -34,6 +34,13 @@ test: test-cpp test-python
 
 demo: build
 	$(PYTHON) examples/demo.py
+
+# ASan+UBSan (clang) build of the input parsers and their unit tests, then each libFuzzer target
+# for FUZZ_SECONDS (scripts/sanitize; part of CI).
+SANITIZE_DIR ?= build-sanitize
+FUZZ_SECONDS ?= 20
+sanitize: deps
+	scripts/sanitize $(SANITIZE_DIR) $(FUZZ_SECONDS)
 
 bench: build
 	scripts/run-benchmarks

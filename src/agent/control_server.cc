@@ -242,10 +242,14 @@ void ControlServer::Serve() {
       auto it = clients_.find(fd);
       if (it == clients_.end()) continue;
       Client& client = it->second;
-      while (true) {
+      // At most about kMaxLine bytes per wake-up: a client that writes without pause cannot
+      // keep this thread here or grow the buffer without bound; poll reports the rest.
+      size_t taken = 0;
+      while (taken <= kMaxLine) {
         ssize_t r = ::recv(fd, buf, sizeof(buf), 0);
         if (r > 0) {
           client.buffer.append(buf, static_cast<size_t>(r));
+          taken += static_cast<size_t>(r);
           continue;
         }
         if (r < 0 && errno == EINTR) continue;
@@ -261,6 +265,9 @@ void ControlServer::Serve() {
       if (client.buffer.size() > kMaxLine) {
         EFDL_LOG_WARN("control socket: closing a connection that sent a line over {} bytes",
                       kMaxLine);
+        SendLocked(fd, Line({{"type", "error"},
+                             {"message", fmt::format("line longer than {} bytes; closing the "
+                                                     "connection", kMaxLine)}}));
         keep = false;
       }
       if (!keep || eof) {

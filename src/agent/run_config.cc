@@ -180,10 +180,23 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
         "--nproc-per-node {} is negative; give a positive count (0 or unset: one per GPU)",
         f.nproc_per_node));
   }
-  auto positive = [](double v, const char* flag) -> Status {
+  // A typo such as 10000 would otherwise fork that many workers before anything else fails.
+  constexpr int kMaxNprocPerNode = 1024;
+  if (f.nproc_per_node > kMaxNprocPerNode) {
+    return Status::InvalidArgument(fmt::format(
+        "--nproc-per-node {} is more than {} processes on one node; give a smaller count",
+        f.nproc_per_node, kMaxNprocPerNode));
+  }
+  // Durations become integer milliseconds added to clock readings: a bound keeps both finite.
+  constexpr double kMaxSeconds = 365.0 * 24 * 3600;
+  auto positive = [&](double v, const char* flag) -> Status {
     if (!(v > 0) || !std::isfinite(v)) {
       return Status::InvalidArgument(fmt::format("{} {} must be a positive number of seconds",
                                                  flag, v));
+    }
+    if (v > kMaxSeconds) {
+      return Status::InvalidArgument(fmt::format(
+          "{} {} is more than a year; give at most {} seconds", flag, v, kMaxSeconds));
     }
     return Status::OK();
   };
@@ -194,9 +207,10 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   }
   EFDL_RETURN_IF_ERROR(positive(f.join_timeout_s, "--join-timeout"));
   EFDL_RETURN_IF_ERROR(positive(f.stop_grace_s, "--stop-grace"));
-  if (!(f.last_call_s >= 0) || !std::isfinite(f.last_call_s)) {
+  if (!(f.last_call_s >= 0) || !std::isfinite(f.last_call_s) || f.last_call_s > kMaxSeconds) {
     return Status::InvalidArgument(
-        fmt::format("--last-call {} must be zero or a positive number of seconds", f.last_call_s));
+        fmt::format("--last-call {} must be zero or a positive number of seconds, at most a year",
+                    f.last_call_s));
   }
   if (f.max_restarts < 0) {
     return Status::InvalidArgument(

@@ -12,6 +12,12 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", EFDL_VERSION);
   efdl::cli::CommandRunner runner;
+  // Every usage error is one line: what is wrong and where the options are listed.
+  app.failure_message([](const CLI::App* failed, const CLI::Error& e) {
+    std::string command = "efdl";
+    for (const CLI::App* sub : failed->get_subcommands()) command += " " + sub->get_name();
+    return "efdl: error: " + std::string(e.what()) + "; see `" + command + " --help`\n";
+  });
 
   efdl::cli::RegisterEtcdCommand(app, runner);
   efdl::cli::RegisterSnapshotsCommand(app, runner);

@@ -9,6 +9,7 @@
 #include "cli/etcd_flags.h"
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
+#include "rendezvous/protocol.h"
 
 namespace efdl::cli {
 
@@ -33,6 +34,8 @@ int ShowStatus(const StatusArgs& args) {
   }
   auto endpoints = etcd::ParseEndpoints(args.etcd);
   if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
+  // Bad input is exit 2 before etcd is contacted, like every other usage error.
+  if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return Fail(2, st.message());
   etcd::ClientOptions options;
   options.endpoints = *endpoints;
   if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &options); !st.ok()) {

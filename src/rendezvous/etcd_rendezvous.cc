@@ -353,7 +353,12 @@ void EtcdRendezvous::Handle(Input& in) {
       for (const auto& e : in.events) {
         if (e.type == etcd::WatchEvent::Type::kDelete) continue;
         auto rec = AssignRecord::Decode(e.kv.value);
-        if (rec.ok() && (!assign_ || rec->round >= assign_->round)) assign_ = *rec;
+        if (!rec.ok()) {
+          EFDL_LOG_WARN("rdzv {}: ignoring a bad assignment record: {}", opt_.node_id,
+                        rec.status().ToString());
+          continue;
+        }
+        if (!assign_ || rec->round >= assign_->round) assign_ = *rec;
       }
       TryStart();
       break;
@@ -954,7 +959,11 @@ void EtcdRendezvous::OnNodesEvents(const std::vector<etcd::WatchEvent>& events) 
     std::string id = e.kv.key.substr(keys_.nodes.size());
     if (e.type == etcd::WatchEvent::Type::kPut) {
       auto rec = NodeRecord::Decode(e.kv.value);
-      if (!rec.ok()) continue;
+      if (!rec.ok()) {
+        EFDL_LOG_WARN("rdzv {}: ignoring a bad node record at {}: {}", opt_.node_id, e.kv.key,
+                      rec.status().ToString());
+        continue;
+      }
       registered_[id] = {e.kv.create_revision, *rec};
       unresponsive_.erase(id);
       if (round_.phase == Phase::kActive && !members_.count(id) && !standbys_.count(id)) {
@@ -991,7 +1000,11 @@ void EtcdRendezvous::OnAckEvents(const std::vector<etcd::WatchEvent>& events) {
       continue;
     }
     auto rec = AckRecord::Decode(e.kv.value);
-    if (!rec.ok()) continue;
+    if (!rec.ok()) {
+      EFDL_LOG_WARN("rdzv {}: ignoring a bad ack record at {}: {}", opt_.node_id, e.kv.key,
+                    rec.status().ToString());
+      continue;
+    }
     acks_[id] = *rec;
     unresponsive_.erase(id);
     if (rec->state == AckState::kAck && rec->round == round_.round) {

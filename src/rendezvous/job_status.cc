@@ -70,32 +70,29 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
     it->second.restarts = rec->restarts;
   }
   if (!snap->gets[1].kvs.empty()) {
-    json st = json::parse(snap->gets[1].kvs[0].value, nullptr, false);
-    if (st.is_object()) {
-      for (const auto& m : st.value("members", json::array())) {
-        if (!m.is_object()) continue;
-        std::string id = m.value("id", "");
-        auto it = live.find(id);
+    // The status record is informational: a damaged one leaves the lists it would have filled
+    // empty (nodes then show as waiting) instead of failing the whole command.
+    auto st = StatusRecord::Decode(snap->gets[1].kvs[0].value);
+    if (st.ok()) {
+      for (const auto& m : st->members) {
+        auto it = live.find(m.id);
         NodeStatus n = it != live.end() ? it->second : NodeStatus{};
-        n.id = id;
-        if (n.addr.empty()) n.addr = m.value("addr", "");
-        if (n.nproc == 0) n.nproc = m.value("nproc", 0);
-        n.node_rank = m.value("rank", -1);
+        n.id = m.id;
+        if (n.addr.empty()) n.addr = m.addr;
+        if (n.nproc == 0) n.nproc = m.nproc;
+        n.node_rank = m.rank;
         n.state = it != live.end() ? "member" : "gone";
         if (it != live.end()) live.erase(it);
         out.members.push_back(n);
       }
-      for (const auto& s : st.value("standbys", json::array())) {
-        if (!s.is_string()) continue;
-        auto it = live.find(s.get<std::string>());
+      for (const auto& id : st->standbys) {
+        auto it = live.find(id);
         if (it == live.end()) continue;
         it->second.state = "standby";
         out.standbys.push_back(it->second);
         live.erase(it);
       }
-      for (const auto& e : st.value("events", json::array())) {
-        if (e.is_object()) out.events.push_back({e.value("time", ""), e.value("message", "")});
-      }
+      for (const auto& e : st->events) out.events.push_back({e.time, e.message});
     }
   }
   for (auto& [id, n] : live) out.waiting.push_back(n);

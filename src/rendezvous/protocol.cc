@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <limits>
 
 #include "plan/fragment.h"
 
@@ -41,17 +42,43 @@ namespace {
 constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete", "suspended"};
 constexpr const char* kAckNames[] = {"ack", "done", "failed", "leaving"};
 
+// Records come from etcd, where anything with access to the job's prefix may have written
+// anything: errors quote at most this much of the value, so a huge value makes no huge log line.
+constexpr size_t kMaxQuoted = 200;
+
+std::string Quoted(const std::string& text) {
+  if (text.size() <= kMaxQuoted) return text;
+  return fmt::format("{}... ({} bytes)", text.substr(0, kMaxQuoted), text.size());
+}
+
 template <class T>
 Result<T> ParseWith(const std::string& what, const std::string& text, auto&& fill) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) {
-    return Status::Corruption(fmt::format("{} record is not a JSON object: '{}'", what, text));
+    return Status::Corruption(
+        fmt::format("{} record is not a JSON object: '{}'", what, Quoted(text)));
   }
   T out;
   if (!fill(j, out)) {
-    return Status::Corruption(fmt::format("{} record has bad fields: '{}'", what, text));
+    return Status::Corruption(fmt::format("{} record has bad fields: '{}'", what, Quoted(text)));
   }
   return out;
+}
+
+// True when the JSON integer `v` fits in V: an out-of-range value is an error, not a silent
+// wrap (a port of 70000 is not port 4464).
+template <class V>
+bool FitsIn(const json& v) {
+  if (v.is_number_unsigned()) {
+    return v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<V>::max());
+  }
+  int64_t x = v.get<int64_t>();
+  if constexpr (std::is_signed_v<V>) {
+    return x >= static_cast<int64_t>(std::numeric_limits<V>::min()) &&
+           x <= static_cast<int64_t>(std::numeric_limits<V>::max());
+  } else {
+    return x >= 0 && static_cast<uint64_t>(x) <= std::numeric_limits<V>::max();
+  }
 }
 
 // Reads an optional field with the expected JSON type; false on a type mismatch.
@@ -62,11 +89,15 @@ bool Field(const json& j, const char* name, V& out) {
   if constexpr (std::is_same_v<V, bool>) {
     if (!it->is_boolean()) return false;
   } else if constexpr (std::is_integral_v<V>) {
-    if (!it->is_number_integer()) return false;
+    if (!it->is_number_integer() || !FitsIn<V>(*it)) return false;
   } else if constexpr (std::is_same_v<V, std::string>) {
     if (!it->is_string()) return false;
   } else {
+    static_assert(std::is_same_v<V, std::vector<std::string>>);
     if (!it->is_array()) return false;
+    for (const auto& e : *it) {
+      if (!e.is_string()) return false;
+    }
   }
   out = it->template get<V>();
   return true;
@@ -215,6 +246,43 @@ Plan PlanFragmentedRound(const std::vector<const Candidate*>& order, const PlanL
 }
 
 }  // namespace
+
+Result<StatusRecord> StatusRecord::Decode(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) {
+    return Status::Corruption(
+        fmt::format("status record is not a JSON object: '{}'", Quoted(text)));
+  }
+  StatusRecord out;
+  auto array = [&](const char* name) -> const json* {
+    auto it = j.find(name);
+    return it != j.end() && it->is_array() ? &*it : nullptr;
+  };
+  if (const json* members = array("members")) {
+    for (const auto& m : *members) {
+      Member member;
+      if (!m.is_object() || !Field(m, "id", member.id) || !Field(m, "addr", member.addr) ||
+          !Field(m, "nproc", member.nproc) || !Field(m, "rank", member.rank)) {
+        continue;
+      }
+      out.members.push_back(std::move(member));
+    }
+  }
+  if (const json* standbys = array("standbys")) {
+    for (const auto& s : *standbys) {
+      if (s.is_string()) out.standbys.push_back(s.get<std::string>());
+    }
+  }
+  if (const json* events = array("events")) {
+    for (const auto& e : *events) {
+      Event event;
+      if (e.is_object() && Field(e, "time", event.time) && Field(e, "message", event.message)) {
+        out.events.push_back(std::move(event));
+      }
+    }
+  }
+  return out;
+}
 
 Plan PlanRound(const std::vector<Candidate>& candidates,
                const std::map<std::string, int>& previous_rank, const PlanLimits& limits) {

@@ -137,6 +137,27 @@ struct SuspendReport {
   static Result<SuspendReport> Decode(const std::string& text);
 };
 
+// P status: what the coordinator wrote for `efdl status` (members, standbys, recent events).
+// Decoding is lenient, since the record is informational: entries of the wrong shape are
+// skipped so that one bad entry does not hide the rest; only a value that is not a JSON object
+// is an error.
+struct StatusRecord {
+  struct Member {
+    std::string id;
+    std::string addr;
+    int nproc = 0;
+    int rank = -1;
+  };
+  struct Event {
+    std::string time;
+    std::string message;
+  };
+  std::vector<Member> members;
+  std::vector<std::string> standbys;
+  std::vector<Event> events;
+  static Result<StatusRecord> Decode(const std::string& text);
+};
+
 // One node the planner may place.
 struct Candidate {
   std::string id;

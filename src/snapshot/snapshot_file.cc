@@ -129,7 +129,9 @@ Result<SnapshotFileInfo> ReadSnapshotInfo(const RandomAccessFile& file, const st
         fmt::format("{} has snapshot format version {}, this EFDL reads {}", path, h.version,
                     kVersion));
   }
-  if (h.data_offset < sizeof(h) + h.manifest_len || file.Size() < h.data_offset + h.data_len) {
+  // Each bound is checked before it is used in a sum, so huge lengths cannot wrap past a check.
+  if (h.manifest_len > file.Size() || h.data_offset < sizeof(h) + h.manifest_len ||
+      h.data_offset > file.Size() || h.data_len > file.Size() - h.data_offset) {
     return Status::Corruption(fmt::format("{} is truncated ({} of {} bytes)", path, file.Size(),
                                           h.data_offset + h.data_len));
   }
