@@ -2,9 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <grpc/support/log.h>
+
 #include <algorithm>
+#include <mutex>
 #include <thread>
 
+#include "common/log.h"
 #include "etcd/convert.h"
 #include "etcd/lease_keeper.h"
 #include "etcd/tls_probe.h"
@@ -120,6 +124,19 @@ Status BuildCompare(const Compare& c, etcdserverpb::Compare* out) {
   return Status::OK();
 }
 
+// gRPC prints its own errors (a failed TLS handshake: several "E... ssl_transport_security"
+// lines) straight to stderr, around our one-line messages that already say what went wrong.
+// Its log goes to ours at debug level instead. gRPC's log sink is process-wide; set once.
+void RouteGrpcLogToDebug() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    gpr_set_log_function([](gpr_log_func_args* args) {
+      EFDL_LOG_DEBUG("grpc {}:{}: {}", args->file != nullptr ? args->file : "?", args->line,
+                     args->message != nullptr ? args->message : "");
+    });
+  });
+}
+
 class GrpcLeaseKeeper final : public LeaseKeeper {
  public:
   GrpcLeaseKeeper(std::shared_ptr<KeepAliveEngine> engine, int64_t token, int64_t lease_id,
@@ -153,7 +170,9 @@ GrpcClient::GrpcClient(const ClientOptions& options, const std::vector<std::stri
                        std::shared_ptr<grpc::ChannelCredentials> credentials)
     : options_(options),
       channels_(std::make_shared<ChannelSet>(endpoints, std::move(credentials), options.user,
-                                             options.password)) {}
+                                             options.password)) {
+  RouteGrpcLogToDebug();
+}
 
 GrpcClient::~GrpcClient() {
   std::lock_guard<std::mutex> lock(engines_mu_);
