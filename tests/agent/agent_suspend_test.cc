@@ -1,0 +1,160 @@
+// The agent's part of a suspend (kSuspended): stop the workers, read the newest persisted step
+// from the job's storage, report it, leave, exit 0; and a refused join of a suspended job. The
+// rendezvous is a small recording double; workers and snapshot files are real.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+
+#include "agent/agent.h"
+#include "common/net.h"
+#include "snapshot/layout.h"
+#include "snapshot/snapshot_file.h"
+#include "snapshot/store.h"
+
+namespace efdl::agent {
+namespace {
+
+using namespace std::chrono_literals;
+using rdzv::Event;
+
+// Plays the rendezvous: the test queues events; the agent's reports are recorded.
+class SuspendingRendezvous : public rdzv::Rendezvous {
+ public:
+  explicit SuspendingRendezvous(Status join = Status::OK()) : join_(std::move(join)) {}
+  Status Join() override { return join_; }
+  std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+    Event e = events_.front();
+    events_.pop_front();
+    return e;
+  }
+  void ReportWorkerFailure(int64_t, const std::string&) override {}
+  void ReportWorkersSucceeded(int64_t) override {}
+  void Leave() override {
+    std::lock_guard lock(mu_);
+    ++leaves;
+  }
+  Status ReportSuspended(std::optional<int64_t> step) override {
+    std::lock_guard lock(mu_);
+    reported.push_back(step);
+    return Status::OK();
+  }
+  void Push(Event e) {
+    std::lock_guard lock(mu_);
+    events_.push_back(std::move(e));
+    cv_.notify_all();
+  }
+
+  std::vector<std::optional<int64_t>> reported;   // read after Run() returned
+  int leaves = 0;
+
+ private:
+  Status join_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Event> events_;
+};
+
+Event RoundOne() {
+  Event e;
+  e.type = Event::Type::kRoundStarted;
+  e.round = 1;
+  e.assignment.round = 1;
+  e.assignment.nnodes = 1;
+  e.assignment.nproc = 1;
+  e.assignment.world_size = 1;
+  e.assignment.master_addr = "127.0.0.1";
+  e.assignment.master_port = 29555;
+  return e;
+}
+
+Event Suspended() {
+  Event e;
+  e.type = Event::Type::kSuspended;
+  e.round = 1;
+  e.graceful = true;
+  e.message = "suspended in round 1 by efdl suspend";
+  return e;
+}
+
+void WriteSnapshot(const std::string& dir, uint64_t seq, int64_t step) {
+  snapshot::SnapshotStore store(snapshot::Env::Posix(), dir, 4);
+  snapshot::Manifest m;
+  m.job = "sj";
+  m.seq = seq;
+  m.step = step;
+  m.scope = "node";
+  m.tensors = {{"model/w", "uint8", {64}, 0, 64}};
+  m.data_bytes = snapshot::AssignOffsets(m.tensors);
+  std::vector<uint8_t> data(m.data_bytes, 7);
+  ASSERT_TRUE(store.Write(m, data.data(),
+                          snapshot::ChecksumOfRegion(m.tensors, data.data(), nullptr)).ok());
+}
+
+AgentOptions Options(const std::string& snapshot_dir) {
+  AgentOptions o;
+  o.job_id = "sj";
+  o.node_id = "n1";
+  o.command = {"/bin/sleep", "60"};   // never connects: stopped with SIGTERM at once
+  o.stop_grace = 5s;
+  o.snapshot_dir = snapshot_dir;
+  return o;
+}
+
+int RunSuspended(AgentOptions options, SuspendingRendezvous& rdzv) {
+  rdzv.Push(RoundOne());
+  rdzv.Push(Suspended());
+  Agent agent(std::move(options), rdzv);
+  return agent.Run();
+}
+
+TEST(AgentSuspend, ReportsTheNewestStepInStorageAndExitsZero) {
+  auto tmp = TempDir::Create("efdl-suspend-test");
+  ASSERT_TRUE(tmp.ok());
+  WriteSnapshot(tmp->path() + "/sj", 1, 40);
+  WriteSnapshot(tmp->path() + "/sj", 2, 45);
+  SuspendingRendezvous rdzv;
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(RunSuspended(Options(tmp->path()), rdzv), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "SIGTERM, not the grace period";
+  ASSERT_EQ(rdzv.reported.size(), 1u);
+  EXPECT_EQ(rdzv.reported[0], std::optional<int64_t>(45));
+  EXPECT_EQ(rdzv.leaves, 1);
+}
+
+TEST(AgentSuspend, PerRankSnapshotsReportTheOldestRanksNewestStep) {
+  auto tmp = TempDir::Create("efdl-suspend-test");
+  ASSERT_TRUE(tmp.ok());
+  WriteSnapshot(tmp->path() + "/sj/rank-0", 1, 30);
+  WriteSnapshot(tmp->path() + "/sj/rank-1", 1, 25);
+  SuspendingRendezvous rdzv;
+  EXPECT_EQ(RunSuspended(Options(tmp->path()), rdzv), 0);
+  ASSERT_EQ(rdzv.reported.size(), 1u);
+  EXPECT_EQ(rdzv.reported[0], std::optional<int64_t>(25));
+}
+
+TEST(AgentSuspend, WithoutASnapshotStillStopsAndReportsNone) {
+  auto tmp = TempDir::Create("efdl-suspend-test");
+  ASSERT_TRUE(tmp.ok());
+  SuspendingRendezvous rdzv;
+  EXPECT_EQ(RunSuspended(Options(tmp->path()), rdzv), 0);
+  ASSERT_EQ(rdzv.reported.size(), 1u);
+  EXPECT_FALSE(rdzv.reported[0].has_value());
+  EXPECT_EQ(rdzv.leaves, 1);
+}
+
+TEST(AgentSuspend, AJobSuspendedBeforeTheStartIsRefused) {
+  auto tmp = TempDir::Create("efdl-suspend-test");
+  ASSERT_TRUE(tmp.ok());
+  SuspendingRendezvous rdzv(Status::FailedPrecondition(
+      "job sj is suspended at step 45; run `efdl resume --job sj` to continue"));
+  Agent agent(Options(tmp->path()), rdzv);
+  EXPECT_EQ(agent.Run(), 1);
+  EXPECT_TRUE(rdzv.reported.empty());
+}
+
+}  // namespace
+}  // namespace efdl::agent
