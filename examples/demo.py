@@ -265,7 +265,8 @@ class Demo:
         argv = [self.efdl, "run", "--etcd", self.endpoint, "--job", self.job, "--nnodes", "2:3",
                 "--node-id", node, "--ttl", str(self.args.ttl), "--last-call", "1",
                 "--stop-grace", "5", "--snapshot-dir", os.path.join(self.tmp, "snapshots"),
-                "--", *self.train_args()]
+                # Spares with torch imported: a re-round skips python start-up and imports.
+                "--prestart", "--", *self.train_args()]
         return self.start(node, argv, self.on_agent_line)
 
     def steps_in_round_since(self, since, world):

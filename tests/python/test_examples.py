@@ -141,12 +141,18 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
         agents = [pid for pid, _ in processes_naming(job)]
         workers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                    if parent(pid) in agents]
-        assert len(agents) == 3 and len(workers) == 3, (agents, workers, "".join(lines))
+        # Each agent's worker, and its pre-started spare once refilled (the demo uses --prestart).
+        assert len(agents) == 3 and 3 <= len(workers) <= 6, (agents, workers, "".join(lines))
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, "".join(lines) + rest
         assert "interrupted" in rest
         assert not processes_naming(job), processes_naming(job)
+        # The demo SIGKILLs whole nodes and waits for the agents only: a worker (torch loaded)
+        # may take a moment to finish dying.
+        deadline = time.monotonic() + 15
+        while [pid for pid in workers if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not [pid for pid in workers if alive(pid)], workers
     finally:
         if proc.poll() is None:
