@@ -4,10 +4,12 @@ something other than an agent. Each gets a clear error; nothing crashes.
 
 The parsers themselves are also fuzzed (fuzz/, `make sanitize`)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -117,3 +119,84 @@ def test_bad_argument_or_environment_is_one_line_and_exit_2(argv, extra_env, exp
     for crash in ("terminate called", "Aborted", "Segmentation", "AddressSanitizer",
                   "runtime error"):
         assert crash not in err, err
+
+
+@pytest.fixture
+def job():
+    c = cluster.Cluster(job="badinput-%d" % os.getpid())
+    try:
+        c.start_etcd()
+        yield c
+    finally:
+        c.close()
+
+
+def etcd_put(job, key, value):
+    import etcd3
+    host, port = job.endpoint.split(":")
+    client = etcd3.client(host=host, port=int(port))
+    try:
+        client.put(key, value)
+    finally:
+        client.close()
+
+
+def efdl_status(job):
+    code, out, err = run_bounded(["status", "--etcd", job.endpoint, "--job", job.job, "--json"],
+                                 {})
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_foreign_values_under_the_job_prefix_are_logged_and_ignored(job):
+    a = job.start_agent("node-a", nnodes="2:2")
+    b = job.start_agent("node-b", nnodes="2:2")
+    job.wait_for_world(2, timeout=90)
+
+    p = "/efdl/%s/" % job.job
+    written_at = time.monotonic()
+    garbage = [
+        (p + "nodes/intruder-1", "not json"),
+        (p + "nodes/intruder-2", json.dumps({"addr": 5, "nproc": "four"})),
+        (p + "nodes/intruder-3", json.dumps({"addr": "h", "nproc": 1 << 40})),
+        (p + "ack/intruder-1", "{" * 100000),
+        (p + "ack/intruder-2", json.dumps({"r": "1", "st": "ack", "port": 70000})),
+        (p + "ack/intruder-3", "x" * (1 << 20)),
+        (p + "assign/node-b", json.dumps({"r": [], "rank": "zero"})),
+        (p + "status", json.dumps({"members": [{"id": 5, "rank": "x"}, 7],
+                                   "standbys": {"a": 1}, "events": "none"})),
+    ]
+    for key, value in garbage:
+        etcd_put(job, key, value)
+
+    # Both agents keep training in the same round, and the coordinator said what it ignored.
+    deadline = time.monotonic() + 60
+    while True:
+        logs = a.output() + b.output()
+        if "ignoring a bad node record" in logs and "ignoring a bad ack record" in logs and \
+                "ignoring a bad assignment record" in logs:
+            break
+        assert time.monotonic() < deadline, logs[-4000:]
+        time.sleep(0.1)
+    job.wait_for_world(2, since=time.monotonic(), timeout=60)
+    assert a.proc.poll() is None and b.proc.poll() is None
+    logs = a.output() + b.output()
+    for line in logs.splitlines():
+        assert len(line) < 2000, "a log line quotes a huge value: %s..." % line[:200]
+    assert not any(s[0] >= written_at and s[3] != 2 for ag in (a, b) for s in ag.steps()), \
+        "the world changed after the garbage was written"
+
+    # `efdl status` reads a damaged status record without failing.
+    st = efdl_status(job)
+    assert st["exists"] and st["world_size"] == 2, st
+
+    # A damaged round record: the agents log it and keep their workers running.
+    etcd_put(job, p + "round", json.dumps({"r": "seven", "ph": 3, "d": [1, 2]}))
+    deadline = time.monotonic() + 30
+    while "ignoring a bad round record" not in a.output() + b.output():
+        assert time.monotonic() < deadline, (a.output() + b.output())[-4000:]
+        time.sleep(0.1)
+    job.wait_for_world(2, since=time.monotonic(), timeout=60)
+    assert a.proc.poll() is None and b.proc.poll() is None
+    code, out, err = run_bounded(["status", "--etcd", job.endpoint, "--job", job.job], {})
+    assert code != 0 and "round record" in err and len(err.strip().splitlines()) == 1, err
