@@ -182,7 +182,7 @@ def part2(args):
 
     def run_block(commit):
         inside = 0.0
-        c0 = time.thread_time()
+        cpu0 = time.thread_time()
         t0 = time.perf_counter()
         for _ in range(block):
             idx = next(it)
@@ -195,7 +195,7 @@ def part2(args):
                 c0 = time.perf_counter()
                 state.commit()
                 inside += time.perf_counter() - c0
-        return time.perf_counter() - t0, inside, time.thread_time() - c0
+        return time.perf_counter() - t0, inside, time.thread_time() - cpu0
 
     run_block(True)
     run_block(False)
