@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BUILD_DIR):$(PATH)
 export PYTHONPATH := $(CURDIR)/python
 export EFDL_BIN := $(CURDIR)/$(BUILD_DIR)/efdl
 
-.PHONY: all deps configure build test test-cpp test-python demo install bench clean sanitize
+.PHONY: all deps configure build test test-cpp test-python demo install bench clean sanitize test-faults soak
 
 all: build
 
@@ -30,7 +30,15 @@ test-cpp: build
 test-python: build
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests/python
 
-test: test-cpp test-python
+# Fault injection (tests/faults, docs/reliability.md): mounts tmpfs when run as root.
+test-faults: build
+	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests/faults
+
+test: test-cpp test-python test-faults
+
+SOAK_SECONDS ?= 1800
+soak: build
+	$(PYTHON) tests/faults/soak.py --duration $(SOAK_SECONDS)
 
 demo: build
 	$(PYTHON) examples/demo.py

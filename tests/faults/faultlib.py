@@ -1,0 +1,466 @@
+"""The fault suite's harness: a loopback job (real etcd, real `efdl run` agents running
+tests/faults/worker.py) plus the checks every case makes afterwards.
+
+What the checks mean (docs/reliability.md has the same definitions):
+
+- finished: every agent expected to finish exits 0, and every rank of the last round prints
+  DONE with step == the job's step count.
+- same_resume: in every round all ranks restored the same step (one consistent state).
+- consecutive: in every round each rank's steps are resume+1, resume+2, ... without gaps.
+- no_stale_round: rounds never overlap in time: every STEP of round r (its all-reduce completed,
+  so every rank of round r took part) has an earlier wall-clock time than every STEP of any
+  round r' > r. A fenced or partitioned node therefore never trained after it was replaced.
+- acked_kept: let F be the fault time and S the nodes whose shared memory survived it. The first
+  round that resumes after F restores a step >= the highest step whose commit() returned (ACK)
+  before F on a node of S. When no node survived, the bound is the newest snapshot in storage
+  right after the fault. The restored step is also never above a step some rank finished.
+- no_leftovers: once the agents have exited (or were killed by the case), every process that
+  ran in an agent's session (agents lead their own sessions; workers and their children inherit
+  them) is gone: those alive at the end and every one seen while the job ran (sampled 10x/s).
+
+Every process started here is killed by pid / process group in close(), whatever happened.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tests", "python", "workers"))
+import cluster  # noqa: E402
+
+PYTHON = "/usr/bin/python3"
+WORKER = os.path.join(HERE, "worker.py")
+LINE_RE = re.compile(r"^(?:\[rank \d+\] )?(RESUME|STEP|COMMIT|ACK|DONE|HANGING|FAILING) (.*) "
+                     r"t=([\d.]+)$")
+
+
+def efdl_bin():
+    return cluster.efdl_bin()
+
+
+def _stat(pid):
+    """(state, session id, start time) of a live process, or None."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[3]), int(fields[19])
+
+
+class ProcessTracker:
+    """Samples /proc every 0.1 s for processes in the sessions it watches, remembering each
+    (pid, start time), so processes that come and go between checks are accounted for too."""
+
+    def __init__(self):
+        self.sessions = set()
+        self.seen = {}                      # pid -> start time
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def watch(self, sid):
+        with self._lock:
+            self.sessions.add(sid)
+
+    def _scan(self):
+        with self._lock:
+            sessions = set(self.sessions)
+        found = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                st = _stat(int(entry))
+                if st is not None and st[1] in sessions and st[0] != "Z":
+                    found[int(entry)] = st[2]
+        with self._lock:
+            self.seen.update(found)
+        return found
+
+    def _run(self):
+        while not self._stop.wait(0.1):
+            self._scan()
+
+    def leftovers(self):
+        """Processes of the watched sessions alive now (zombies excluded), as pids."""
+        alive = set(self._scan())
+        with self._lock:
+            for pid, start in self.seen.items():
+                st = _stat(pid)
+                if st is not None and st[2] == start and st[0] != "Z":
+                    alive.add(pid)
+        return sorted(alive)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Job:
+    """One job: etcd, agents (`nodes`, by name), output parsing and the checks."""
+
+    def __init__(self, name, steps=40, step_time=0.05, nnodes="2:3", env=None,
+                 snapshot_dir=None):
+        self.c = cluster.Cluster(job="%s-%d" % (name, os.getpid()))
+        self.dir = self.c.dir
+        self.steps = steps
+        self.nnodes = nnodes
+        self.snapshot_dir = snapshot_dir or os.path.join(self.dir, "snapshots")
+        self.marks = os.path.join(self.dir, "marks")
+        os.makedirs(self.marks)
+        self.env = {"FAULT_STEPS": str(steps), "FAULT_STEP_TIME": str(step_time),
+                    "FAULT_MARK_DIR": self.marks, "EFDL_PERSIST_MIN_INTERVAL_MS": "100"}
+        self.env.update(env or {})
+        self.nodes = {}                     # name -> cluster.Agent (the latest of that name)
+        self.all_agents = []
+        self.tracker = ProcessTracker()     # watches the agents' sessions
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def start_etcd(self):
+        return self.c.start_etcd()
+
+    def shm_dir(self, node):
+        path = os.path.join(self.dir, "shm", node)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def start_node(self, name, extra=(), env=None, nproc=1, nnodes=None, command=None,
+                   ttl=None, prefix=()):
+        """Starts `efdl run` for node `name`; its shared memory lives in shm/<name>, so a node
+        restarted under the same name finds what its previous incarnation committed."""
+        e = cluster.base_env()
+        e.update(self.env)
+        e["EFDL_SHM_DIR"] = self.shm_dir(name)
+        e.update(env or {})
+        argv = self.c.agent_argv(name, nnodes=nnodes or self.nnodes, nproc=nproc,
+                                 extra=extra, command=command or [PYTHON, WORKER])
+        argv[argv.index("--snapshot-dir") + 1] = self.snapshot_dir
+        if ttl is not None:
+            argv[argv.index("--ttl") + 1] = str(ttl)
+        agent = cluster.Agent(name, list(prefix) + argv, e)
+        self.tracker.watch(agent.proc.pid)
+        self.c.agents.append(agent)
+        self.all_agents.append(agent)
+        self.nodes[name] = agent
+        return agent
+
+    def signal_nodes(self, names, sig=signal.SIGKILL):
+        """`sig` to each node's agent group and its workers' groups, all at one moment.
+        Returns (t0, t1): wall times right before the first and after the last signal (finding
+        the groups in /proc is slow on a loaded machine, so it is done before t0)."""
+        groups = []
+        for n in names:
+            agent = self.nodes[n]
+            groups += [agent.proc.pid] + agent.worker_pids()
+        t0 = time.time()
+        for pgid in groups:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        return t0, time.time()
+
+    def kill_node(self, name, sig=signal.SIGKILL):
+        return self.signal_nodes([name], sig)
+
+    def close(self):
+        self.c.close()
+        self.tracker.stop()
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def events(self, kinds=None, agents=None):
+        """Parsed worker lines of all agents: dicts with kind, node, round, rank, step, t..."""
+        out = []
+        for a in agents or self.all_agents:
+            for line in a.output().splitlines():
+                m = LINE_RE.match(line)
+                if m and (kinds is None or m.group(1) in kinds):
+                    ev = {"kind": m.group(1), "node": a.name, "t": float(m.group(3))}
+                    for kv in m.group(2).split():
+                        k, v = kv.split("=", 1)
+                        ev[k] = int(v)
+                    out.append(ev)
+        return out
+
+    def wait_for(self, predicate, timeout, what):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = predicate()
+            if result:
+                return result
+            time.sleep(0.05)
+        raise AssertionError("timed out after %ss waiting for %s\n%s" % (timeout, what,
+                                                                         self.dump()))
+
+    def wait_step(self, step, world=None, nodes=None, timeout=90):
+        """Waits until some rank (of a round of `world` ranks) finished `step`."""
+        agents = [self.nodes[n] for n in nodes] if nodes else None
+
+        def reached():
+            return any(e["step"] >= step and (world is None or e["world"] == world)
+                       for e in self.events({"STEP"}, agents))
+        self.wait_for(reached, timeout, "step %d (world %s)" % (step, world))
+
+    def wait_round(self, world, since, timeout=90):
+        """Waits for a round of `world` ranks that resumed after wall time `since`; returns
+        its RESUME events once all ranks printed one."""
+        def found():
+            rounds = {}
+            for e in self.events({"RESUME"}):
+                if e["t"] >= since and e["world"] == world:
+                    rounds.setdefault(e["round"], []).append(e)
+            full = [r for r in rounds.values() if len({e["rank"] for e in r}) == world]
+            return full[0] if full else None
+        return self.wait_for(found, timeout, "a round of world %d after the fault" % world)
+
+    def wait_exit(self, names, timeout=120):
+        codes = {}
+        deadline = time.monotonic() + timeout
+        for n in names:
+            codes[n] = self.nodes[n].wait(max(deadline - time.monotonic(), 1))
+        return codes
+
+    def dump(self, tail=2500):
+        return "\n".join("==== %s (exit %s)\n%s" % (a.name, a.proc.poll(), a.output()[-tail:])
+                         for a in self.all_agents)
+
+    def wait_registrations_gone(self, names, timeout=30):
+        """Waits until etcd dropped the dead nodes' registrations (their leases expired)."""
+        prefix = "/efdl/%s/nodes/" % self.c.job
+
+        def gone():
+            proc = subprocess.run(["etcdctl", "--endpoints", self.c.endpoint, "get", "--prefix",
+                                   "--keys-only", prefix], capture_output=True, text=True,
+                                  timeout=10, env=dict(cluster.base_env(), ETCDCTL_API="3"))
+            return proc.returncode == 0 and not any(
+                line.strip() == prefix + n for line in proc.stdout.splitlines() for n in names)
+        self.wait_for(gone, timeout, "the registrations of %s to expire" % names)
+
+    def storage_steps(self):
+        """Steps of the intact snapshots in storage, newest first, via `efdl snapshots list`."""
+        proc = subprocess.run([efdl_bin(), "snapshots", "list", "--json", "--job", self.c.job,
+                               "--snapshot-dir", self.snapshot_dir], env=cluster.base_env(),
+                              capture_output=True, text=True, timeout=30)
+        if not proc.stdout.strip().startswith("["):
+            return []
+        rows = sorted((r for r in json.loads(proc.stdout) if r.get("ok")),
+                      key=lambda r: -r["seq"])
+        return [r["step"] for r in rows]
+
+    def storage_newest_step(self):
+        """Step of the newest intact snapshot in storage (-1: none)."""
+        return max(self.storage_steps(), default=-1)
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def max_ack_before(self, t, nodes):
+        acks = [e["step"] for e in self.events({"ACK"}) if e["t"] < t and e["node"] in nodes]
+        return max(acks, default=0)
+
+    def check_finished(self, names, timeout=120):
+        codes = self.wait_exit(names, timeout)
+        assert all(c == 0 for c in codes.values()), "exit codes %s\n%s" % (codes, self.dump())
+        done = self.events({"DONE"})
+        assert done, "no DONE line\n" + self.dump()
+        last_round = max(e["round"] for e in done)
+        final = [e for e in done if e["round"] == last_round]
+        assert len({e["rank"] for e in final}) == final[0]["world"], final
+        assert all(e["step"] == self.steps for e in final), final
+
+    def check_rounds(self):
+        steps = self.events({"STEP"})
+        resumes = self.events({"RESUME"})
+        by_round = {}
+        for e in steps:
+            by_round.setdefault(e["round"], []).append(e)
+        for r, evs in by_round.items():
+            res = {e["rank"]: e["step"] for e in resumes if e["round"] == r}
+            assert len(set(res.values())) == 1, (
+                "round %d: ranks restored different steps %s\n%s" % (r, res, self.dump()))
+            start = next(iter(res.values()))
+            for rank in {e["rank"] for e in evs}:
+                mine = [e["step"] for e in evs if e["rank"] == rank]
+                assert mine == list(range(start + 1, start + 1 + len(mine))), (
+                    "round %d rank %d: steps %s after resuming at %d" % (r, rank, mine, start))
+        rounds = sorted(by_round)
+        for older, newer in zip(rounds, rounds[1:]):
+            last_old = max(e["t"] for e in by_round[older])
+            first_new = min(e["t"] for e in by_round[newer])
+            assert last_old < first_new, (
+                "round %d still stepped %.3f s after round %d began\n%s" % (
+                    older, last_old - first_new, newer, self.dump()))
+
+    def check_acked_kept(self, fault, survivors, floor=None):
+        """The first round resuming after the fault restored >= the bound (module doc).
+        `fault` is (t0, t1) from signal_nodes(): acknowledged before t0 must be kept; nothing
+        finished after t1 can have been restored."""
+        t0, t1 = fault
+        later = [e for e in self.events({"RESUME"}) if e["t"] > t1]
+        assert later, "no round resumed after the fault\n" + self.dump()
+        first_round = min(e["round"] for e in later)
+        restored = max(e["step"] for e in later if e["round"] == first_round)
+        bound = self.max_ack_before(t0, survivors) if floor is None else floor
+        assert restored >= bound, ("round %d restored step %d, but step %d was acknowledged "
+                                   "before the fault\n%s" % (first_round, restored, bound,
+                                                             self.dump()))
+        first_resume = min(e["t"] for e in later if e["round"] == first_round)
+        finished = max((e["step"] for e in self.events({"STEP"}) if e["t"] < first_resume),
+                       default=0)
+        assert restored <= finished, ("round %d restored step %d, but no rank had finished a "
+                                      "step beyond %d" % (first_round, restored, finished))
+        return restored, bound
+
+    def check_no_leftovers(self, timeout=15):
+        """Nothing of any agent's session outlives the agents; etcd is the harness's own."""
+        running = [a.name for a in self.all_agents if a.proc.poll() is None]
+        assert not running, "agents still running: %s" % running
+        deadline = time.monotonic() + timeout
+        while self.tracker.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = self.tracker.leftovers()
+        details = []
+        for pid in left:
+            try:
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    details.append("%d %s" % (pid, f.read().replace(b"\0", b" ")[:200]))
+            except OSError:
+                pass
+        assert not left, "processes left behind: %s" % details
+
+    def check_all(self, finishers, timeout=120):
+        self.check_finished(finishers, timeout)
+        self.check_rounds()
+
+
+# -- etcd ------------------------------------------------------------------------------------
+
+def etcd_healthy(endpoint, timeout):
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen("http://%s/health" % endpoint, timeout=1) as r:
+                if b"true" in r.read():
+                    return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def restart_etcd(job):
+    """Starts the job's single etcd again with the same ports and data directory."""
+    argv = job.c.etcd.args
+    log = open(os.path.join(job.dir, "etcd.log"), "a")
+    job.c.etcd = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    log.close()
+    assert etcd_healthy(job.c.endpoint, 30), "etcd did not come back within 30 s"
+
+
+class EtcdCluster:
+    """`size` etcd members on loopback (one process group each), for member-failure cases."""
+
+    def __init__(self, base_dir, size=3, host="127.0.0.1"):
+        self.procs = []
+        self.endpoints = []
+        ports = [(cluster.free_port(), cluster.free_port()) for _ in range(size)]
+        initial = ",".join("m%d=http://127.0.0.1:%d" % (i, p[1]) for i, p in enumerate(ports))
+        for i, (client, peer) in enumerate(ports):
+            endpoint = "%s:%d" % (host, client)
+            log = open(os.path.join(base_dir, "etcd-m%d.log" % i), "w")
+            self.procs.append(subprocess.Popen(
+                ["etcd", "--name", "m%d" % i, "--data-dir", os.path.join(base_dir, "m%d" % i),
+                 "--listen-client-urls", "http://" + endpoint,
+                 "--advertise-client-urls", "http://" + endpoint,
+                 "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
+                 "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
+                 "--initial-cluster", initial, "--initial-cluster-state", "new"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+            self.endpoints.append(endpoint)
+        for endpoint in self.endpoints:
+            assert etcd_healthy(endpoint, 60), "etcd member %s not healthy" % endpoint
+
+    def kill(self, i):
+        if self.procs[i].poll() is None:
+            os.killpg(self.procs[i].pid, signal.SIGKILL)
+            self.procs[i].wait()
+
+    def close(self):
+        for i in range(len(self.procs)):
+            self.kill(i)
+
+
+# -- storage ---------------------------------------------------------------------------------
+
+class Tmpfs:
+    """A small tmpfs mounted at `path` (root only); unmounted by close()."""
+
+    def __init__(self, path, size):
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%s" % size, "tmpfs", path],
+                              capture_output=True, text=True)
+        self.mounted = proc.returncode == 0
+        self.error = proc.stderr.strip()
+
+    def remount_ro(self):
+        subprocess.run(["mount", "-o", "remount,ro", self.path], check=True)
+
+    def close(self):
+        if self.mounted:
+            subprocess.run(["umount", "-l", self.path], capture_output=True)
+            self.mounted = False
+
+
+# -- network ---------------------------------------------------------------------------------
+
+class Netns:
+    """A network namespace joined to the host by a veth pair: host side HOST_ADDR on
+    `host_if`, namespace side NS_ADDR on `ns_if`. partition()/heal() take the host side down
+    and up. Needs root and `ip`; `error` says why when setup failed."""
+
+    def __init__(self):
+        tag = os.getpid() % 10000
+        self.name = "efdl-f%d" % tag
+        self.host_if, self.ns_if = "efh%d" % tag, "efn%d" % tag
+        octet = os.getpid() % 250 + 1
+        self.host_addr, self.ns_addr = "10.213.%d.1" % octet, "10.213.%d.2" % octet
+        self.error = None
+        steps = [["ip", "netns", "add", self.name],
+                 ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+                 ["ip", "link", "set", self.ns_if, "netns", self.name],
+                 ["ip", "addr", "add", self.host_addr + "/24", "dev", self.host_if],
+                 ["ip", "link", "set", self.host_if, "up"],
+                 self.exec_prefix() + ["ip", "addr", "add", self.ns_addr + "/24", "dev",
+                                       self.ns_if],
+                 self.exec_prefix() + ["ip", "link", "set", self.ns_if, "up"],
+                 self.exec_prefix() + ["ip", "link", "set", "lo", "up"]]
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                self.error = "%s: %s" % (" ".join(cmd), proc.stderr.strip())
+                self.close()
+                return
+
+    def exec_prefix(self):
+        return ["ip", "netns", "exec", self.name]
+
+    def partition(self):
+        subprocess.run(["ip", "link", "set", self.host_if, "down"], check=True)
+
+    def heal(self):
+        subprocess.run(["ip", "link", "set", self.host_if, "up"], check=True)
+
+    def close(self):
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)

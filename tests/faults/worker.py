@@ -1,0 +1,119 @@
+"""The fault suite's training program: digits, a small CNN, DDP over gloo, efdl.State.
+
+It commits after every step and prints what the checker needs, each line with the wall-clock
+time (time.time(); every process of a test runs on this machine, so the times are comparable):
+
+    RESUME round=R rank=r world=W step=S t=T   the step State restored (0: fresh start)
+    STEP   round=R rank=r world=W step=S t=T   step S finished (its all-reduce completed)
+    COMMIT round=R rank=r step=S t=T           commit() of step S is about to be called
+    ACK    round=R rank=r step=S t=T           commit() of step S returned: acknowledged
+    DONE   round=R rank=r world=W step=S t=T   the job's last step is done on every rank
+
+`step` counts optimizer steps of the whole job (it continues across rounds). Options come
+from the environment so every node runs the same command line:
+
+  FAULT_STEPS        steps of the whole job (default 60)
+  FAULT_STEP_TIME    seconds to sleep after each commit (default 0.05)
+  FAULT_BALLAST_MB   an extra tensor of this many MiB in the State, so commit() and the
+                     persister take long enough for a kill to land inside them (default 0)
+  FAULT_HANG         "RANK:STEP": that rank stops calling collectives at that step (it sleeps),
+                     so its peers hang inside the all-reduce; once per job (FAULT_MARK_DIR)
+  FAULT_MARK_DIR     a directory where one-shot faults leave a marker so they happen once
+  FAULT_PG_TIMEOUT   the process group's timeout in seconds (default 30)
+  FAULT_FAIL         "RANK:STEP": that rank exits 3 at that step (every time it gets there)
+  FAULT_IGNORE_TERM  a rank, or "all": that rank ignores SIGTERM (installed before State, which
+                     then keeps its hands off SIGTERM)
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+import efdl.backend.torch as efdl  # noqa: E402
+from digits import DigitsCNN, load_digits_datasets  # noqa: E402
+
+BATCH = 16
+
+
+def rank_step(spec):
+    if not spec:
+        return None
+    rank, step = spec.split(":")
+    return int(rank), int(step)
+
+
+def once(name):
+    """True the first time a one-shot fault `name` fires in this job (marker file)."""
+    marks = os.environ.get("FAULT_MARK_DIR")
+    if not marks:
+        return True
+    try:
+        os.close(os.open(os.path.join(marks, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def say(kind, **fields):
+    text = " ".join("%s=%s" % kv for kv in fields.items())
+    print("%s %s t=%.6f" % (kind, text, time.time()), flush=True)
+
+
+def main():
+    steps = int(os.environ.get("FAULT_STEPS", "60"))
+    step_time = float(os.environ.get("FAULT_STEP_TIME", "0.05"))
+    ballast_mb = int(os.environ.get("FAULT_BALLAST_MB", "0"))
+    hang = rank_step(os.environ.get("FAULT_HANG"))
+    fail = rank_step(os.environ.get("FAULT_FAIL"))
+    ignore_term = os.environ.get("FAULT_IGNORE_TERM")
+    if ignore_term in ("all", os.environ.get("RANK")):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    efdl.init(timeout=float(os.environ.get("FAULT_PG_TIMEOUT", "30")))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    round_ = int(os.environ.get("EFDL_ROUND", "0"))
+
+    torch.manual_seed(0)
+    train, _ = load_digits_datasets()
+    model = DigitsCNN(width=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ballast = torch.zeros(ballast_mb * (1 << 18))  # float32: 4 bytes each
+    state = efdl.State(model, optimizer, step=0, ballast=ballast)
+    state.set_commit_interval(1)
+    say("RESUME", round=round_, rank=rank, world=world, step=state.step)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+    batches = len(train) // BATCH
+    while state.step < steps:
+        if hang is not None and (rank, state.step) == hang and once("hang"):
+            say("HANGING", round=round_, rank=rank, step=state.step)
+            while True:
+                time.sleep(3600)
+        if fail is not None and (rank, state.step) == fail:
+            say("FAILING", round=round_, rank=rank, step=state.step)
+            sys.exit(3)
+        # Deterministic data per (step, rank): a resumed step trains the same batch again.
+        first = ((state.step * world + rank) % batches) * BATCH
+        x, y = train[first:first + BATCH]
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        state.step += 1
+        say("STEP", round=round_, rank=rank, world=world, step=state.step)
+        say("COMMIT", round=round_, rank=rank, step=state.step)
+        state.commit()
+        say("ACK", round=round_, rank=rank, step=state.step)
+        time.sleep(step_time)
+    dist.barrier()
+    say("DONE", round=round_, rank=rank, world=world, step=state.step)
+
+
+if __name__ == "__main__":
+    main()
