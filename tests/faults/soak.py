@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,7 +23,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=1800, help="seconds to keep going")
     p.add_argument("-k", default="", help="pytest -k expression selecting the cases")
-    p.add_argument("--log-dir", default="soak-logs", help="where failed runs' output goes")
+    p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "efdl-soak-logs"),
+                   help="where failed runs' output goes")
     p.add_argument("--case-timeout", type=float, default=600, help="seconds per pytest run")
     args = p.parse_args()
     if args.duration <= 0:
