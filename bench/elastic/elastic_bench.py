@@ -5,7 +5,8 @@ steps), nnodes 2:3, default settings of each system except where noted:
   (a) SIGKILL of one whole node   -> first step of the survivors' new round (world 2)
   (b) SIGTERM of one node's agent -> first step of the new round (world 2)
   (c) start of a new node         -> first step with it included (world 3)
-Systems: efdl (this build), efdl-prestart (the same with `efdl run --prestart`), torchrun with the c10d rendezvous, torchrun with the etcd-v2
+Systems: efdl (this build), efdl-prestart (the same with `efdl run --prestart`), torchrun
+with the c10d rendezvous, torchrun with the etcd-v2
 rendezvous (etcd started with --enable-v2). torchrun runs through torchrun_py311.py, which
 works around torchrun 1.13's crash on Python 3.11 (see that file). In (b) the node killed is
 never the c10d store's host (SIGTERM of that node ends a c10d job).

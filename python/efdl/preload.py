@@ -1,8 +1,8 @@
 """A pre-started worker for `efdl run --prestart` (started by the agent, not by users).
 
 `python3 [options] -m efdl.preload FD` imports the modules named in EFDL_PRELOAD_MODULES
-(comma-separated; default torch, torch.distributed and efdl.backend.torch), then blocks reading the pipe FD until
-the agent writes one JSON message and closes it: {"round": N, "argv": [...], "env": {...}}.
+(comma-separated; default torch, torch.distributed and efdl.backend.torch), then blocks reading
+the pipe FD until the agent writes one JSON message and closes it: {"round": N, "argv": [...], "env": {...}}.
 "argv" is the program part of the worker command (`script.py ARGS` or `-m module ARGS`) and
 "env" the complete environment a freshly spawned worker of that round would have. The process
 then becomes that worker: os.environ, sys.argv, sys.path[0] and a fresh __main__ module are set

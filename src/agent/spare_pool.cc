@@ -35,7 +35,8 @@ bool HarmlessFlag(std::string_view arg) {
 }
 
 // The environment Subprocess::Spawn builds: ours with `add` on top.
-std::map<std::string, std::string> MergedEnvironment(const std::map<std::string, std::string>& add) {
+std::map<std::string, std::string> MergedEnvironment(
+    const std::map<std::string, std::string>& add) {
   std::map<std::string, std::string> env;
   for (char** e = environ; e && *e; ++e) {
     std::string_view kv(*e);

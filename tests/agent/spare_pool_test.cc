@@ -90,7 +90,8 @@ class SparePoolTest : public ::testing::Test {
   // Runs the probe through a WorkerGroup, spawned or from `spares`, and collects its output.
   Run RunProbe(const std::string& mode, SparePool* spares) {
     std::string tag = spares ? "spare" : "spawn";
-    std::string out_path = dir_.path() + "/" + tag + ".out", err_path = dir_.path() + "/" + tag + ".err";
+    std::string out_path = dir_.path() + "/" + tag + ".out";
+    std::string err_path = dir_.path() + "/" + tag + ".err";
     int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     WorkerGroupOptions o;
@@ -124,7 +125,8 @@ class SparePoolTest : public ::testing::Test {
 };
 
 TEST(ParsePythonCommand, SplitsInterpreterOptionsFromTheProgram) {
-  auto c = ParsePythonCommand({"/usr/bin/python3.11", "-u", "-X", "dev", "-W", "ignore", "t.py", "-u"});
+  auto c = ParsePythonCommand(
+      {"/usr/bin/python3.11", "-u", "-X", "dev", "-W", "ignore", "t.py", "-u"});
   ASSERT_TRUE(c);
   EXPECT_EQ(c->interpreter,
             (std::vector<std::string>{"/usr/bin/python3.11", "-u", "-X", "dev", "-W", "ignore"}));
@@ -147,7 +149,8 @@ TEST(ParsePythonCommand, RejectsWhatASpareCannotStandInFor) {
 }
 
 TEST(IsRoundVariable, PerRoundNamesOnly) {
-  for (const char* n : {"RANK", "MASTER_PORT", "EFDL_ROUND", "TORCHELASTIC_RUN_ID", "HOROVOD_RANK"}) {
+  for (const char* n :
+       {"RANK", "MASTER_PORT", "EFDL_ROUND", "TORCHELASTIC_RUN_ID", "HOROVOD_RANK"}) {
     EXPECT_TRUE(IsRoundVariable(n)) << n;
   }
   for (const char* n : {"OMP_NUM_THREADS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "RANKS"}) {
@@ -207,7 +210,9 @@ TEST_F(SparePoolTest, SignalsReachTheProgramOnceActivated) {
   int status = proc->Wait();
   char buf[4096];
   ssize_t n;
-  while ((n = ::read(proc->stdout_fd(), buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  while ((n = ::read(proc->stdout_fd(), buf, sizeof(buf))) > 0) {
+    out.append(buf, static_cast<size_t>(n));
+  }
   EXPECT_NE(out.find("got signal 15"), std::string::npos) << out;
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
