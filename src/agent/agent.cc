@@ -163,7 +163,7 @@ int Agent::Run() {
     return 1;
   }
   control_ = std::move(control).value();
-  if (options_.prestart) StartSparePool();
+  if (options_.prestart && !options_.launcher) StartSparePool();
 
   if (Status st = rdzv_.Join(); !st.ok()) {
     if (st.IsFailedPrecondition()) {

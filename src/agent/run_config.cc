@@ -244,10 +244,10 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.max_nodes = nodes.max;
   a.max_restarts = f.max_restarts;
   a.stop_grace = Millis(f.stop_grace_s);
-  if (f.prestart && !ParsePythonCommand(f.command)) {
+  if (f.prestart && (f.launcher || !ParsePythonCommand(f.command))) {
     return Status::InvalidArgument(
         "--prestart needs a worker command of the form 'python3 [-u] SCRIPT ...' or 'python3 -m "
-        "MODULE ...'; drop --prestart (or unset EFDL_PRESTART)");
+        "MODULE ...' (and no --launcher); drop --prestart (or unset EFDL_PRESTART)");
   }
   a.prestart = f.prestart;
   a.log_dir = absolute(f.log_dir);
