@@ -57,7 +57,9 @@ def main(argv=None):
                 "--last-call", "1", "--stop-grace", "5"]
 
     def body(job):
+        # One after the other, so join order (and with it the ranks) is the same in every run.
         job.start_node("node-a", node_args(1), train)
+        job.wait_for("node-a to join", lambda: job.count(" joined job ", ("node-a",)), 60)
         job.start_node("node-b", node_args(2), train)
         resumed = job.wait_for("the 1 + 2 round to train", lambda: (
             len(job.count(STEP)) >= args.steps_before_replace and job.count(RESUME)), args.timeout)
@@ -67,6 +69,8 @@ def main(argv=None):
         if args.replace:
             mark = job.mark()
             job.start_node("node-c", node_args(1), train)
+            job.wait_for("node-c to join", lambda: job.count(" joined job ", ("node-c",), mark),
+                         60)
             job.start_node("node-d", node_args(1), train)
             job.wait_for("node-c and node-d to wait as standbys", lambda: all(
                 job.count(r": standby", (n,), mark) for n in ("node-c", "node-d")), args.timeout)
