@@ -9,6 +9,8 @@
 
 #include "agent/stale_dirs.h"
 #include "common/log.h"
+#include "horovod/rendezvous_server.h"
+#include "horovod/slots.h"
 #include "snapshot/store.h"
 
 namespace efdl::agent {
@@ -66,6 +68,28 @@ std::optional<int64_t> NewestStoredStep(const std::string& snapshot_dir, const s
     if (!oldest_rank || *step < *oldest_rank) oldest_rank = step;
   }
   return oldest_rank;
+}
+
+// What Horovod's Gloo controller reads when started without horovodrun (docs/horovod.md). The
+// node id is the host name: unique in the job, so each node gets its own local_<host> scope
+// even when several nodes share a machine.
+void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& a,
+                           int local_rank, std::map<std::string, std::string>& env) {
+  const auto li = static_cast<size_t>(local_rank);
+  horovod::SlotInfo slot;
+  slot.hostname = options.node_id;
+  slot.rank = a.rank_offset + local_rank;
+  slot.size = a.world_size;
+  slot.local_rank = local_rank;
+  slot.local_size = a.nproc;
+  // Without a per-local-rank layout every node runs the same number of processes.
+  slot.cross_rank = li < a.cross_rank.size() ? a.cross_rank[li] : a.node_rank;
+  slot.cross_size = li < a.cross_size.size() ? a.cross_size[li] : a.nnodes;
+  horovod::WorkerEnvOptions o;
+  o.rendezvous_addr = a.master_addr;
+  o.rendezvous_port = a.horovod_port;
+  o.gloo_iface = options.gloo_iface;
+  env.merge(horovod::WorkerEnv(slot, o));
 }
 
 }  // namespace
@@ -131,6 +155,7 @@ std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& optio
       {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
   };
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  AddHorovodEnvironment(options, a, local_rank, env);
   return env;
 }
 
@@ -317,6 +342,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
                 a.node_rank, a.nnodes, a.rank_offset, a.rank_offset + a.nproc - 1, a.world_size,
                 a.master_addr, a.master_port,
                 options_.launcher ? " (one launcher process for them)" : "");
+  StartHorovodRendezvous(a);
   auto group = WorkerGroup::Start(std::move(wg));
   if (!group.ok()) {
     EFDL_LOG_ERROR("cannot start workers: {}", group.status().message());
@@ -349,6 +375,7 @@ void Agent::StartSparePool() {
 }
 
 void Agent::StopWorkers(bool graceful, const std::string& reason) {
+  horovod_server_.reset();   // the round is over for this node
   if (!group_) return;
   const int64_t round = group_->round();
   if (group_->running() > 0) {
@@ -398,6 +425,33 @@ int Agent::Shutdown(int signal) {
   StopWorkers(/*graceful=*/true, fmt::format("node {} is leaving ({})", options_.node_id,
                                              SignalName(signal)));
   return 128 + signal;
+}
+
+void Agent::StartHorovodRendezvous(const rdzv::Assignment& a) {
+  horovod_server_.reset();
+  if (a.standby || a.node_rank != 0 || a.horovod_port == 0 || a.horovod_hosts.empty()) return;
+  std::vector<horovod::HostSlots> hosts;
+  hosts.reserve(a.horovod_hosts.size());
+  for (const auto& [id, nproc] : a.horovod_hosts) hosts.push_back({id, nproc});
+  auto slots = horovod::AssignSlots(hosts);
+  Status failed = slots.status();
+  if (slots.ok()) {
+    horovod::RendezvousServerOptions o;
+    o.bind_addr = a.master_addr;   // this node's advertise address: never every interface
+    o.port = a.horovod_port;
+    auto server = horovod::RendezvousServer::Start(o, *slots);
+    if (server.ok()) {
+      horovod_server_ = std::move(server).value();
+      EFDL_LOG_DEBUG("round {}: serving Horovod's Gloo rendezvous on {}:{} for {} processes",
+                     a.round, a.master_addr, a.horovod_port, a.world_size);
+      return;
+    }
+    failed = server.status();
+  }
+  // Only real Horovod needs the server: a torch.distributed job of this round is unaffected.
+  EFDL_LOG_WARN("round {}: cannot serve Horovod's Gloo rendezvous on {}:{}: {}; real Horovod "
+                "workers of this round will fail to initialise", a.round, a.master_addr,
+                a.horovod_port, failed.message());
 }
 
 }  // namespace efdl::agent

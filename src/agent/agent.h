@@ -23,6 +23,10 @@
 #include "common/net.h"
 #include "rendezvous/rendezvous.h"
 
+namespace efdl::horovod {
+class RendezvousServer;
+}  // namespace efdl::horovod
+
 namespace efdl::agent {
 
 struct AgentOptions {
@@ -38,6 +42,9 @@ struct AgentOptions {
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
   std::string job_secret;                  // passed to workers as EFDL_JOB_SECRET; never logged
   std::string control_socket_path;         // empty: control.sock in a private temp directory
+  // HOROVOD_GLOO_IFACE for the workers: the interface of this node's advertise address (empty:
+  // not set; PlanRun finds it with InterfaceOfAddress).
+  std::string gloo_iface;
   // One process per node (a third-party launcher such as torchrun) with LauncherEnvironment()
   // instead of `nproc` workers with WorkerEnvironment().
   bool launcher = false;
@@ -52,7 +59,8 @@ struct AgentOptions {
   std::function<int()> poll_signal;
 };
 
-// The environment one worker gets for `assignment` (the torchrun-compatible set plus EFDL_*).
+// The environment one worker gets for `assignment` (the torchrun-compatible set plus EFDL_*
+// and Horovod's HOROVOD_*).
 std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
                                                      const rdzv::Assignment& assignment,
                                                      int local_rank, int restart_count,
@@ -101,6 +109,9 @@ class Agent {
   int Suspend(const rdzv::Event& event);
   void StartSparePool();
   void StopWorkers(bool graceful, const std::string& reason);
+  // The rank-0 node serves Horovod's Gloo rendezvous for the round it starts (docs/horovod.md);
+  // the server lives exactly as long as the round's workers.
+  void StartHorovodRendezvous(const rdzv::Assignment& assignment);
 
   const AgentOptions options_;
   rdzv::Rendezvous& rdzv_;
@@ -110,6 +121,7 @@ class Agent {
   std::unique_ptr<ControlServer> control_;
   std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
   std::unique_ptr<WorkerGroup> group_;
+  std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;
   int restarts_ = 0;

@@ -264,6 +264,9 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   r.advertise_addr = !f.advertise_addr.empty() ? f.advertise_addr
                      : loopback                ? "127.0.0.1"
                                                : HostName();
+  // Horovod's gloo listens on the interface of that address (none found here, e.g. behind NAT:
+  // HOROVOD_GLOO_IFACE stays unset and gloo picks by host name).
+  a.gloo_iface = InterfaceOfAddress(r.advertise_addr).value_or("");
   r.nproc = a.nproc;
   r.min_nodes = nodes.min;
   r.max_nodes = nodes.max;

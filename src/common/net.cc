@@ -93,7 +93,8 @@ Result<std::string> InterfaceOfAddress(const std::string& host) {
   }
   ::freeifaddrs(ifs);
   if (found.empty()) {
-    return Status::NotFound(fmt::format("no network interface of this machine has the address of '{}'", host));
+    return Status::NotFound(
+        fmt::format("no network interface of this machine has the address of '{}'", host));
   }
   return found;
 }

@@ -60,6 +60,35 @@ struct MemberInfo {
   NodeRecord record;
 };
 
+// --- Horovod (docs/horovod.md): a second port offered in each ack, the rank-0 node's offer in
+// the round record, each node's cross layout (and, for rank 0, the member list) from its assign.
+
+// A free port for the Horovod rendezvous, distinct from the master port offered with it.
+uint16_t OfferHorovodPort(const std::string& advertise_addr, uint16_t master_port) {
+  const std::string host = advertise_addr.empty() ? "127.0.0.1" : advertise_addr;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto port = PickFreePort(host);
+    if (!port.ok()) port = PickFreePort("0.0.0.0");
+    if (port.ok() && *port != master_port) return *port;
+  }
+  return 0;
+}
+
+// The Horovod port `id` offered with its ack of `round` (0: none).
+uint16_t OfferedHorovodPort(const std::map<std::string, AckRecord>& acks, const std::string& id,
+                            int64_t round) {
+  auto it = acks.find(id);
+  return it != acks.end() && it->second.round == round ? it->second.horovod_port : 0;
+}
+
+void AddHorovodPlace(const RoundRecord& round, const AssignRecord& assign, Assignment& a) {
+  a.horovod_port = round.horovod_port;
+  if (assign.standby) return;
+  a.cross_rank = assign.cross_rank;
+  a.cross_size = assign.cross_size;
+  a.horovod_hosts = assign.hosts;
+}
+
 class EtcdRendezvous final : public Rendezvous {
  public:
   EtcdRendezvous(etcd::Client& client, RendezvousOptions options)
@@ -623,6 +652,7 @@ void EtcdRendezvous::TryStart() {
     a.rank_offset = assign_->rank_offset;
     a.nproc = opt_.nproc;
   }
+  AddHorovodPlace(round_, *assign_, a);
   e.message = !a.standby             ? round_.message
               : opt_.world_size > 0 ? "standby: the round's processes already add up to the "
                                       "world size"
@@ -643,6 +673,7 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
     auto port = PickFreePort(opt_.advertise_addr.empty() ? "127.0.0.1" : opt_.advertise_addr);
     if (!port.ok()) port = PickFreePort("0.0.0.0");
     ack.port = port.ok() ? *port : 0;
+    ack.horovod_port = OfferHorovodPort(opt_.advertise_addr, ack.port);
     acked_round_ = round;
   }
   auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), lease_);
@@ -1166,6 +1197,7 @@ void EtcdRendezvous::Propose(bool graceful, std::string why) {
   next.nnodes = 0;
   next.master_addr.clear();
   next.master_port = 0;
+  next.horovod_port = 0;
   reround_ = false;
   reround_graceful_ = true;
   reround_why_.clear();
@@ -1210,8 +1242,9 @@ void EtcdRendezvous::Finalize() {
   // was replaced meanwhile writes nothing.
   std::vector<etcd::TxnOp> ops;
   std::vector<std::pair<std::string, AssignRecord>> writes;
-  for (const auto& m : plan.members) {
-    writes.push_back({m.id, {round_.round, m.node_rank, m.rank_offset, false}});
+  std::vector<AssignRecord> member_assigns = MemberAssignments(round_.round, plan);
+  for (size_t i = 0; i < plan.members.size(); ++i) {
+    writes.push_back({plan.members[i].id, std::move(member_assigns[i])});
   }
   for (const auto& id : plan.standbys) writes.push_back({id, {round_.round, 0, 0, true}});
   std::vector<std::string> stale;
@@ -1258,6 +1291,9 @@ void EtcdRendezvous::Finalize() {
   next.nnodes = static_cast<int>(plan.members.size());
   next.master_addr = plan.master_addr;
   next.master_port = plan.master_port;
+  next.horovod_port = plan.members.empty()
+                          ? 0
+                          : OfferedHorovodPort(acks_, plan.members.front().id, round_.round);
   next.deputies = PickDeputies(order);
   Record(fmt::format("round {} formed: {} nodes, world size {}, {} standby, {} left out",
                      round_.round, plan.members.size(), plan.world_size, plan.standbys.size(),

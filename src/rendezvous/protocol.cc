@@ -116,6 +116,7 @@ std::string RoundRecord::Encode() const {
     j["n"] = nnodes;
     j["ma"] = master_addr;
     j["mp"] = master_port;
+    if (horovod_port != 0) j["hp"] = horovod_port;
   }
   if (!message.empty()) j["msg"] = message;
   return j.dump();
@@ -128,6 +129,7 @@ Result<RoundRecord> RoundRecord::Decode(const std::string& text) {
               Field(j, "d", r.deputies) && Field(j, "g", r.graceful) &&
               Field(j, "w", r.world_size) && Field(j, "n", r.nnodes) &&
               Field(j, "ma", r.master_addr) && Field(j, "mp", r.master_port) &&
+              Field(j, "hp", r.horovod_port) &&
               Field(j, "msg", r.message);
     if (!ok) return false;
     for (int i = 0; i < static_cast<int>(std::size(kPhaseNames)); ++i) {
@@ -166,6 +168,48 @@ Result<NodeRecord> NodeRecord::Decode(const std::string& text) {
   });
 }
 
+namespace {
+// Horovod's layout in an assign record (MemberAssignments). Process counts are bounded like
+// fragmented world sizes, so a damaged record cannot make an agent allocate without limit.
+constexpr int kMaxHorovodCount = 1'000'000;
+
+bool HorovodIntList(const json& j, const char* name, std::vector<int>& out) {
+  auto it = j.find(name);
+  if (it == j.end() || it->is_null()) return true;
+  if (!it->is_array() || it->size() > static_cast<size_t>(kMaxHorovodCount)) return false;
+  for (const auto& v : *it) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxHorovodCount) {
+      return false;
+    }
+    out.push_back(v.get<int>());
+  }
+  return true;
+}
+
+bool HorovodHosts(const json& j, std::vector<std::pair<std::string, int>>& out) {
+  auto it = j.find("hosts");
+  if (it == j.end() || it->is_null()) return true;
+  if (!it->is_array()) return false;
+  for (const auto& h : *it) {
+    if (!h.is_array() || h.size() != 2 || !h[0].is_string() || !h[1].is_number_integer() ||
+        h[1].get<int64_t>() < 1 || h[1].get<int64_t>() > kMaxHorovodCount) {
+      return false;
+    }
+    out.emplace_back(h[0].get<std::string>(), h[1].get<int>());
+  }
+  return true;
+}
+
+// A cross rank must lie below its cross size, one pair per local rank.
+bool HorovodLayoutValid(const AssignRecord& a) {
+  if (a.cross_rank.size() != a.cross_size.size()) return false;
+  for (size_t i = 0; i < a.cross_rank.size(); ++i) {
+    if (a.cross_rank[i] >= a.cross_size[i]) return false;
+  }
+  return true;
+}
+}  // namespace
+
 std::string AssignRecord::Encode() const {
   json j = {{"r", round}};
   if (standby) {
@@ -173,6 +217,15 @@ std::string AssignRecord::Encode() const {
   } else {
     j["rank"] = node_rank;
     j["off"] = rank_offset;
+    if (!cross_rank.empty()) {
+      j["cr"] = cross_rank;
+      j["cs"] = cross_size;
+    }
+    if (!hosts.empty()) {
+      json list = json::array();
+      for (const auto& [id, nproc] : hosts) list.push_back(json::array({id, nproc}));
+      j["hosts"] = std::move(list);
+    }
   }
   return j.dump();
 }
@@ -180,13 +233,16 @@ std::string AssignRecord::Encode() const {
 Result<AssignRecord> AssignRecord::Decode(const std::string& text) {
   return ParseWith<AssignRecord>("assign", text, [](const json& j, AssignRecord& a) {
     return Field(j, "r", a.round) && Field(j, "rank", a.node_rank) &&
-           Field(j, "off", a.rank_offset) && Field(j, "sb", a.standby);
+           Field(j, "off", a.rank_offset) && Field(j, "sb", a.standby) &&
+           HorovodIntList(j, "cr", a.cross_rank) && HorovodIntList(j, "cs", a.cross_size) &&
+           HorovodLayoutValid(a) && HorovodHosts(j, a.hosts);
   });
 }
 
 std::string AckRecord::Encode() const {
   json j = {{"r", round}, {"st", AckStateName(state)}};
   if (port != 0) j["port"] = port;
+  if (horovod_port != 0) j["hp"] = horovod_port;
   if (restarts != 0) j["rs"] = restarts;
   return j.dump();
 }
@@ -195,7 +251,7 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
   return ParseWith<AckRecord>("ack", text, [](const json& j, AckRecord& a) {
     std::string st;
     if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
-          Field(j, "rs", a.restarts))) {
+          Field(j, "hp", a.horovod_port) && Field(j, "rs", a.restarts))) {
       return false;
     }
     for (int i = 0; i < 4; ++i) {
@@ -317,6 +373,44 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
   plan.formed = static_cast<int>(plan.members.size()) >= limits.min_nodes &&
                 !plan.members.empty();
   return plan;
+}
+
+std::vector<AssignRecord> MemberAssignments(int64_t round, const Plan& plan) {
+  std::vector<AssignRecord> out;
+  out.reserve(plan.members.size());
+  bool uniform = true;
+  int max_nproc = 0;
+  for (const auto& m : plan.members) {
+    uniform = uniform && m.nproc == plan.members.front().nproc;
+    max_nproc = std::max(max_nproc, m.nproc);
+  }
+  // cross_size[l]: members with a local rank l; next_cross[l]: the next cross rank to hand out.
+  std::vector<int> cross_size(uniform ? 0 : static_cast<size_t>(max_nproc), 0);
+  std::vector<int> next_cross(cross_size.size(), 0);
+  if (!uniform) {
+    for (const auto& m : plan.members) {
+      for (int l = 0; l < m.nproc; ++l) ++cross_size[static_cast<size_t>(l)];
+    }
+  }
+  for (const auto& m : plan.members) {
+    AssignRecord a;
+    a.round = round;
+    a.node_rank = m.node_rank;
+    a.rank_offset = m.rank_offset;
+    if (!uniform) {
+      for (int l = 0; l < m.nproc; ++l) {
+        auto li = static_cast<size_t>(l);
+        a.cross_rank.push_back(next_cross[li]++);
+        a.cross_size.push_back(cross_size[li]);
+      }
+    }
+    out.push_back(std::move(a));
+  }
+  if (!out.empty()) {
+    out.front().hosts.reserve(plan.members.size());
+    for (const auto& m : plan.members) out.front().hosts.emplace_back(m.id, m.nproc);
+  }
+  return out;
 }
 
 }  // namespace efdl::rdzv

@@ -3,11 +3,12 @@
 // KEYS (P = /efdl/<job>/)
 //   P nodes/<node>   lease-bound; {addr, nproc}. create_revision = join order.
 //   P round          the one small record every node watches (~200 bytes, size independent of N):
-//                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, msg}.
-//   P assign/<node>  written by the coordinator only; {r, rank, off, sb}: this node's place in
-//                    round r. Each node watches only its own assign key.
-//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, rs (restarts)}. Written
-//                    by the node itself; only the coordinator watches the ack/ prefix.
+//                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, hp, msg}.
+//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts}: this
+//                    node's place in round r (cr/cs/hosts: Horovod's layout, see AssignRecord).
+//                    Each node watches only its own assign key.
+//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, rs (restarts)}.
+//                    Written by the node itself; only the coordinator watches the ack/ prefix.
 //   P status         written by the coordinator once per round for `efdl status` (never watched).
 //   P complete       present once every member of a round reported success.
 //   P suspended/<node>  not lease-bound; {step (int or null), t}: written by each agent of a
@@ -56,6 +57,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "efdl/status.h"
@@ -95,6 +97,7 @@ struct RoundRecord {
   int nnodes = 0;              // active: members
   std::string master_addr;     // active
   uint16_t master_port = 0;    // active
+  uint16_t horovod_port = 0;   // active, "hp": the rank-0 node's Horovod Gloo rendezvous (0: none)
   std::string message;         // why the round changed (for logs)
 
   std::string Encode() const;
@@ -113,6 +116,13 @@ struct AssignRecord {
   int node_rank = 0;
   int rank_offset = 0;
   bool standby = false;
+  // Horovod's place of each local rank (MemberAssignments). "cr"/"cs" only when the round's
+  // nodes run different numbers of processes (else cross rank = node rank, size = nnodes);
+  // "hosts" (every member's id and nproc, rank order) only in the rank-0 node's record, which
+  // serves the Gloo rendezvous: O(N) bytes, but to that one node only.
+  std::vector<int> cross_rank{};
+  std::vector<int> cross_size{};
+  std::vector<std::pair<std::string, int>> hosts{};
   std::string Encode() const;
   static Result<AssignRecord> Decode(const std::string& text);
 };
@@ -125,6 +135,7 @@ struct AckRecord {
   AckState state = AckState::kAck;
   uint16_t port = 0;           // kAck: a free port this node offers as MASTER_PORT
   int restarts = 0;            // worker failures this node reported so far
+  uint16_t horovod_port = 0;   // kAck, "hp": a second free port, for the Horovod rendezvous
   std::string Encode() const;
   static Result<AckRecord> Decode(const std::string& text);
 };
@@ -197,5 +208,10 @@ struct PlanLimits {
 // members keep the order (ranks contiguous per node), every other candidate is a standby.
 Plan PlanRound(const std::vector<Candidate>& candidates,
                const std::map<std::string, int>& previous_rank, const PlanLimits& limits);
+
+// The assign records of a formed plan's members, in plan order, with Horovod's layout: the
+// cross rank of local rank l on a node = members before it with more than l processes, the
+// cross size = all such members (Horovod's Gloo runner numbers them so). O(world size).
+std::vector<AssignRecord> MemberAssignments(int64_t round, const Plan& plan);
 
 }  // namespace efdl::rdzv

@@ -1,5 +1,7 @@
 """The Horovod layer under real agents: two `efdl run` nodes of 2 and 1 processes on one real
-etcd; `hvd` learns its place from the agent's environment and trains in step.
+etcd; `hvd` learns its place from the agent's environment and trains in step. Each worker also
+checks what real Horovod would read: the HOROVOD_* variables, and the Gloo rendezvous that the
+rank-0 node's agent serves (it plays Horovod's global-scope exchange over HTTP).
 Skipped when the efdl binary is not built (EFDL_BIN or build/efdl)."""
 
 import json
@@ -18,9 +20,30 @@ pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
                                 reason="efdl binary not built (set EFDL_BIN)")
 
 TRAIN = textwrap.dedent("""
-    import json, torch
+    import json, os, time, torch, urllib.error, urllib.request
     from efdl.backend.horovod.torch import hvd
     hvd.init()
+
+    def rendezvous(method, path, data=None):
+        # Like Horovod's HTTP store client: retry until the key exists (404) or the server is up.
+        url = "http://%s:%s%s" % (os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"],
+                                  os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"], path)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                req = urllib.request.Request(url, data=data, method=method)
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.read().decode()
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    rendezvous("PUT", "/global/rank_%d" % hvd.rank(), b"addr-of-%d" % hvd.rank())
+    peers = [rendezvous("GET", "/global/rank_%d" % r) for r in range(hvd.size())]
+    mine = rendezvous("GET", "/rank_and_size/%s:%s" % (os.environ["HOROVOD_HOSTNAME"],
+                                                       os.environ["HOROVOD_LOCAL_RANK"]))
+    horovod_env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}
     torch.manual_seed(hvd.rank())  # different start on every rank: broadcast must fix it
     model = torch.nn.Linear(4, 2).double()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -34,7 +57,7 @@ TRAIN = textwrap.dedent("""
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     print("HVD " + json.dumps(dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
           local_size=hvd.local_size(), cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
-          params=params)), flush=True)
+          params=params, env=horovod_env, peers=peers, rank_and_size=mine)), flush=True)
 """)
 HVD_RE = re.compile(r"HVD (\{.*\})")
 
@@ -69,3 +92,22 @@ def test_hvd_layer_trains_in_step_on_heterogeneous_nodes(tmp_path):
     seconds = [r for r in results if r["local_rank"] == 1]
     assert [(r["cross_rank"], r["cross_size"]) for r in firsts] == [(0, 2), (1, 2)]
     assert [(r["cross_rank"], r["cross_size"]) for r in seconds] == [(0, 1)]
+
+    # What real Horovod would have read, on every worker.
+    ports = {r["env"]["HOROVOD_GLOO_RENDEZVOUS_PORT"] for r in results}
+    assert len(ports) == 1 and int(ports.pop()) > 0, results
+    for r in results:
+        env = r["env"]
+        assert env["HOROVOD_RANK"] == str(r["rank"]) and env["HOROVOD_SIZE"] == "3", env
+        assert env["HOROVOD_LOCAL_RANK"] == str(r["local_rank"]), env
+        assert env["HOROVOD_LOCAL_SIZE"] == str(r["local_size"]), env
+        assert env["HOROVOD_CROSS_RANK"] == str(r["cross_rank"]), env
+        assert env["HOROVOD_CROSS_SIZE"] == str(r["cross_size"]), env
+        assert env["HOROVOD_HOSTNAME"] == ("node-a" if r["local_size"] == 2 else "node-b"), env
+        assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo", env
+        assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1", env
+        assert env.get("HOROVOD_GLOO_IFACE") == "lo", env
+        # The rank-0 agent's server knows the round and relayed every rank's value.
+        assert r["rank_and_size"] == "%d,3,%d,%d,%d,%d" % (
+            r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]), r
+        assert r["peers"] == ["addr-of-0", "addr-of-1", "addr-of-2"], r

@@ -82,5 +82,84 @@ TEST(ValidateIdTest, RejectsWhatEtcdKeysAndPathsCannotTake) {
   EXPECT_FALSE(ValidateId("node id", std::string(200, 'x')).ok());
 }
 
+// Horovod: the cross communicator of local rank l joins local rank l of every node that has
+// one; ranks in node order. Hosts a:1, b:2, c:3 -> cross_0 = {a,b,c}, cross_1 = {b,c},
+// cross_2 = {c}.
+TEST(HorovodLayoutTest, CrossPlacesOnlyWhenNprocsDifferAndMembersOnlyForRankZero) {
+  Plan p = PlanRound({{"a", 1, 1, "h", 5}, {"b", 2, 2, "h", 6}, {"c", 3, 3, "h", 7}}, {},
+                     {1, 3, 0});
+  ASSERT_TRUE(p.formed);
+  auto as = MemberAssignments(9, p);
+  ASSERT_EQ(as.size(), 3u);
+  EXPECT_EQ(as[0].cross_rank, (std::vector<int>{0}));
+  EXPECT_EQ(as[0].cross_size, (std::vector<int>{3}));
+  EXPECT_EQ(as[1].cross_rank, (std::vector<int>{1, 0}));
+  EXPECT_EQ(as[1].cross_size, (std::vector<int>{3, 2}));
+  EXPECT_EQ(as[2].cross_rank, (std::vector<int>{2, 1, 0}));
+  EXPECT_EQ(as[2].cross_size, (std::vector<int>{3, 2, 1}));
+  for (size_t i = 0; i < as.size(); ++i) {
+    EXPECT_EQ(as[i].round, 9);
+    EXPECT_EQ(as[i].node_rank, static_cast<int>(i));
+    EXPECT_EQ(as[i].rank_offset, p.members[i].rank_offset);
+    EXPECT_FALSE(as[i].standby);
+  }
+  using Hosts = std::vector<std::pair<std::string, int>>;
+  EXPECT_EQ(as[0].hosts, (Hosts{{"a", 1}, {"b", 2}, {"c", 3}}));
+  EXPECT_TRUE(as[1].hosts.empty() && as[2].hosts.empty());
+
+  // Same nproc everywhere: cross rank = node rank, cross size = nnodes; nothing per local rank.
+  Plan u = PlanRound({{"a", 1, 2, "h", 5}, {"b", 2, 2, "h", 6}}, {}, {1, 3, 0});
+  auto us = MemberAssignments(3, u);
+  ASSERT_EQ(us.size(), 2u);
+  EXPECT_TRUE(us[0].cross_rank.empty() && us[1].cross_rank.empty() && us[1].cross_size.empty());
+  EXPECT_EQ(us[0].hosts, (Hosts{{"a", 2}, {"b", 2}}));
+  EXPECT_LT(us[1].Encode().size(), 40u);   // a uniform round's records stay as small as before
+}
+
+TEST(HorovodLayoutTest, RecordsRoundTripAndRejectDamagedLayouts) {
+  AssignRecord a{4, 1, 3, false};
+  a.cross_rank = {1, 0};
+  a.cross_size = {2, 1};
+  a.hosts = {{"n0", 3}, {"n1", 2}};
+  auto back = AssignRecord::Decode(a.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->cross_rank, a.cross_rank);
+  EXPECT_EQ(back->cross_size, a.cross_size);
+  EXPECT_EQ(back->hosts, a.hosts);
+  EXPECT_EQ(back->rank_offset, 3);
+  for (const char* bad : {R"({"r":1,"rank":0,"off":0,"cr":[0,1],"cs":[2]})",   // lengths differ
+                          R"({"r":1,"rank":0,"off":0,"cr":[2],"cs":[2]})",     // rank >= size
+                          R"({"r":1,"rank":0,"off":0,"cr":[-1],"cs":[2]})",
+                          R"({"r":1,"rank":0,"off":0,"cr":"0","cs":[2]})",
+                          R"({"r":1,"rank":0,"off":0,"hosts":[["a"]]})",
+                          R"({"r":1,"rank":0,"off":0,"hosts":[["a",0]]})",
+                          R"({"r":1,"rank":0,"off":0,"hosts":[[1,2]]})"}) {
+    EXPECT_FALSE(AssignRecord::Decode(bad).ok()) << bad;
+  }
+
+  AckRecord ack{7, AckState::kAck, 29500, 0};
+  ack.horovod_port = 29501;
+  auto ack_back = AckRecord::Decode(ack.Encode());
+  ASSERT_TRUE(ack_back.ok());
+  EXPECT_EQ(ack_back->port, 29500);
+  EXPECT_EQ(ack_back->horovod_port, 29501);
+  EXPECT_FALSE(AckRecord::Decode(R"({"r":1,"st":"ack","hp":70000})").ok());
+
+  RoundRecord r;
+  r.round = 7;
+  r.phase = Phase::kActive;
+  r.coordinator = "n1";
+  r.deputies = {"n2", "n3"};
+  r.world_size = 12;
+  r.nnodes = 3;
+  r.master_addr = "10.0.0.1";
+  r.master_port = 29500;
+  r.horovod_port = 29501;
+  auto round_back = RoundRecord::Decode(r.Encode());
+  ASSERT_TRUE(round_back.ok());
+  EXPECT_EQ(round_back->horovod_port, 29501);
+  EXPECT_LT(r.Encode().size(), 200u);   // every node watches it
+}
+
 }  // namespace
 }  // namespace efdl::rdzv

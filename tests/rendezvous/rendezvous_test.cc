@@ -491,5 +491,32 @@ TEST(RendezvousTest, OneReroundCostsLinearRequestsAndEvents) {
   EXPECT_LE(st.watch_events, 4 * kN + 12);
 }
 
+TEST(RendezvousTest, HorovodLayoutAndServerPortReachEveryNodeButTheMemberListOnlyRankZero) {
+  MemoryEtcd db;
+  auto oa = Opts("a", 2, 2);
+  oa.nproc = 1;
+  auto ob = Opts("b", 2, 2);
+  ob.nproc = 2;
+  auto a = Start(db, oa);
+  auto b = Start(db, ob);
+  auto ea = a->Started();
+  auto eb = b->Started();
+  ASSERT_TRUE(ea && eb);
+  const Assignment& x = ea->assignment;
+  const Assignment& y = eb->assignment;
+  ASSERT_EQ(x.node_rank, 0);
+  // The rank-0 node's offer, for everyone, and not the master port offered with it.
+  EXPECT_NE(x.horovod_port, 0);
+  EXPECT_NE(x.horovod_port, x.master_port);
+  EXPECT_EQ(y.horovod_port, x.horovod_port);
+  EXPECT_EQ(x.cross_rank, (std::vector<int>{0}));
+  EXPECT_EQ(x.cross_size, (std::vector<int>{2}));
+  EXPECT_EQ(y.cross_rank, (std::vector<int>{1, 0}));
+  EXPECT_EQ(y.cross_size, (std::vector<int>{2, 1}));
+  using Hosts = std::vector<std::pair<std::string, int>>;
+  EXPECT_EQ(x.horovod_hosts, (Hosts{{"a", 1}, {"b", 2}}));
+  EXPECT_TRUE(y.horovod_hosts.empty());
+}
+
 }  // namespace
 }  // namespace efdl::rdzv
