@@ -3,15 +3,16 @@ gloo groups of 3 ranks on loopback, each rank playing a node with its own shared
 storage directories (what separate machines see)."""
 
 import os
-import subprocess
 import textwrap
 
 import pytest
+import torch
 
-from conftest import PYTHON, kill_all
+from conftest import PYTHON
 
 from efdl import _agreement
 from efdl._agreement import Decision, NoCommonSnapshotError, decide
+from efdl.state import State
 
 
 def test_newest_snapshot_of_any_rank_wins_and_lacking_ranks_receive_it():
@@ -46,22 +47,26 @@ def test_packed_layout_aligns_every_tensor():
     assert offsets == [0, 64, 192] and total == 192
 
 
-# Phase 1 (one process per "node", no process group): commit COMMITS snapshots of a model whose
-# weights are filled with the node's value, the last at step STEP.
-WRITE = textwrap.dedent("""
-    import os, torch
-    from efdl.state import State
-    model = torch.nn.Linear(4, 3)
-    st = State(model, step=0, tag="")
-    for i in range(int(os.environ["COMMITS"])):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float(os.environ["VALUE"]) + i)
-        st.step = int(os.environ["STEP"]) - (int(os.environ["COMMITS"]) - 1 - i)
-        st.tag = "written by " + os.environ["EFDL_NODE_ID"]
-        st.commit()
-    st.flush()
-""")
+# Phase 1 (in this process, one State per "node", no process group): commit `commits` snapshots
+# of a model whose weights are filled with value, value + 1, ..., the last at `step`.
+def write_snapshots(tmp_path, nodes, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "EFDL_CONTROL_SOCKET",
+                "EFDL_SNAPSHOT_PER_RANK", "EFDL_AGENT_PERSISTS"):
+        monkeypatch.delenv(var, raising=False)
+    for node, (value, step, commits) in nodes.items():
+        for k, v in node_env(tmp_path, node).items():
+            monkeypatch.setenv(k, v)
+        model = torch.nn.Linear(4, 3)
+        st = State(model, step=0, tag="")
+        for i in range(commits):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(value + i)
+            st.step = step - (commits - 1 - i)
+            st.tag = "written by " + node
+            st.commit()
+        st.flush()
+
 
 # Phase 2 (a gloo group of 3): every rank restores and reports; then the ranks' agents ask for a
 # stop at different commit() calls (simulated: State's control client is the agent's socket, so
@@ -99,23 +104,6 @@ def node_env(tmp_path, node):
             "EFDL_PERSIST_MIN_INTERVAL_MS": "0"}
 
 
-def write_snapshots(tmp_path, nodes, clean_env):
-    """nodes: {node: (value, step, commits)}, written by one process per node in parallel."""
-    procs = []
-    try:
-        for node, (value, step, commits) in nodes.items():
-            env = dict(clean_env)
-            env.update(node_env(tmp_path, node))
-            env.update(VALUE=str(value), STEP=str(step), COMMITS=str(commits))
-            procs.append(subprocess.Popen([PYTHON, "-c", WRITE], env=env, stderr=subprocess.PIPE,
-                                          text=True))
-        for proc in procs:
-            _, err = proc.communicate(timeout=90)
-            assert proc.returncode == 0, err
-    finally:
-        kill_all(procs)
-
-
 def restore_in_group(tmp_path, spawn_ranks):
     nodes = ["n0", "n1", "n2"]
     results = spawn_ranks([PYTHON, "-c", READ], 3, timeout=90,
@@ -129,9 +117,9 @@ def restore_in_group(tmp_path, spawn_ranks):
 
 
 def test_ranks_restore_the_newest_step_of_any_node_and_align_their_seqs(tmp_path, spawn_ranks,
-                                                                        clean_env):
+                                                                        monkeypatch):
     # n0 holds an older step (seq 1), n1 the newest (seq 3), n2 is a new node with nothing.
-    write_snapshots(tmp_path, {"n0": (1.0, 7, 1), "n1": (5.0, 12, 3)}, clean_env)
+    write_snapshots(tmp_path, {"n0": (1.0, 7, 1), "n1": (5.0, 12, 3)}, monkeypatch)
     out = restore_in_group(tmp_path, spawn_ranks)
     assert [o["source"] for o in out] == ["peer", "memory", "peer"], out
     assert {o["step"] for o in out} == {"12"}, out
@@ -143,8 +131,8 @@ def test_ranks_restore_the_newest_step_of_any_node_and_align_their_seqs(tmp_path
     assert {o["stop"] for o in out} == {"6"}, out
 
 
-def test_a_rank_whose_memory_copy_was_lost_receives_it(tmp_path, spawn_ranks, clean_env):
-    write_snapshots(tmp_path, {node: (2.0, 30, 2) for node in ("n0", "n1", "n2")}, clean_env)
+def test_a_rank_whose_memory_copy_was_lost_receives_it(tmp_path, spawn_ranks, monkeypatch):
+    write_snapshots(tmp_path, {node: (2.0, 30, 2) for node in ("n0", "n1", "n2")}, monkeypatch)
     for name in os.listdir(tmp_path / "shm-n1"):
         os.unlink(tmp_path / "shm-n1" / name)          # n1 rebooted: storage holds seq 2 only
     for name in os.listdir(tmp_path / "storage-n1" / ("agree-" + tmp_path.name)):
