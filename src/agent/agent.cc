@@ -129,6 +129,7 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
   if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
   // As torchrun does: several processes per node must not each spawn a thread per core.
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  AddHorovodEnvironment(options, a, local_rank, env);
   return env;
 }
 
@@ -155,7 +156,6 @@ std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& optio
       {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
   };
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
-  AddHorovodEnvironment(options, a, local_rank, env);
   return env;
 }
 
