@@ -82,6 +82,13 @@ def decide(offers, per_rank=False):
     return Decision(key, holders, {r: holders[i % len(holders)] for i, r in enumerate(lacking)})
 
 
+def _device():
+    """Where tensors given to collectives live: NCCL moves only CUDA tensors, gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather(obj, world):
     """Every rank's `obj` (small, picklable), in rank order."""
     out = [None] * world
@@ -99,20 +106,20 @@ def packed_layout(tensors):
 
 
 def _send_bytes(payload, dst):
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-        torch.empty(0, dtype=torch.uint8)
-    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst)
-    if len(payload):
-        dist.send(data, dst)
+    dev = _device()
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64, device=dev), dst)
+    if payload:
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev), dst)
 
 
 def _recv_bytes(src):
-    n = torch.zeros(1, dtype=torch.int64)
+    dev = _device()
+    n = torch.zeros(1, dtype=torch.int64, device=dev)
     dist.recv(n, src)
-    data = torch.empty(int(n.item()), dtype=torch.uint8)
+    data = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
     if data.numel():
         dist.recv(data, src)
-    return data.numpy().tobytes()
+    return data.cpu().numpy().tobytes()
 
 
 def send_snapshot(engine, ref, destinations):
@@ -136,9 +143,10 @@ def send_snapshot(engine, ref, destinations):
             _send_bytes(pickle.dumps(header, protocol=4), dst)
         raise
     blob = pickle.dumps(header, protocol=4)
+    wire = buf.to(_device())  # the same tensor with gloo; one device copy with NCCL
     for dst in destinations:
         _send_bytes(blob, dst)
-        dist.send(buf, dst)
+        dist.send(wire, dst)
 
 
 class ReceivedSnapshot:
@@ -176,9 +184,9 @@ def receive_snapshot(src):
     if "error" in header:
         raise RuntimeError(header["error"])
     _, total = packed_layout(header["tensors"])
-    buf = torch.empty(total, dtype=torch.uint8)
-    dist.recv(buf, src)
-    return ReceivedSnapshot(header, buf, src)
+    wire = torch.empty(total, dtype=torch.uint8, device=_device())
+    dist.recv(wire, src)
+    return ReceivedSnapshot(header, wire.cpu(), src)
 
 
 class StopVote:
@@ -186,7 +194,7 @@ class StopVote:
     rank at the same call, one call after some rank passed local=True."""
 
     def __init__(self):
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag = torch.zeros(1, dtype=torch.int32, device=_device())
         self._work = None
 
     def poll(self, local_stop):
