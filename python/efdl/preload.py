@@ -1,6 +1,6 @@
 """A pre-started worker for `efdl run --prestart` (started by the agent, not by users).
 
-`python3 [options] -m efdl.preload FD` imports the modules named in EFDL_PRELOAD_MODULES
+`python3 [options] -m efdl.preload FD [READY_FD]` imports the modules named in EFDL_PRELOAD_MODULES
 (comma-separated; default torch, torch.distributed and efdl.backend.torch), then blocks reading
 the pipe FD until the agent writes one JSON message and closes it: {"round": N, "argv": [...], "env": {...}}.
 "argv" is the program part of the worker command (`script.py ARGS` or `-m module ARGS`) and
@@ -8,6 +8,9 @@ the pipe FD until the agent writes one JSON message and closes it: {"round": N, 
 then becomes that worker: os.environ, sys.argv, sys.path[0] and a fresh __main__ module are set
 as `python3 script.py` / `python3 -m module` would set them, and the program runs. Its exit
 status, signals, and the traceback of an uncaught exception (exit status 1) are the program's.
+
+When READY_FD is given, one byte is written to it and it is closed once the imports are done: a
+starting agent joins the job only then (docs/agent.md, --prestart).
 
 The pipe is read once, so a spare serves one round at most. End of file without a message (the
 agent died or discarded the spare) ends the process without running anything.
@@ -96,6 +99,13 @@ def _run_module(name, args):
 def main():
     fd = int(sys.argv[1])
     _preload(os.environ.get("EFDL_PRELOAD_MODULES", DEFAULT_MODULES))
+    if len(sys.argv) > 2:
+        ready = int(sys.argv[2])
+        try:
+            os.write(ready, b"1")
+        except OSError:
+            pass  # the agent stopped waiting (it already joined, or it is gone)
+        os.close(ready)
     msg = _read_message(fd)
     if msg is None:
         return 0

@@ -189,6 +189,17 @@ int Agent::Run() {
   }
   control_ = std::move(control).value();
   if (options_.prestart && !options_.launcher) StartSparePool();
+  if (spares_) {
+    // Joining starts a new round at once, so the running nodes would stop training and wait
+    // for our spares' imports: warm them up first, while the job goes on without us.
+    int sig = 0;
+    spares_->WaitUntilImported([&] {
+      sig = shutdown_signal_.load();
+      if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
+      return sig != 0;
+    });
+    if (sig != 0) return Shutdown(sig);
+  }
 
   if (Status st = rdzv_.Join(); !st.ok()) {
     if (st.IsFailedPrecondition()) {

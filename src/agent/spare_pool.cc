@@ -1,9 +1,11 @@
 #include "agent/spare_pool.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdlib>
@@ -156,6 +158,10 @@ void SparePool::Discard(Slot& slot) {
     ::close(slot.message_fd);
     slot.message_fd = -1;
   }
+  if (slot.ready_fd >= 0) {
+    ::close(slot.ready_fd);
+    slot.ready_fd = -1;
+  }
   if (slot.proc) {
     (void)slot.proc->Signal(SIGKILL);
     (void)slot.proc->Stop(std::chrono::milliseconds(0));
@@ -175,9 +181,16 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
   if (::pipe2(fds, O_CLOEXEC) != 0) {
     return Status::IOError(fmt::format("pipe: {}", std::strerror(errno)));
   }
+  int ready[2];
+  if (::pipe2(ready, O_CLOEXEC | O_NONBLOCK) != 0) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return Status::IOError(fmt::format("pipe: {}", std::strerror(errno)));
+  }
   SpawnOptions so;
   so.argv = cmd_.interpreter;
-  so.argv.insert(so.argv.end(), {"-m", "efdl.preload", std::to_string(fds[0])});
+  so.argv.insert(so.argv.end(),
+                 {"-m", "efdl.preload", std::to_string(fds[0]), std::to_string(ready[1])});
   if (auto it = options_.start_env.find(local_rank); it != options_.start_env.end()) {
     so.env_set = it->second;
   }
@@ -185,15 +198,18 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
   so.stderr_mode = SpawnOptions::Stdio::kPipe;
   so.new_process_group = true;
   so.die_with_parent = true;
-  so.inherit_fds = {fds[0]};
+  so.inherit_fds = {fds[0], ready[1]};
   auto proc = Subprocess::Spawn(so);
   ::close(fds[0]);
+  ::close(ready[1]);
   if (!proc.ok()) {
     ::close(fds[1]);
+    ::close(ready[0]);
     return proc.status();
   }
   slot.proc = std::move(proc).value();
   slot.message_fd = fds[1];
+  slot.ready_fd = ready[0];
   slot.started_with = so.env_set;
   slot.due.reset();
   EFDL_LOG_DEBUG("pre-started a worker for local rank {} (pid {})", local_rank, slot.proc->pid());
@@ -276,6 +292,58 @@ std::optional<Subprocess> SparePool::Activate(int local_rank,
   std::optional<Subprocess> out = std::move(s.proc);
   s.proc.reset();
   return out;
+}
+
+size_t SparePool::Importing() {
+  size_t n = 0;
+  for (Slot& s : slots_) {
+    if (!s.proc || s.ready_fd < 0) continue;
+    char byte = 0;
+    ssize_t r = ::read(s.ready_fd, &byte, 1);
+    if (r < 0 && errno == EINTR) r = ::read(s.ready_fd, &byte, 1);
+    if (r < 0 && errno == EAGAIN) {
+      ++n;
+      continue;
+    }
+    // A byte: imports done. End of file without one: the spare died (Maintain() notices) or
+    // closed the pipe; either way there is nothing more to wait for.
+    ::close(s.ready_fd);
+    s.ready_fd = -1;
+  }
+  return n;
+}
+
+size_t SparePool::WaitUntilImported(const std::function<bool()>& interrupted) {
+  Maintain();
+  size_t n = Importing();
+  if (n == 0) return 0;
+  EFDL_LOG_INFO("waiting for {} pre-started worker(s) to import before joining", n);
+  const auto start = Clock::now();
+  const auto deadline = start + options_.import_timeout;
+  auto seconds = [&] {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  while (n > 0) {
+    if (interrupted && interrupted()) return n;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      EFDL_LOG_WARN("{} pre-started worker(s) still importing after {:.1f} s; joining anyway", n,
+                    seconds());
+      return n;
+    }
+    std::vector<pollfd> fds;
+    for (const Slot& s : slots_) {
+      if (s.proc && s.ready_fd >= 0) fds.push_back({s.ready_fd, POLLIN, 0});
+    }
+    // Short slices: shutdown signals and spares that die are noticed within 200 ms.
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+    (void)::poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(200, left + 1)));
+    Maintain();
+    n = Importing();
+  }
+  if (enabled_) EFDL_LOG_INFO("pre-started worker(s) imported after {:.1f} s", seconds());
+  return 0;
 }
 
 std::vector<pid_t> SparePool::pids() const {

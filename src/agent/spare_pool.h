@@ -9,6 +9,10 @@
 // would and runs the program. Each spare reads exactly one message, so a spare is used for one
 // round at most; the pool forgets a spare the moment it hands it over.
 //
+// A spare gets a second pipe (`-m efdl.preload <fd> <ready fd>`): it writes one byte there and
+// closes it once its imports are done, so that a starting agent can join the rendezvous only
+// when its spares are warm (WaitUntilImported) and the running nodes keep training meanwhile.
+//
 // Environment variables a library may read while being imported (OMP_NUM_THREADS, ...) must
 // already be right when the spare starts: a spare is only activated when every variable of the
 // worker's environment other than the per-round ones (IsRoundVariable) has the value the spare
@@ -20,6 +24,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -54,6 +59,9 @@ struct SparePoolOptions {
   // do not compete for the CPU with the start-up of the round that just began (a joining node's
   // fresh interpreter importing torch, init_process_group, the first steps).
   std::chrono::milliseconds refill_delay{std::chrono::seconds(5)};
+  // WaitUntilImported gives up after this long (a slow disk, a huge import): joining late
+  // must not become never joining.
+  std::chrono::milliseconds import_timeout{std::chrono::seconds(60)};
 };
 
 class SparePool {
@@ -75,6 +83,13 @@ class SparePool {
   // its imports).
   std::optional<Subprocess> Activate(int local_rank, const std::map<std::string, std::string>& env,
                                      int64_t round);
+  // Blocks until every live spare has reported that its imports are done, import_timeout has
+  // passed, or `interrupted` (asked a few times a second) returns true; keeps Maintain()ing
+  // meanwhile, so a spare that dies disables the pool and ends the wait. Logs how many it waits
+  // for and how long it took. Returns the number of spares still importing (0: all warm).
+  size_t WaitUntilImported(const std::function<bool()>& interrupted);
+  // Live spares that have not yet reported their imports done (reads their ready pipes).
+  size_t Importing();
   // Kills every spare; slots are refilled by Maintain() only after the next Activate().
   void Clear();
 
@@ -88,6 +103,7 @@ class SparePool {
   struct Slot {
     std::optional<Subprocess> proc;
     int message_fd = -1;                              // write end of the spare's pipe
+    int ready_fd = -1;  // read end of its ready pipe; -1 once it reported (or closed it)
     std::map<std::string, std::string> started_with;  // start_env it was started with
     std::optional<std::chrono::steady_clock::time_point> due;  // refill at; none: no refill
   };

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -284,6 +285,84 @@ TEST_F(SparePoolTest, ClearKillsEverySpare) {
   for (pid_t p : pids) EXPECT_FALSE(testing::ProcessAlive(p));
   pool->Maintain();  // no refill before the next activation
   EXPECT_TRUE(pool->pids().empty());
+}
+
+// A spare whose import blocks until `<dir>/go` exists (at most 60 s), and the pool for it.
+std::unique_ptr<SparePool> GatedPool(const std::string& dir, const std::vector<std::string>& cmd,
+                                     std::chrono::milliseconds import_timeout) {
+  std::ofstream(dir + "/gate.py") << "import os, time\n"
+                                     "t = time.monotonic() + 60\n"
+                                     "while not os.path.exists('" << dir << "/go') and "
+                                     "time.monotonic() < t:\n"
+                                     "    time.sleep(0.02)\n";
+  SparePoolOptions o;
+  o.command = cmd;
+  o.refill_delay = 0ms;
+  o.import_timeout = import_timeout;
+  o.start_env[0] = {{"PYTHONPATH", std::string(EFDL_SOURCE_DIR) + "/python:" + dir},
+                    {"EFDL_PRELOAD_MODULES", "gate"}};
+  auto pool = SparePool::Create(std::move(o));
+  EXPECT_TRUE(pool.ok());
+  return pool.ok() ? std::move(pool).value() : nullptr;
+}
+
+TEST_F(SparePoolTest, WaitUntilImportedReturnsOnlyOnceTheSpareFinishedItsImports) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 60s);
+  ASSERT_TRUE(pool);
+  pool->Maintain();
+  ASSERT_EQ(pool->pids().size(), 1u);
+  std::this_thread::sleep_for(500ms);  // the gate is closed: the spare must still be importing
+  EXPECT_EQ(pool->Importing(), 1u);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(300ms);
+    std::ofstream(dir_.path() + "/go") << "1";
+  });
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(pool->WaitUntilImported(nullptr), 0u);
+  opener.join();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 250ms);  // not before the gate opened
+  EXPECT_EQ(pool->Importing(), 0u);
+  // Still a usable spare: it runs the program for a round.
+  auto env = env_;
+  env["PYTHONPATH"] = std::string(EFDL_SOURCE_DIR) + "/python:" + dir_.path();
+  auto proc = pool->Activate(0, env, 1);
+  ASSERT_TRUE(proc);
+  std::optional<int> st;
+  ASSERT_TRUE(WaitUntil([&] { return (st = proc->Poll()).has_value(); }, 30s));
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 7) << *st;
+}
+
+TEST_F(SparePoolTest, WaitUntilImportedGivesUpAfterTheImportTimeout) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 400ms);
+  ASSERT_TRUE(pool);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(pool->WaitUntilImported(nullptr), 1u);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, 400ms);
+  EXPECT_LT(took, 10s);
+  EXPECT_EQ(pool->pids().size(), 1u);  // the spare is kept: it may still be ready in time
+}
+
+TEST_F(SparePoolTest, WaitUntilImportedStopsWhenInterrupted) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 60s);
+  ASSERT_TRUE(pool);
+  int asked = 0;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(pool->WaitUntilImported([&] { return ++asked >= 3; }), 1u);
+  EXPECT_EQ(asked, 3);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+TEST_F(SparePoolTest, WaitUntilImportedEndsWhenTheSpareDies) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 60s);
+  ASSERT_TRUE(pool);
+  pool->Maintain();
+  ASSERT_EQ(pool->pids().size(), 1u);
+  ASSERT_EQ(::kill(pool->pids()[0], SIGKILL), 0);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(pool->WaitUntilImported(nullptr), 0u);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  EXPECT_FALSE(pool->enabled());
 }
 
 }  // namespace

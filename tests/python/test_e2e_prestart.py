@@ -82,3 +82,30 @@ def test_prestart_rejects_a_command_that_is_not_python():
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--prestart needs a worker command" in lines[0], proc.stderr
+
+
+def test_a_new_node_joins_only_once_its_spare_has_imported(job, tmp_path):
+    """While the newcomer's spare imports, the running node keeps training at world size 1; the
+    newcomer joins (and the world grows) only after the spare reported its imports done."""
+    gate = tmp_path / "go"
+    (tmp_path / "gate.py").write_text(
+        "import os, time\n"
+        "t = time.monotonic() + 90\n"
+        "while not os.path.exists(%r) and time.monotonic() < t:\n"
+        "    time.sleep(0.05)\n" % str(gate))
+    a = job.start_agent("a", nnodes="1:2")
+    job.wait_for_world(1, timeout=90)
+    env = {"PYTHONPATH": os.path.join(cluster.REPO, "python") + os.pathsep + str(tmp_path),
+           "EFDL_PRELOAD_MODULES": "gate"}
+    b = job.start_agent("b", nnodes="1:2", env=env, extra=["--prestart"])
+    wait_for(lambda: "waiting for 1 pre-started worker(s) to import before joining" in b.output(),
+             60, "agent b to wait for its spare")
+    since = time.monotonic()
+    # The job goes on without b meanwhile: a keeps running steps of its world-1 round.
+    job.wait_for_world(1, since=since, agents=[a], timeout=60)
+    assert " joined job " not in b.output(), b.output()[-3000:]
+    assert job.world_sizes_since(since, agents=[a]) == {1}
+    gate.write_text("1")
+    job.wait_for_world(2, since=time.monotonic(), timeout=90)
+    out = b.output()
+    assert out.index("pre-started worker(s) imported after") < out.index(" joined job "), out
