@@ -627,8 +627,8 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
   } else if (rec.coordinator != opt_.node_id && coordinating_) {
     StopCoordinating();
   }
+  TryStart();            // first: a member that starts now must not set up a waiter's watch
   UpdateDeputyWatch();
-  TryStart();
 }
 
 void EtcdRendezvous::TryStart() {
@@ -661,6 +661,7 @@ void EtcdRendezvous::TryStart() {
   started_standby_ = a.standby;
   unplaced_since_.reset();
   Emit(std::move(e));
+  UpdateDeputyWatch();   // a waiter that became a member drops its watch of the coordinator
 }
 
 void EtcdRendezvous::SendAck(AckState state, int64_t round) {
@@ -704,9 +705,16 @@ void EtcdRendezvous::RereadRound() {
 }
 
 void EtcdRendezvous::UpdateDeputyWatch() {
-  bool deputy = round_.coordinator != opt_.node_id &&
-                std::find(round_.deputies.begin(), round_.deputies.end(), opt_.node_id) !=
-                    round_.deputies.end();
+  const bool named = std::find(round_.deputies.begin(), round_.deputies.end(), opt_.node_id) !=
+                     round_.deputies.end();
+  // A node waiting outside an active round (a newcomer or a standby) also watches the
+  // coordinator, after every named deputy (Handle: index = deputies.size()): when the whole round
+  // died at once its deputies are dead too, and without this nobody would ever take over. Only
+  // nodes outside the round do it, so a formed job of N members adds no watches.
+  const bool waiting_outside = round_.phase == Phase::kActive &&
+                               (started_round_ == 0 || started_standby_);
+  bool deputy = round_.coordinator != opt_.node_id && !round_.coordinator.empty() &&
+                (named || waiting_outside);
   std::string target = deputy ? round_.coordinator : std::string();
   if (target == deputy_target_) return;
   deputy_watch_.reset();

@@ -119,15 +119,7 @@ def test_sigkill_of_two_nodes_at_once(make_job, rng):
     job.check_no_leftovers()
 
 
-RDZV_ALL_DEAD = (
-    "rendezvous: nodes that join while every member of the active round is dead but their "
-    "leases have not expired yet never form a round (the coordinator's key still exists at "
-    "Join, so no takeover; only the round's deputies watch it, and they are dead too)")
-
-
-@pytest.mark.parametrize("restart", [
-    "after-ttl", pytest.param("at-once", marks=pytest.mark.xfail(
-        reason=RDZV_ALL_DEAD, run=os.environ.get("FAULT_SOAK") == "1"))])
+@pytest.mark.parametrize("restart", [pytest.param("after-ttl", marks=SOAK_ONLY), "at-once"])
 def test_sigkill_of_all_nodes_restarts_from_storage(make_job, rng, restart):
     """Every node dies (their shared memory too: the new nodes have fresh arenas); the
     restarted job resumes from the newest snapshot in storage at the moment of the crash.

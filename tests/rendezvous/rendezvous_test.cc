@@ -337,6 +337,33 @@ TEST(RendezvousTest, LeaseExpiryOfASilentNodeRerounds) {
   EXPECT_EQ(LeaseOf(db, "c"), 0);
 }
 
+TEST(RendezvousTest, NewcomersTakeOverWhenTheWholeRoundDiedBeforeItsLeasesExpired) {
+  // Every member (the coordinator and all its deputies) vanishes at once; new nodes join while the
+  // dead nodes' keys still exist, so nobody can take over at join. The newcomers must watch the
+  // dead coordinator and take over when its lease expires.
+  MemoryEtcd db;
+  std::vector<std::unique_ptr<Node>> old;
+  for (auto id : {"a", "b"}) {
+    auto o = Opts(id, 2, 2);
+    o.ttl = 1s;
+    old.push_back(Start(db, o));
+  }
+  for (auto& x : old) ASSERT_TRUE(x->Started());
+  for (auto& x : old) {
+    x->client.Cut();
+    db.PauseKeepAlive(LeaseOf(db, x->id), true);
+  }
+  ASSERT_NE(LeaseOf(db, "a"), 0);   // still registered: a join sees a live coordinator
+  auto c = Start(db, Opts("c", 2, 2));
+  auto d = Start(db, Opts("d", 2, 2));
+  auto ec = c->Started(8s);
+  auto ed = d->Started(8s);
+  ASSERT_TRUE(ec && ed);
+  EXPECT_EQ(ec->assignment.world_size, 2);
+  EXPECT_EQ(ec->assignment.node_rank + ed->assignment.node_rank, 1);
+  EXPECT_EQ(LeaseOf(db, "a"), 0);
+}
+
 TEST(RendezvousTest, BelowMinFailsAfterJoinTimeoutWithClearMessage) {
   MemoryEtcd db;
   auto o = Opts("lonely", 2, 3);
