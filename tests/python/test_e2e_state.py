@@ -145,7 +145,8 @@ def test_final_model_after_a_crash_matches_an_uninterrupted_run(job, spawn_ranks
     assert b.wait(30) == 0, b.output()[-3000:]
 
     rounds = sorted({r for r, _ in restored([a, b])})
-    assert len(rounds) == 2, restored([a, b])                   # one crash, one restart
+    # One crash: at least one restart (a rendezvous may take more than one round to settle).
+    assert len(rounds) >= 2, a.output()[-3000:] + b.output()[-3000:]
     after = restored([a, b], rounds[1])
     # Rank 1 died after step 30; the last commit was step 28: at most one interval lost.
     assert {v[3] for v in after.values()} == {28}, after
