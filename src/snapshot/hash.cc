@@ -76,7 +76,8 @@ uint64_t CopyAndHash64(void* dst, const void* src, size_t n, uint64_t seed) {
     for (size_t j = 0; j < chunk; j += 32) lanes.Block(d + i + j);
     i += chunk;
   }
-  std::memcpy(d + i, s + i, n - i);
+  // memcpy with a null pointer is undefined even for 0 bytes, and an empty tensor may have none.
+  if (n > i) std::memcpy(d + i, s + i, n - i);
   return lanes.Tail(d + i, n - i, n);
 }
 
