@@ -19,9 +19,11 @@ Contract: every rank calls the same sequence of collectives here (State's constr
 as DDP already requires of a training loop. Not thread-safe: use from the training thread.
 """
 
+import atexit
 import collections
 import ctypes
 import pickle
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -196,6 +198,18 @@ class StopVote:
     def __init__(self):
         self._flag = torch.zeros(1, dtype=torch.int32, device=_device())
         self._work = None
+        # The last poll leaves an all-reduce in flight; a process that exits with it pending
+        # (its peer still finishing) aborts when the group is torn down: wait for it at exit.
+        atexit.register(_finish_vote, weakref.ref(self))
+
+    def finish(self):
+        """Waits for the all-reduce in flight, if any (errors ignored: the peers may be gone)."""
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - at exit, a failed peer is not this rank's error
+                pass
 
     def poll(self, local_stop):
         if self._work is not None:
@@ -206,3 +220,9 @@ class StopVote:
         self._flag.fill_(1 if local_stop else 0)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
         return False
+
+
+def _finish_vote(ref):
+    vote = ref()
+    if vote is not None:
+        vote.finish()
