@@ -53,6 +53,7 @@ std::string Manifest::Serialize() const {
   out += TensorsJson(tensors);
   out += ",\"meta\":";
   out += meta_json.empty() ? "{}" : meta_json;
+  if (!hmac.empty()) out += ",\"hmac\":" + nlohmann::json(hmac).dump();
   out += '}';
   return out;
 }
@@ -87,6 +88,7 @@ Result<Manifest> Manifest::Parse(std::string_view text) {
       m.tensors.push_back(std::move(e));
     }
     m.meta_json = j.contains("meta") ? j["meta"].dump() : "{}";
+    m.hmac = j.value("hmac", "");
   } catch (const nlohmann::json::exception& e) {
     return Status::Corruption(fmt::format("snapshot manifest is incomplete: {}", e.what()));
   } catch (const BadInteger& e) {
