@@ -140,6 +140,9 @@ def main():
     parser.add_argument("--systems", default="efdl,efdl-prestart,c10d,etcd-v2")
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
+    # SIGTERM (timeout(1), a CI limit) unwinds like Ctrl-C, so `finally: c.close()` stops the
+    # etcd and agents this bench started instead of leaving them running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if cluster.efdl_bin() is None:
         sys.exit("elastic_bench: efdl binary not found; build first or set EFDL_BIN")
     systems = args.systems.split(",")
