@@ -17,6 +17,23 @@ namespace efdl::agent {
 
 namespace {
 
+// The numeric addresses of the round's members (the rank-0 node's assignment lists their
+// advertise addresses), for the Gloo rendezvous server's client filter. Empty (no filter, with a
+// warning) when a member's name does not resolve here: better unfiltered than unusable.
+std::vector<std::string> HorovodClientFilter(const rdzv::Assignment& a) {
+  std::vector<std::string> out;
+  for (const auto& host : a.horovod_clients) {
+    auto numeric = NumericAddresses(host);
+    if (!numeric.ok()) {
+      EFDL_LOG_WARN("round {}: {}; Horovod's Gloo rendezvous serves every client this round",
+                    a.round, numeric.status().message());
+      return {};
+    }
+    out.insert(out.end(), numeric->begin(), numeric->end());
+  }
+  return out;
+}
+
 std::string SignalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
@@ -450,6 +467,8 @@ void Agent::StartHorovodRendezvous(const rdzv::Assignment& a) {
     horovod::RendezvousServerOptions o;
     o.bind_addr = a.master_addr;   // this node's advertise address: never every interface
     o.port = a.horovod_port;
+    // Only the round's members may talk to it (real Horovod cannot send the job's secret).
+    o.allowed_clients = HorovodClientFilter(a);
     auto server = horovod::RendezvousServer::Start(o, *slots);
     if (server.ok()) {
       horovod_server_ = std::move(server).value();

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +40,33 @@ Result<sockaddr_in> Resolve(const std::string& host, uint16_t port) {
   return addr;
 }
 }  // namespace
+
+Result<std::vector<std::string>> NumericAddresses(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Status::NotFound(fmt::format("cannot resolve host '{}': {}", host, gai_strerror(rc)));
+  }
+  std::vector<std::string> out;
+  for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* bytes = nullptr;
+    if (p->ai_family == AF_INET) {
+      bytes = &reinterpret_cast<const sockaddr_in*>(p->ai_addr)->sin_addr;
+    } else if (p->ai_family == AF_INET6) {
+      bytes = &reinterpret_cast<const sockaddr_in6*>(p->ai_addr)->sin6_addr;
+    }
+    if (bytes != nullptr && ::inet_ntop(p->ai_family, bytes, text, sizeof(text)) != nullptr &&
+        std::find(out.begin(), out.end(), text) == out.end()) {
+      out.emplace_back(text);
+    }
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
 
 Result<std::string> InterfaceOfAddress(const std::string& host) {
   // The host's addresses, as raw bytes with their family.

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "efdl/status.h"
 
@@ -18,6 +19,10 @@ std::string HostName();
 // a name resolved here), e.g. "lo" for 127.0.0.1; NotFound when no local interface has it (an
 // address behind NAT, or another machine's). Horovod's gloo needs it as HOROVOD_GLOO_IFACE.
 Result<std::string> InterfaceOfAddress(const std::string& host);
+
+// The numeric addresses ("10.0.0.2", "fe80::1") of a host name or address literal, as a server
+// sees its clients' peer addresses; NotFound when the name does not resolve.
+Result<std::vector<std::string>> NumericAddresses(const std::string& host);
 
 // A directory made with mkdtemp under $TMPDIR (or /tmp), removed with everything in it when the
 // object is destroyed (unless Release()d).

@@ -87,6 +87,7 @@ void AddHorovodPlace(const RoundRecord& round, const AssignRecord& assign, Assig
   a.cross_rank = assign.cross_rank;
   a.cross_size = assign.cross_size;
   a.horovod_hosts = assign.hosts;
+  a.horovod_clients = assign.host_addrs;
 }
 
 class EtcdRendezvous final : public Rendezvous {

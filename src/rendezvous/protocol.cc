@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <string_view>
+#include <unordered_set>
 
 #include "plan/fragment.h"
 
@@ -200,6 +202,20 @@ bool HorovodHosts(const json& j, std::vector<std::pair<std::string, int>>& out) 
   return true;
 }
 
+bool HostAddrs(const json& j, std::vector<std::string>& out) {
+  auto it = j.find("ha");
+  if (it == j.end() || it->is_null()) return true;
+  if (!it->is_array() || it->size() > static_cast<size_t>(kMaxHorovodCount)) return false;
+  for (const auto& a : *it) {
+    if (!a.is_string() || a.get_ref<const std::string&>().empty() ||
+        a.get_ref<const std::string&>().size() > 255) {
+      return false;
+    }
+    out.push_back(a.get<std::string>());
+  }
+  return true;
+}
+
 // A cross rank must lie below its cross size, one pair per local rank.
 bool HorovodLayoutValid(const AssignRecord& a) {
   if (a.cross_rank.size() != a.cross_size.size()) return false;
@@ -225,6 +241,7 @@ std::string AssignRecord::Encode() const {
       json list = json::array();
       for (const auto& [id, nproc] : hosts) list.push_back(json::array({id, nproc}));
       j["hosts"] = std::move(list);
+      if (!host_addrs.empty()) j["ha"] = host_addrs;
     }
   }
   return j.dump();
@@ -235,7 +252,7 @@ Result<AssignRecord> AssignRecord::Decode(const std::string& text) {
     return Field(j, "r", a.round) && Field(j, "rank", a.node_rank) &&
            Field(j, "off", a.rank_offset) && Field(j, "sb", a.standby) &&
            HorovodIntList(j, "cr", a.cross_rank) && HorovodIntList(j, "cs", a.cross_size) &&
-           HorovodLayoutValid(a) && HorovodHosts(j, a.hosts);
+           HorovodLayoutValid(a) && HorovodHosts(j, a.hosts) && HostAddrs(j, a.host_addrs);
   });
 }
 
@@ -293,7 +310,8 @@ Plan PlanFragmentedRound(const std::vector<const Candidate*>& order, const PlanL
       plan.master_addr = c->addr;
       plan.master_port = c->port;
     }
-    plan.members.push_back({c->id, static_cast<int>(plan.members.size()), offset, c->nproc});
+    plan.members.push_back(
+        {c->id, static_cast<int>(plan.members.size()), offset, c->nproc, c->addr});
     offset += c->nproc;
   }
   plan.world_size = offset;
@@ -366,7 +384,8 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
       plan.master_addr = c->addr;
       plan.master_port = c->port;
     }
-    plan.members.push_back({c->id, static_cast<int>(plan.members.size()), offset, c->nproc});
+    plan.members.push_back(
+        {c->id, static_cast<int>(plan.members.size()), offset, c->nproc, c->addr});
     offset += c->nproc;
   }
   plan.world_size = offset;
@@ -408,7 +427,11 @@ std::vector<AssignRecord> MemberAssignments(int64_t round, const Plan& plan) {
   }
   if (!out.empty()) {
     out.front().hosts.reserve(plan.members.size());
-    for (const auto& m : plan.members) out.front().hosts.emplace_back(m.id, m.nproc);
+    std::unordered_set<std::string_view> seen;
+    for (const auto& m : plan.members) {
+      out.front().hosts.emplace_back(m.id, m.nproc);
+      if (!m.addr.empty() && seen.insert(m.addr).second) out.front().host_addrs.push_back(m.addr);
+    }
   }
   return out;
 }

@@ -4,8 +4,8 @@
 //   P nodes/<node>   lease-bound; {addr, nproc}. create_revision = join order.
 //   P round          the one small record every node watches (~200 bytes, size independent of N):
 //                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, hp, msg}.
-//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts}: this
-//                    node's place in round r (cr/cs/hosts: Horovod's layout, see AssignRecord).
+//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts, ha}: this
+//                    node's place in round r (cr/cs/hosts/ha: Horovod's layout, see AssignRecord).
 //                    Each node watches only its own assign key.
 //   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, rs (restarts)}.
 //                    Written by the node itself; only the coordinator watches the ack/ prefix.
@@ -123,6 +123,9 @@ struct AssignRecord {
   std::vector<int> cross_rank{};
   std::vector<int> cross_size{};
   std::vector<std::pair<std::string, int>> hosts{};
+  // "ha": the members' distinct advertise addresses, with "hosts" only: the Gloo rendezvous
+  // server answers these clients only (real Horovod cannot send the job's secret).
+  std::vector<std::string> host_addrs{};
   std::string Encode() const;
   static Result<AssignRecord> Decode(const std::string& text);
 };
@@ -183,6 +186,7 @@ struct PlannedNode {
   int node_rank = 0;
   int rank_offset = 0;
   int nproc = 0;
+  std::string addr;              // its advertise address (Horovod's server admits only these)
 };
 
 struct Plan {

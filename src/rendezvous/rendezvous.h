@@ -62,6 +62,7 @@ struct Assignment {
   // The rank-0 node only: every member's (node id, nproc) in rank order, for the rendezvous
   // server's scope sizes. Other nodes never receive this O(N) list.
   std::vector<std::pair<std::string, int>> horovod_hosts{};
+  std::vector<std::string> horovod_clients{};   // the members' addresses (rank-0 node only)
 };
 
 struct Event {

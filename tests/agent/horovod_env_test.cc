@@ -72,6 +72,7 @@ Assignment OnePlusTwo(int node_rank, uint16_t horovod_port) {
     a.cross_rank = {0};
     a.cross_size = {2};
     a.horovod_hosts = {{"node-a", 1}, {"node-b", 2}};
+    a.horovod_clients = {"localhost"};   // resolved by the agent: 127.0.0.1 (and ::1)
   } else {
     a.rank_offset = 1;
     a.nproc = 2;
@@ -227,6 +228,41 @@ TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
   Event done;
   done.type = Event::Type::kJobComplete;
   done.round = 6;
+  rdzv.Push(done);
+  run.join();
+  EXPECT_EQ(code, 0);
+}
+
+TEST(HorovodRendezvousTest, ClientsOutsideTheRoundAreRefused) {
+  auto dir = TempDir::Create("efdl-hvd-agent");
+  ASSERT_TRUE(dir.ok());
+  auto port = PickFreePort("127.0.0.1");
+  ASSERT_TRUE(port.ok());
+  AgentOptions opts;
+  opts.job_id = "job-1";
+  opts.node_id = "node-a";
+  opts.nproc = 1;
+  opts.stop_grace = 5s;
+  opts.poll_interval = 20ms;
+  opts.snapshot_dir = dir->path() + "/snap";
+  opts.command = {"sleep", "60"};
+  EventQueueRendezvous rdzv;
+  Agent agent(opts, rdzv);
+  int code = -1;
+  std::thread run([&] { code = agent.Run(); });
+  Event e;
+  e.type = Event::Type::kRoundStarted;
+  e.round = 5;
+  e.assignment = OnePlusTwo(0, *port);
+  e.assignment.horovod_clients = {"127.0.0.2"};   // the members: we (127.0.0.1) are not one
+  rdzv.Push(e);
+  EXPECT_TRUE(WaitUntil([&] { return TcpConnectable("127.0.0.1", *port, 100); }, 20s));
+  const std::string reply = HttpGet(*port, "/rank_and_size/node-a:0");
+  EXPECT_EQ(reply.find("0,3,0,1,0,2"), std::string::npos) << reply;
+  EXPECT_NE(reply.find("not a member"), std::string::npos) << reply;
+  Event done;
+  done.type = Event::Type::kJobComplete;
+  done.round = 5;
   rdzv.Push(done);
   run.join();
   EXPECT_EQ(code, 0);

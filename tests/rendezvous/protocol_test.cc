@@ -106,6 +106,13 @@ TEST(HorovodLayoutTest, CrossPlacesOnlyWhenNprocsDifferAndMembersOnlyForRankZero
   using Hosts = std::vector<std::pair<std::string, int>>;
   EXPECT_EQ(as[0].hosts, (Hosts{{"a", 1}, {"b", 2}, {"c", 3}}));
   EXPECT_TRUE(as[1].hosts.empty() && as[2].hosts.empty());
+  // The Gloo server's client filter: the members' distinct addresses, rank-0 node only.
+  EXPECT_EQ(as[0].host_addrs, (std::vector<std::string>{"h"}));
+  EXPECT_TRUE(as[1].host_addrs.empty());
+  auto back0 = AssignRecord::Decode(as[0].Encode());
+  ASSERT_TRUE(back0.ok()) << back0.status().ToString();
+  EXPECT_EQ(back0->host_addrs, as[0].host_addrs);
+  EXPECT_FALSE(AssignRecord::Decode(R"({"r":1,"rank":0,"off":0,"hosts":[["a",1]],"ha":[7]})").ok());
 
   // Same nproc everywhere: cross rank = node rank, cross size = nnodes; nothing per local rank.
   Plan u = PlanRound({{"a", 1, 2, "h", 5}, {"b", 2, 2, "h", 6}}, {}, {1, 3, 0});
