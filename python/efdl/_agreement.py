@@ -202,6 +202,12 @@ class StopVote:
         # (its peer still finishing) aborts when the group is torn down: wait for it at exit.
         atexit.register(_finish_vote, weakref.ref(self))
 
+    def __del__(self):
+        # A State local to main() is collected before the interpreter exits, and the atexit hook
+        # then finds nothing: complete the in-flight all-reduce here instead of leaving it to be
+        # torn down with the process group.
+        self.finish()
+
     def finish(self):
         """Waits for the all-reduce in flight, if any (errors ignored: the peers may be gone)."""
         work, self._work = self._work, None
