@@ -296,6 +296,7 @@ std::optional<Subprocess> SparePool::Activate(int local_rank,
 
 size_t SparePool::Importing() {
   size_t n = 0;
+  bool died = false;
   for (Slot& s : slots_) {
     if (!s.proc || s.ready_fd < 0) continue;
     char byte = 0;
@@ -305,11 +306,15 @@ size_t SparePool::Importing() {
       ++n;
       continue;
     }
-    // A byte: imports done. End of file without one: the spare died (Maintain() notices) or
-    // closed the pipe; either way there is nothing more to wait for.
+    // A byte: imports done. End of file without one: the spare died or closed the pipe; either
+    // way there is nothing more to wait for. A dying spare closes the pipe an instant before
+    // waitpid() can see its exit: wait for that briefly, so Maintain() turns the pool off now
+    // instead of the caller taking a dead spare for a ready one.
+    if (r == 0 && s.proc->WaitFor(std::chrono::milliseconds(200))) died = true;
     ::close(s.ready_fd);
     s.ready_fd = -1;
   }
+  if (died) Maintain();
   return n;
 }
 
