@@ -125,6 +125,8 @@ class EtcdRendezvous final : public Rendezvous {
   void Fence(const std::string& why);
   void Fail(const std::string& message);
   void ReleaseRegistration(bool announce_leaving);
+  // A coordinator that leaves names its successor and proposes the next round itself (graceful).
+  void HandOverCoordination();
   int64_t CurrentRoundForEvents() const;
   // P round says suspended: emit kSuspended once and stop all protocol work; the lease stays
   // until the agent's Leave(), so `efdl suspend` sees the node until its workers are down.
@@ -830,7 +832,10 @@ void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
   rejoin_at_.reset();
   unplaced_since_.reset();
   if (lease_ != 0) {
-    if (announce_leaving) SendAck(AckState::kLeaving, round_.round);
+    if (announce_leaving) {
+      SendAck(AckState::kLeaving, round_.round);
+      HandOverCoordination();
+    }
     keeper_.reset();
     Status s = client_.LeaseRevoke(lease_);
     if (!s.ok() && !s.IsNotFound()) {
@@ -840,6 +845,65 @@ void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
     lease_ = 0;
   }
   keeper_.reset();
+}
+
+// Without this, a leaving coordinator would simply vanish: its deputy would notice the deleted
+// node key and close the round as if the coordinator had crashed (workers stopped by signal,
+// the steps since the last commit lost). Instead the leaver writes the next round itself, naming
+// its first live deputy as coordinator and marking the change graceful, so every member stops
+// its workers at a commit. Runs on the caller's thread after the driver stopped, so it writes
+// with a plain CAS and does not apply the record to itself (it must not ack the new round).
+void EtcdRendezvous::HandOverCoordination() {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto rd = client_.Get(keys_.round);
+    if (!rd.ok() || !rd->has_value()) return;
+    auto rec = RoundRecord::Decode((*rd)->value);
+    if (!rec.ok() || rec->coordinator != opt_.node_id || rec->phase == Phase::kComplete ||
+        rec->phase == Phase::kSuspended) {
+      return;
+    }
+    std::string successor;
+    for (const auto& d : rec->deputies) {
+      if (d == opt_.node_id) continue;
+      auto ck = client_.Get(keys_.Node(d));
+      if (ck.ok() && ck->has_value()) {
+        successor = d;
+        break;
+      }
+    }
+    // Nobody to hand over to: a node that registers later finds the coordinator gone and
+    // takes over (Register), as after a crash.
+    if (successor.empty()) return;
+    RoundRecord next = *rec;
+    next.coordinator = successor;
+    std::erase(next.deputies, successor);
+    std::erase(next.deputies, opt_.node_id);
+    next.graceful = true;
+    next.message = fmt::format("node {} left (it was the coordinator; {} took over)",
+                               opt_.node_id, successor);
+    if (rec->phase != Phase::kGathering) {
+      next.round = rec->round + 1;
+      next.phase = Phase::kProposed;
+      next.world_size = 0;
+      next.nnodes = 0;
+      next.master_addr.clear();
+      next.master_port = 0;
+      next.horovod_port = 0;
+    }
+    auto txn = client_.Txn({etcd::Compare::ModRevisionIs(keys_.round, (*rd)->mod_revision)},
+                           {etcd::TxnOp::Put(keys_.round, next.Encode())});
+    if (!txn.ok()) {
+      EFDL_LOG_WARN("rdzv {}: cannot hand coordination over to {} (its deputy takes over when "
+                    "this node's lease ends): {}", opt_.node_id, successor,
+                    txn.status().ToString());
+      return;
+    }
+    if (txn->succeeded) {
+      EFDL_LOG_INFO("rdzv {}: leaving job {}: handed coordination over to {} (round {})",
+                    opt_.node_id, opt_.job_id, successor, next.round);
+      return;
+    }
+  }
 }
 
 void EtcdRendezvous::Leave() {
@@ -927,7 +991,11 @@ void EtcdRendezvous::BecomeCoordinator() {
   }
   for (const auto& kv : snap->gets[1].kvs) {
     auto rec = AckRecord::Decode(kv.value);
-    if (rec.ok()) acks_[kv.key.substr(keys_.ack.size())] = *rec;
+    if (!rec.ok()) continue;
+    std::string id = kv.key.substr(keys_.ack.size());
+    acks_[id] = *rec;
+    // A node on its way out (e.g. the coordinator that just handed over) is not waited for.
+    if (rec->state == AckState::kLeaving) leaving_.insert(id);
   }
   acked_round_ids_ = {round_.round, {}};
   for (const auto& [id, a] : acks_) {

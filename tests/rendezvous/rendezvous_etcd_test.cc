@@ -109,6 +109,34 @@ TEST_F(RealEtcdTest, FormsThenReroundsAfterLeaveAndAfterPeerReportedCrash) {
   nodes.clear();   // cut node a leaves nothing running: its lease ends with the etcd
 }
 
+TEST_F(RealEtcdTest, CoordinatorLeavingGracefullyHandsOverAndTheChangeStaysGraceful) {
+  std::vector<std::unique_ptr<Rendezvous>> nodes;
+  for (auto id : {"a", "b", "c"}) {
+    nodes.push_back(NewEtcdRendezvous(*client_, Opts(id, 2, 3)));
+    ASSERT_TRUE(nodes.back()->Join().ok());
+  }
+  for (auto& n : nodes) ASSERT_TRUE(Next(*n, Event::Type::kRoundStarted));
+  auto st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->coordinator, "a");
+  auto t0 = Clock::now();
+  nodes[0]->Leave();   // SIGTERM on the coordinator's agent
+  for (int i = 1; i < 3; ++i) {
+    auto closing = Next(*nodes[i], Event::Type::kRoundClosing);
+    ASSERT_TRUE(closing);
+    EXPECT_TRUE(closing->graceful) << closing->message;   // stop at a commit, lose nothing
+    auto e = Next(*nodes[i], Event::Type::kRoundStarted);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->assignment.world_size, 2);
+    EXPECT_EQ(e->assignment.node_rank, i - 1);
+  }
+  EXPECT_LT(Clock::now() - t0, 3s) << "must not wait for a's 10 s lease";
+  st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->coordinator, "b");
+  EXPECT_EQ(st->members.size(), 2u);
+}
+
 TEST_F(RealEtcdTest, LeaseExpiryFencesAndRerounds) {
   auto oa = Opts("a", 1, 3);
   auto ob = Opts("b", 1, 3);

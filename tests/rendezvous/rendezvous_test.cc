@@ -260,10 +260,18 @@ TEST(RendezvousTest, CoordinatorLeavingIsReplacedByItsDeputy) {
   ASSERT_TRUE(a->Started() && b->Started() && c->Started());
   auto t0 = Clock::now();
   a->rdzv->Leave();
+  // A graceful leave stays graceful when the leaver coordinated: the others stop their workers
+  // at a commit instead of treating the change as a crash.
+  for (auto* n : {b.get(), c.get()}) {
+    auto closing = n->Next(Event::Type::kRoundClosing);
+    ASSERT_TRUE(closing);
+    EXPECT_TRUE(closing->graceful) << closing->message;
+  }
   auto eb = b->Started();
   auto ec = c->Started();
   ASSERT_TRUE(eb && ec);
   EXPECT_LT(Clock::now() - t0, 2s);
+  EXPECT_TRUE(eb->graceful);
   EXPECT_EQ(eb->assignment.node_rank, 0);
   EXPECT_EQ(ec->assignment.world_size, 2);
   auto st = ReadJobStatus(db, "job1");
