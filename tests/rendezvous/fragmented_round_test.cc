@@ -12,13 +12,13 @@
 #include "rendezvous/protocol.h"
 #include "rendezvous/rendezvous.h"
 #include "support/memory_etcd.h"
+#include "support/rendezvous_events.h"
 
 namespace efdl::rdzv {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::MemoryEtcd;
-using Clock = std::chrono::steady_clock;
 
 std::vector<std::string> MemberIds(const Plan& p) {
   std::vector<std::string> out;
@@ -114,14 +114,7 @@ struct FragNode {
   }
   // The next event of `type` within `timeout` (other events on the way are skipped).
   std::optional<Event> Next(Event::Type type, std::chrono::milliseconds timeout = 5s) {
-    auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      auto e = rdzv->WaitEvent(std::max(left, 1ms));
-      if (!e) break;
-      if (e->type == type) return e;
-    }
-    return std::nullopt;
+    return testing::NextEvent(*rdzv, type, timeout);
   }
   std::optional<Event> Started(std::chrono::milliseconds timeout = 5s) {
     return Next(Event::Type::kRoundStarted, timeout);

@@ -2,11 +2,11 @@
 // temporary directory and stopped at the end) through the real gRPC client.
 #include <gtest/gtest.h>
 
-#include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
 #include "rendezvous/rendezvous.h"
 #include "rendezvous/sim.h"
+#include "support/real_etcd_fixture.h"
 
 namespace efdl::rdzv {
 namespace {
@@ -14,48 +14,9 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-class RealEtcdTest : public ::testing::Test {
+class RealEtcdTest : public testing::RealEtcdRendezvousTest {
  protected:
-  void SetUp() override {
-    auto started = EmbeddedEtcd::Start({});
-    ASSERT_TRUE(started.ok()) << started.status().ToString();
-    etcd_ = std::move(*started);
-    etcd::ClientOptions o;
-    o.endpoints = {etcd_->endpoint()};
-    auto c = etcd::Connect(o);
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
-    client_ = std::move(*c);
-  }
-  void TearDown() override {
-    client_.reset();
-    etcd_.reset();
-  }
-
-  RendezvousOptions Opts(const std::string& node, int min, int max) {
-    RendezvousOptions o;
-    o.job_id = "itest";
-    o.node_id = node;
-    o.advertise_addr = "127.0.0.1";
-    o.min_nodes = min;
-    o.max_nodes = max;
-    o.ttl = 10s;
-    o.last_call = 300ms;
-    o.join_timeout = 30s;
-    o.liveness_window = 300ms;
-    return o;
-  }
-
-  static std::optional<Event> Next(Rendezvous& r, Event::Type type, std::chrono::seconds t = 10s) {
-    auto deadline = Clock::now() + t;
-    while (Clock::now() < deadline) {
-      auto e = r.WaitEvent(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-      if (e && e->type == type) return e;
-    }
-    return std::nullopt;
-  }
-
-  std::unique_ptr<EmbeddedEtcd> etcd_;
-  std::unique_ptr<etcd::Client> client_;
+  RealEtcdTest() : RealEtcdRendezvousTest("itest", 300ms) {}
 };
 
 TEST_F(RealEtcdTest, FormsThenReroundsAfterLeaveAndAfterPeerReportedCrash) {

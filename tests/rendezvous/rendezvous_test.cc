@@ -12,6 +12,7 @@
 #include "rendezvous/protocol.h"
 #include "rendezvous/rendezvous.h"
 #include "support/memory_etcd.h"
+#include "support/rendezvous_events.h"
 
 namespace efdl::rdzv {
 namespace {
@@ -97,15 +98,7 @@ struct Node {
   }
   // The next event of `type` within `timeout`; other events on the way are kept in `seen`.
   std::optional<Event> Next(Event::Type type, std::chrono::milliseconds timeout = 5s) {
-    auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      auto e = rdzv->WaitEvent(std::max(left, 1ms));
-      if (!e) break;
-      seen.push_back(*e);
-      if (e->type == type) return e;
-    }
-    return std::nullopt;
+    return testing::NextEvent(*rdzv, type, timeout, &seen);
   }
   std::optional<Event> Started(std::chrono::milliseconds timeout = 5s) {
     return Next(Event::Type::kRoundStarted, timeout);
