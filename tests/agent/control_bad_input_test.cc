@@ -1,12 +1,7 @@
 // Control-socket input a worker (or anything else running as the job's user) may send that is
 // not what docs/control-protocol.md describes: each gets an error reply or a closed connection,
 // and the server goes on serving everyone else.
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -15,57 +10,13 @@
 
 #include "agent/control_server.h"
 #include "common/net.h"
+#include "control_conn.h"
 
 namespace efdl::agent {
 namespace {
 
 using nlohmann::json;
-
-class Conn {
- public:
-  explicit Conn(const std::string& path) {
-    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }
-  ~Conn() { ::close(fd_); }
-  bool connected() const { return connected_; }
-  // Sends everything it can; false once the server has closed the connection.
-  bool Send(const std::string& bytes) {
-    size_t off = 0;
-    while (off < bytes.size()) {
-      ssize_t n = ::send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
-      if (n <= 0) return false;
-      off += static_cast<size_t>(n);
-    }
-    return true;
-  }
-  void CloseWrite() { ::shutdown(fd_, SHUT_WR); }
-  // The next line (without '\n'); "" at EOF; "<timeout>" after 10 s.
-  std::string ReadLine() {
-    while (true) {
-      size_t nl = buffer_.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = buffer_.substr(0, nl);
-        buffer_.erase(0, nl + 1);
-        return line;
-      }
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, 10000) != 1) return "<timeout>";
-      char buf[4096];
-      ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-      if (n <= 0) return "";
-      buffer_.append(buf, static_cast<size_t>(n));
-    }
-  }
-
- private:
-  int fd_ = -1;
-  bool connected_ = false;
-  std::string buffer_;
-};
+using testing::ControlConn;
 
 class ControlBadInputTest : public ::testing::Test {
  protected:
@@ -80,7 +31,7 @@ class ControlBadInputTest : public ::testing::Test {
   }
   // A well-formed hello on a fresh connection is still welcomed: the server lives on.
   void ExpectServerStillServes() {
-    Conn c(server_->path());
+    ControlConn c(server_->path());
     ASSERT_TRUE(c.connected());
     ASSERT_TRUE(c.Send(R"({"type":"hello","pid":1,"rank":0,"local_rank":0,"round":3})"
                        "\n"));
@@ -103,7 +54,7 @@ TEST_F(ControlBadInputTest, MalformedLinesGetAnErrorReplyEach) {
       "{\"type\":\"query\",\"what\":7}",        // a query for nothing known
       "{\"type\":\"nonsense\",\"id\":{\"deep\":[1,2,3]}}",
   };
-  Conn c(server_->path());
+  ControlConn c(server_->path());
   ASSERT_TRUE(c.connected());
   for (const auto& line : lines) {
     ASSERT_TRUE(c.Send(line + "\n"));
@@ -117,7 +68,7 @@ TEST_F(ControlBadInputTest, MalformedLinesGetAnErrorReplyEach) {
 }
 
 TEST_F(ControlBadInputTest, WrongFieldTypesAreIgnoredNotTrusted) {
-  Conn c(server_->path());
+  ControlConn c(server_->path());
   // A hello whose round is not a number is a hello from no round: it is told to stop.
   ASSERT_TRUE(c.Send(R"({"type":"hello","pid":"x","rank":[],"local_rank":{},"round":"3"})"
                      "\n"));
@@ -140,10 +91,10 @@ TEST_F(ControlBadInputTest, WrongFieldTypesAreIgnoredNotTrusted) {
 }
 
 TEST_F(ControlBadInputTest, OversizedLineGetsAnErrorAndTheConnectionIsClosed) {
-  Conn c(server_->path());
+  ControlConn c(server_->path());
   ASSERT_TRUE(c.connected());
   // 1 MiB without a newline; the server may close before it has read all of it.
-  c.Send(std::string(1 << 20, 'x'));
+  static_cast<void>(c.Send(std::string(1 << 20, 'x')));
   json reply = json::parse(c.ReadLine(), nullptr, false);
   EXPECT_EQ(reply.value("type", ""), "error");
   EXPECT_NE(reply.value("message", "").find("longer than"), std::string::npos);
@@ -153,7 +104,7 @@ TEST_F(ControlBadInputTest, OversizedLineGetsAnErrorAndTheConnectionIsClosed) {
 
 TEST_F(ControlBadInputTest, TruncatedLineAtDisconnectIsDropped) {
   {
-    Conn c(server_->path());
+    ControlConn c(server_->path());
     ASSERT_TRUE(c.Send(R"({"type":"committed","step":12)"));  // no closing brace, no newline
     c.CloseWrite();
     EXPECT_EQ(c.ReadLine(), "");  // the server closes its end without a reply
@@ -163,8 +114,8 @@ TEST_F(ControlBadInputTest, TruncatedLineAtDisconnectIsDropped) {
 }
 
 TEST_F(ControlBadInputTest, ManyConnectionsThatSendNothingDoNotBlockOthers) {
-  std::vector<std::unique_ptr<Conn>> idle;
-  for (int i = 0; i < 50; ++i) idle.push_back(std::make_unique<Conn>(server_->path()));
+  std::vector<std::unique_ptr<ControlConn>> idle;
+  for (int i = 0; i < 50; ++i) idle.push_back(std::make_unique<ControlConn>(server_->path()));
   ExpectServerStillServes();
 }
 
