@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -39,6 +40,22 @@ Result<sockaddr_in> Resolve(const std::string& host, uint16_t port) {
   ::freeaddrinfo(res);
   return addr;
 }
+
+// The numeric text ("10.0.0.2", "fe80::1") of an IPv4 or IPv6 socket address; nullopt for any
+// other family. One canonical form, so equal addresses have equal texts.
+std::optional<std::string> AddressText(const sockaddr* sa) {
+  const void* bytes = nullptr;
+  if (sa->sa_family == AF_INET) {
+    bytes = &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr;
+  } else if (sa->sa_family == AF_INET6) {
+    bytes = &reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr;
+  } else {
+    return std::nullopt;
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  if (::inet_ntop(sa->sa_family, bytes, text, sizeof(text)) == nullptr) return std::nullopt;
+  return std::string(text);
+}
 }  // namespace
 
 Result<std::vector<std::string>> NumericAddresses(const std::string& host) {
@@ -52,51 +69,15 @@ Result<std::vector<std::string>> NumericAddresses(const std::string& host) {
   }
   std::vector<std::string> out;
   for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
-    char text[INET6_ADDRSTRLEN] = {};
-    const void* bytes = nullptr;
-    if (p->ai_family == AF_INET) {
-      bytes = &reinterpret_cast<const sockaddr_in*>(p->ai_addr)->sin_addr;
-    } else if (p->ai_family == AF_INET6) {
-      bytes = &reinterpret_cast<const sockaddr_in6*>(p->ai_addr)->sin6_addr;
-    }
-    if (bytes != nullptr && ::inet_ntop(p->ai_family, bytes, text, sizeof(text)) != nullptr &&
-        std::find(out.begin(), out.end(), text) == out.end()) {
-      out.emplace_back(text);
-    }
+    auto text = AddressText(p->ai_addr);
+    if (text && std::find(out.begin(), out.end(), *text) == out.end()) out.push_back(*text);
   }
   ::freeaddrinfo(res);
   return out;
 }
 
 Result<std::string> InterfaceOfAddress(const std::string& host) {
-  // The host's addresses, as raw bytes with their family.
-  std::vector<std::pair<int, std::string>> wanted;
-  in_addr v4{};
-  in6_addr v6{};
-  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) {
-    wanted.emplace_back(AF_INET, std::string(reinterpret_cast<const char*>(&v4), sizeof(v4)));
-  } else if (::inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
-    wanted.emplace_back(AF_INET6, std::string(reinterpret_cast<const char*>(&v6), sizeof(v6)));
-  } else {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
-    if (rc != 0 || res == nullptr) {
-      return Status::NotFound(fmt::format("cannot resolve host '{}': {}", host, gai_strerror(rc)));
-    }
-    for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
-      if (p->ai_family == AF_INET) {
-        const auto& a = reinterpret_cast<const sockaddr_in*>(p->ai_addr)->sin_addr;
-        wanted.emplace_back(AF_INET, std::string(reinterpret_cast<const char*>(&a), sizeof(a)));
-      } else if (p->ai_family == AF_INET6) {
-        const auto& a = reinterpret_cast<const sockaddr_in6*>(p->ai_addr)->sin6_addr;
-        wanted.emplace_back(AF_INET6, std::string(reinterpret_cast<const char*>(&a), sizeof(a)));
-      }
-    }
-    ::freeaddrinfo(res);
-  }
+  EFDL_ASSIGN_OR_RETURN(std::vector<std::string> wanted, NumericAddresses(host));
   ifaddrs* ifs = nullptr;
   if (::getifaddrs(&ifs) != 0) {
     return Status::IOError(fmt::format("cannot list network interfaces: {}", std::strerror(errno)));
@@ -104,19 +85,9 @@ Result<std::string> InterfaceOfAddress(const std::string& host) {
   std::string found;
   for (ifaddrs* i = ifs; i != nullptr && found.empty(); i = i->ifa_next) {
     if (i->ifa_addr == nullptr || i->ifa_name == nullptr) continue;
-    const int family = i->ifa_addr->sa_family;
-    std::string bytes;
-    if (family == AF_INET) {
-      const auto& a = reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr;
-      bytes.assign(reinterpret_cast<const char*>(&a), sizeof(a));
-    } else if (family == AF_INET6) {
-      const auto& a = reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr;
-      bytes.assign(reinterpret_cast<const char*>(&a), sizeof(a));
-    } else {
-      continue;
-    }
-    for (const auto& [f, b] : wanted) {
-      if (f == family && b == bytes) found = i->ifa_name;
+    auto text = AddressText(i->ifa_addr);
+    if (text && std::find(wanted.begin(), wanted.end(), *text) != wanted.end()) {
+      found = i->ifa_name;
     }
   }
   ::freeifaddrs(ifs);
