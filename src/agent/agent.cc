@@ -385,6 +385,7 @@ void Agent::StartSparePool() {
   SparePoolOptions so;
   so.command = options_.command;
   so.nproc = options_.nproc;
+  so.requested = options_.prestart_requested;
   // What a worker's environment will hold apart from the per-round variables (OMP_NUM_THREADS,
   // ...): the spares must start with it, as libraries read some of it while being imported.
   rdzv::Assignment typical;
@@ -399,7 +400,9 @@ void Agent::StartSparePool() {
   }
   spares_ = std::move(pool).value();
   spares_->Maintain();
-  EFDL_LOG_INFO("pre-starting {} python worker(s) (--prestart)", options_.nproc);
+  EFDL_LOG_INFO("pre-starting {} python worker(s) ({})", options_.nproc,
+                options_.prestart_requested ? "--prestart"
+                                            : "default for python commands; --no-prestart: off");
 }
 
 void Agent::StopWorkers(bool graceful, const std::string& reason) {

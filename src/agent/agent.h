@@ -52,6 +52,9 @@ struct AgentOptions {
   // Python commands: keep a pre-started worker per local rank (SparePool) to activate at the
   // next round instead of spawning one.
   bool prestart = false;
+  // The user asked for it (--prestart): a pool that cannot work is worth a warning; otherwise
+  // (the default) falling back to spawned workers is only logged as information.
+  bool prestart_requested = false;
   std::chrono::milliseconds poll_interval{std::chrono::milliseconds(50)};
   int out_fd = STDOUT_FILENO;              // where prefixed worker output goes
   int err_fd = STDERR_FILENO;

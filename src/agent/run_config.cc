@@ -244,12 +244,15 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.max_nodes = nodes.max;
   a.max_restarts = f.max_restarts;
   a.stop_grace = Millis(f.stop_grace_s);
-  if (f.prestart && (f.launcher || !ParsePythonCommand(f.command))) {
+  const bool prestart_fits = !f.launcher && ParsePythonCommand(f.command).has_value();
+  if (f.prestart == PrestartMode::kOn && !prestart_fits) {
     return Status::InvalidArgument(
         "--prestart needs a worker command of the form 'python3 [-u] SCRIPT ...' or 'python3 -m "
         "MODULE ...' (and no --launcher); drop --prestart (or unset EFDL_PRESTART)");
   }
-  a.prestart = f.prestart;
+  // Auto: on wherever a spare can stand in for the worker; other commands are spawned.
+  a.prestart = f.prestart != PrestartMode::kOff && prestart_fits;
+  a.prestart_requested = f.prestart == PrestartMode::kOn;
   a.log_dir = absolute(f.log_dir);
   a.snapshot_dir = absolute(f.snapshot_dir);
 

@@ -12,6 +12,13 @@
 
 namespace efdl::agent {
 
+// --prestart / --no-prestart / neither (EFDL_PRESTART=1 / 0 / unset).
+enum class PrestartMode {
+  kAuto,  // pre-started workers for a command ParsePythonCommand accepts, without --launcher
+  kOn,    // the same, but any other command is an error
+  kOff,   // always spawn workers
+};
+
 // The flags as the user gave them (after environment fallbacks).
 struct RunFlags {
   std::vector<std::string> etcd_endpoints;   // parsed; empty: a private embedded etcd
@@ -29,7 +36,7 @@ struct RunFlags {
   double stop_grace_s = 10;
   std::string log_dir;
   std::string snapshot_dir = "efdl-snapshots";
-  bool prestart = false;                     // pre-started python workers (SparePool)
+  PrestartMode prestart = PrestartMode::kAuto;  // pre-started python workers (SparePool)
   std::vector<std::string> command;
 };
 

@@ -139,8 +139,8 @@ Result<std::unique_ptr<SparePool>> SparePool::Create(SparePoolOptions options) {
   auto cmd = ParsePythonCommand(options.command);
   if (!cmd) {
     return Status::InvalidArgument(
-        "--prestart needs a python command ('python3 [-u] SCRIPT ...' or 'python3 -m MODULE "
-        "...'); run without --prestart");
+        "pre-started workers need a python command ('python3 [-u] SCRIPT ...' or 'python3 -m "
+        "MODULE ...'); run with --no-prestart");
   }
   if (options.nproc < 1) return Status::InvalidArgument("spare pool: nproc must be >= 1");
   return std::unique_ptr<SparePool>(new SparePool(std::move(options), std::move(*cmd)));
@@ -227,17 +227,23 @@ void SparePool::Maintain() {
       // A spare only ends on its own when it cannot work at all; retrying would spin.
       std::string err = ReadAvailable(s.proc->stderr_fd(), 2048);
       while (!err.empty() && err.back() == '\n') err.pop_back();
-      EFDL_LOG_WARN("pre-started worker for local rank {} {} before use{}{}; starting workers "
-                    "without --prestart from now on",
-                    lr, DescribeWaitStatus(*st), err.empty() ? "" : ": ", err);
+      const std::string line = fmt::format(
+          "pre-started worker for local rank {} {} before use{}{}; spawning workers from now "
+          "on (no pre-started workers)",
+          lr, DescribeWaitStatus(*st), err.empty() ? "" : ": ", err);
+      if (options_.requested) {
+        EFDL_LOG_WARN("{}", line);
+      } else {
+        EFDL_LOG_INFO("{}", line);
+      }
       Clear();
       enabled_ = false;
       return;
     }
     if (!s.due || now < *s.due) continue;
     if (Status st = StartSpare(static_cast<int>(lr), s); !st.ok()) {
-      EFDL_LOG_WARN("cannot pre-start a worker ({}); starting workers without --prestart",
-                    st.message());
+      EFDL_LOG_WARN("cannot pre-start a worker ({}); spawning workers from now on (no "
+                    "pre-started workers)", st.message());
       Clear();
       enabled_ = false;
       return;

@@ -62,6 +62,9 @@ struct SparePoolOptions {
   // WaitUntilImported gives up after this long (a slow disk, a huge import): joining late
   // must not become never joining.
   std::chrono::milliseconds import_timeout{std::chrono::seconds(60)};
+  // The user asked for spares (--prestart): falling back to spawned workers is a warning.
+  // Otherwise (the default for python commands) it is logged as information.
+  bool requested = false;
 };
 
 class SparePool {

@@ -25,6 +25,7 @@ struct RunArgs {
   std::string etcd;
   EtcdSecurityFlags etcd_security;
   agent::RunFlags flags;
+  bool prestart_flag = false;  // --prestart / --no-prestart as given; read only when given
 };
 
 int Fail(int code, const std::string& message) {
@@ -152,12 +153,21 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "EFDL_LOG_DIR");
   OptionWithEnv(run, "--snapshot-dir", f.snapshot_dir,
                 "snapshot storage given to workers as EFDL_SNAPSHOT_DIR", "EFDL_SNAPSHOT_DIR");
-  run->add_flag("--prestart,!--no-prestart", f.prestart,
-                "python commands: keep one pre-started interpreter per local rank (torch "
-                "imported) and use it for the next round's worker (faster re-rounds)")
-      ->envname("EFDL_PRESTART");
+  CLI::Option* prestart =
+      run->add_flag("--prestart,!--no-prestart", args->prestart_flag,
+                    "keep one pre-started interpreter per local rank (torch imported) and use "
+                    "it for the next round's worker (faster re-rounds); default: on for "
+                    "'python3 SCRIPT'/'python3 -m MODULE' commands, off for others; --prestart "
+                    "refuses other commands")
+          ->envname("EFDL_PRESTART");
   run->add_option("command", f.command, "the training command, after --")->expected(-1);
-  run->callback([args, &runner] { runner.Set([args] { return RunAgent(*args); }); });
+  run->callback([args, prestart, &runner] {
+    // Neither flag nor EFDL_PRESTART (CLI11 counts an environment value as a use): auto.
+    args->flags.prestart = prestart->count() == 0 ? agent::PrestartMode::kAuto
+                           : args->prestart_flag  ? agent::PrestartMode::kOn
+                                                  : agent::PrestartMode::kOff;
+    runner.Set([args] { return RunAgent(*args); });
+  });
 }
 
 }  // namespace efdl::cli

@@ -121,5 +121,61 @@ TEST(RunConfigTest, NprocDefaultsToVisibleGpus) {
   if (saved) ::setenv("CUDA_VISIBLE_DEVICES", keep.c_str(), 1); else ::unsetenv("CUDA_VISIBLE_DEVICES");
 }
 
+TEST(RunConfigTest, PrestartIsTheDefaultForPythonCommandsOnly) {
+  RunFlags f = Valid();
+  f.command = {"/usr/bin/python3", "-u", "train.py", "--lr", "1"};
+  auto plan = PlanRun(f);  // kAuto: neither flag nor EFDL_PRESTART
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan->agent.prestart);
+  EXPECT_FALSE(plan->agent.prestart_requested);
+
+  f.command = {"/usr/bin/python3", "-m", "pkg.train"};
+  plan = PlanRun(f);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan->agent.prestart);
+
+  // Commands a spare cannot stand in for are spawned, without an error.
+  for (std::vector<std::string> cmd : {std::vector<std::string>{"sh", "-c", "true"},
+                                       {"/usr/bin/python3", "-c", "print(1)"},
+                                       {"/usr/bin/python3", "-I", "train.py"}}) {
+    f.command = cmd;
+    plan = PlanRun(f);
+    ASSERT_TRUE(plan.ok()) << cmd[1] << ": " << plan.status().ToString();
+    EXPECT_FALSE(plan->agent.prestart) << cmd[1];
+  }
+
+  // --launcher runs one process per node that starts the workers itself: never a spare.
+  f.command = {"/usr/bin/python3", "train.py"};
+  f.launcher = true;
+  plan = PlanRun(f);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_FALSE(plan->agent.prestart);
+}
+
+TEST(RunConfigTest, ExplicitPrestartIsStrictAndNoPrestartTurnsItOff) {
+  RunFlags f = Valid();
+  f.prestart = PrestartMode::kOn;
+  f.command = {"/usr/bin/python3", "train.py"};
+  auto plan = PlanRun(f);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan->agent.prestart);
+  EXPECT_TRUE(plan->agent.prestart_requested);
+
+  f.command = {"sh", "-c", "true"};
+  plan = PlanRun(f);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("--prestart needs a worker command"), std::string::npos)
+      << plan.status().message();
+  f.command = {"/usr/bin/python3", "train.py"};
+  f.launcher = true;
+  EXPECT_FALSE(PlanRun(f).ok());
+
+  f.launcher = false;
+  f.prestart = PrestartMode::kOff;
+  plan = PlanRun(f);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_FALSE(plan->agent.prestart);
+}
+
 }  // namespace
 }  // namespace efdl::agent

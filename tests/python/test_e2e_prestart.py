@@ -1,5 +1,6 @@
-"""`efdl run --prestart`: new rounds take pre-started workers (python/efdl/preload.py), a spare
-serves one round only, and no spare or worker outlives a SIGKILLed agent.
+"""Pre-started workers (python/efdl/preload.py), on by default for python commands: new rounds
+take them, a spare serves one round only, no spare or worker outlives a SIGKILLed agent; other
+commands are spawned, `--prestart` refuses them, `--no-prestart` / EFDL_PRESTART=0 turn it off.
 
 Real etcd, real agents, real gloo workers (workers/allreduce_worker.py). Bounded in time; every
 process started is killed by the fixture (by pid / process group).
@@ -48,17 +49,17 @@ def wait_for(pred, timeout, what):
     raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
 
 
-def test_rounds_take_spares_and_none_outlives_a_killed_agent(job):
-    a = job.start_agent("a", nnodes="1:2", extra=["--prestart"])
+def test_rounds_take_spares_by_default_and_none_outlives_a_killed_agent(job):
+    a = job.start_agent("a", nnodes="1:2")
     job.wait_for_world(1, timeout=90)
     # Worker of round 1 plus, after the refill delay, the spare for the next round.
     two = wait_for(lambda: len(a.worker_pids()) == 2 and a.worker_pids(), 60,
                    "agent a's worker and its new spare")
-    b = job.start_agent("b", nnodes="1:2", extra=["--prestart"])
+    b = job.start_agent("b", nnodes="1:2")
     since = time.monotonic()
     job.wait_for_world(2, since=since, timeout=90)
     out = a.output()
-    assert "pre-starting 1 python worker(s) (--prestart)" in out
+    assert "pre-starting 1 python worker(s) (default for python commands" in out
     # The world-2 round of a ran on the spare that waited for it: one of the two earlier
     # children is still there; the other (round 1's worker) is gone for good.
     taken = [line for line in out.splitlines() if "taken from pre-started spares" in line]
@@ -82,6 +83,35 @@ def test_prestart_rejects_a_command_that_is_not_python():
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--prestart needs a worker command" in lines[0], proc.stderr
+
+
+def run_single(argv, env=None, timeout=90):
+    e = cluster.base_env()
+    e.update(env or {})
+    return subprocess.run([cluster.efdl_bin(), "run"] + argv, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_default_spawns_other_commands_and_no_prestart_turns_spares_off(tmp_path):
+    # Not a command a spare can stand in for: spawned as before, no error, no spare.
+    proc = run_single(["--", "/bin/sh", "-c", "echo plain-$RANK"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] plain-0" in proc.stdout and "pre-starting" not in proc.stderr, proc.stderr
+
+    # What a worker sees of its own process: a spawned one is its command line; the default
+    # (a spare) is `python3 -m efdl.preload FD READY_FD` (documented in docs/agent.md).
+    script = tmp_path / "who.py"
+    script.write_text("print('cmdline', open('/proc/self/cmdline', 'rb').read()"
+                      ".split(b'\\0')[1:3])\n")
+    cmd = ["--", cluster.PYTHON, str(script)]
+    default = run_single(cmd)
+    assert default.returncode == 0, default.stderr[-3000:]
+    assert "1 of 1 worker(s) taken from pre-started spares" in default.stderr, default.stderr
+    assert "cmdline [b'-m', b'efdl.preload']" in default.stdout, default.stdout
+    for off in (run_single(["--no-prestart"] + cmd), run_single(cmd, {"EFDL_PRESTART": "0"})):
+        assert off.returncode == 0, off.stderr[-3000:]
+        assert "pre-starting" not in off.stderr and "spares" not in off.stderr, off.stderr
+        assert "cmdline [b'%s'" % script in off.stdout, off.stdout
 
 
 def test_a_new_node_joins_only_once_its_spare_has_imported(job, tmp_path):
