@@ -6,8 +6,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -16,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "common/net.h"
+#include "queued_rendezvous.h"
 #include "test_util.h"
 
 namespace efdl::agent {
@@ -27,24 +26,12 @@ using rdzv::Event;
 using testing::ReadFile;
 using testing::WaitUntil;
 
-class ScriptedRendezvous : public rdzv::Rendezvous {
+class ScriptedRendezvous : public testing::QueuedRendezvous {
  public:
   // Reactions the script runs (under no lock) when the agent reports.
   std::function<void(int64_t round, const std::string& detail)> on_failure;
   std::function<void(int64_t round)> on_success;
 
-  Status Join() override {
-    std::lock_guard lock(mu_);
-    joined_ = true;
-    return join_status_;
-  }
-  std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override {
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
-    Event e = events_.front();
-    events_.pop_front();
-    return e;
-  }
   void ReportWorkerFailure(int64_t round, const std::string& detail) override {
     {
       std::lock_guard lock(mu_);
@@ -64,22 +51,12 @@ class ScriptedRendezvous : public rdzv::Rendezvous {
     ++leaves_;
   }
 
-  void Push(Event e) {
-    std::lock_guard lock(mu_);
-    events_.push_back(std::move(e));
-    cv_.notify_all();
-  }
-  void FailJoin(Status s) { join_status_ = std::move(s); }
   std::vector<std::string> failures() const { std::lock_guard l(mu_); return failures_; }
   std::vector<int64_t> successes() const { std::lock_guard l(mu_); return successes_; }
   int leaves() const { std::lock_guard l(mu_); return leaves_; }
 
  private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Event> events_;
-  Status join_status_;
-  bool joined_ = false;
+  mutable std::mutex mu_;   // guards the reports below
   std::vector<std::string> failures_;
   std::vector<int64_t> successes_;
   int leaves_ = 0;

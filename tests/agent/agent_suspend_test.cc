@@ -3,12 +3,11 @@
 // rendezvous is a small recording double; workers and snapshot files are real.
 #include <gtest/gtest.h>
 
-#include <condition_variable>
-#include <deque>
 #include <mutex>
 
 #include "agent/agent.h"
 #include "common/net.h"
+#include "queued_rendezvous.h"
 #include "snapshot/layout.h"
 #include "snapshot/snapshot_file.h"
 #include "snapshot/store.h"
@@ -20,19 +19,11 @@ using namespace std::chrono_literals;
 using rdzv::Event;
 
 // Plays the rendezvous: the test queues events; the agent's reports are recorded.
-class SuspendingRendezvous : public rdzv::Rendezvous {
+class SuspendingRendezvous : public testing::QueuedRendezvous {
  public:
-  explicit SuspendingRendezvous(Status join = Status::OK()) : join_(std::move(join)) {}
-  Status Join() override { return join_; }
-  std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override {
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
-    Event e = events_.front();
-    events_.pop_front();
-    return e;
+  explicit SuspendingRendezvous(Status join = Status::OK()) {
+    if (!join.ok()) FailJoin(std::move(join));
   }
-  void ReportWorkerFailure(int64_t, const std::string&) override {}
-  void ReportWorkersSucceeded(int64_t) override {}
   void Leave() override {
     std::lock_guard lock(mu_);
     ++leaves;
@@ -42,20 +33,12 @@ class SuspendingRendezvous : public rdzv::Rendezvous {
     reported.push_back(step);
     return Status::OK();
   }
-  void Push(Event e) {
-    std::lock_guard lock(mu_);
-    events_.push_back(std::move(e));
-    cv_.notify_all();
-  }
 
   std::vector<std::optional<int64_t>> reported;   // read after Run() returned
   int leaves = 0;
 
  private:
-  Status join_;
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Event> events_;
 };
 
 Event RoundOne() {

@@ -7,9 +7,6 @@
 
 #include <arpa/inet.h>
 
-#include <condition_variable>
-#include <deque>
-#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -18,6 +15,7 @@
 #include "agent/agent.h"
 #include "common/net.h"
 #include "horovod/slots.h"
+#include "queued_rendezvous.h"
 #include "test_util.h"
 
 namespace efdl::agent {
@@ -28,32 +26,6 @@ using rdzv::Assignment;
 using rdzv::Event;
 using testing::ReadFile;
 using testing::WaitUntil;
-
-// Plays the rest of the job for one agent: events are pushed by the test.
-class EventQueueRendezvous : public rdzv::Rendezvous {
- public:
-  Status Join() override { return Status::OK(); }
-  std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override {
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
-    Event e = events_.front();
-    events_.pop_front();
-    return e;
-  }
-  void ReportWorkerFailure(int64_t, const std::string&) override {}
-  void ReportWorkersSucceeded(int64_t) override {}
-  void Leave() override {}
-  void Push(Event e) {
-    std::lock_guard lock(mu_);
-    events_.push_back(std::move(e));
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Event> events_;
-};
 
 // node-a runs 1 process, node-b 2: the assignments the coordinator writes for this round
 // (rdzv::MemberAssignments; its own tests check that numbering in tests/rendezvous).
@@ -187,7 +159,7 @@ TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
   opts.snapshot_dir = d + "/snap";
   // The worker records its environment and runs until its round is stopped.
   opts.command = {"sh", "-c", "env > " + d + "/env.$EFDL_ROUND; exec sleep 60"};
-  EventQueueRendezvous rdzv;
+  testing::QueuedRendezvous rdzv;  // plays the rest of the job
   Agent agent(opts, rdzv);
   int code = -1;
   std::thread run([&] { code = agent.Run(); });
@@ -246,7 +218,7 @@ TEST(HorovodRendezvousTest, ClientsOutsideTheRoundAreRefused) {
   opts.poll_interval = 20ms;
   opts.snapshot_dir = dir->path() + "/snap";
   opts.command = {"sleep", "60"};
-  EventQueueRendezvous rdzv;
+  testing::QueuedRendezvous rdzv;  // plays the rest of the job
   Agent agent(opts, rdzv);
   int code = -1;
   std::thread run([&] { code = agent.Run(); });
