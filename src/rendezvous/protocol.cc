@@ -283,6 +283,19 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
 
 namespace {
 
+// Appends `c` as the plan's next member: its node rank is the count of members before it, its
+// ranks follow theirs (plan.world_size sums their nproc); the first member offers the master
+// address.
+void AddMember(Plan& plan, const Candidate& c) {
+  if (plan.members.empty()) {
+    plan.master_addr = c.addr;
+    plan.master_port = c.port;
+  }
+  plan.members.push_back(
+      {c.id, static_cast<int>(plan.members.size()), plan.world_size, c.nproc, c.addr});
+  plan.world_size += c.nproc;
+}
+
 // Fragmented mode (limits.world_size > 0): `order` is already previous members first, then
 // joiners by age, so ChooseFragmentMembers' "older first" rule keeps running members whenever
 // an exact fit with as few nodes exists, and the chosen keep that order (stable ranks).
@@ -299,23 +312,14 @@ Plan PlanFragmentedRound(const std::vector<const Candidate*>& order, const PlanL
   }
   std::vector<bool> member(order.size(), false);
   for (size_t i : *chosen) member[i] = true;
-  int offset = 0;
   for (size_t i = 0; i < order.size(); ++i) {
-    const Candidate* c = order[i];
-    if (!member[i]) {
-      plan.standbys.push_back(c->id);
-      continue;
+    if (member[i]) {
+      AddMember(plan, *order[i]);
+    } else {
+      plan.standbys.push_back(order[i]->id);
     }
-    if (plan.members.empty()) {
-      plan.master_addr = c->addr;
-      plan.master_port = c->port;
-    }
-    plan.members.push_back(
-        {c->id, static_cast<int>(plan.members.size()), offset, c->nproc, c->addr});
-    offset += c->nproc;
   }
-  plan.world_size = offset;
-  plan.formed = offset == limits.world_size;
+  plan.formed = plan.world_size == limits.world_size;
   return plan;
 }
 
@@ -373,22 +377,13 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
   if (limits.world_size > 0) return PlanFragmentedRound(order, limits);
 
   Plan plan;
-  int offset = 0;
   for (const Candidate* c : order) {
-    bool fits = static_cast<int>(plan.members.size()) < limits.max_nodes;
-    if (!fits) {
+    if (static_cast<int>(plan.members.size()) < limits.max_nodes) {
+      AddMember(plan, *c);
+    } else {
       plan.standbys.push_back(c->id);
-      continue;
     }
-    if (plan.members.empty()) {
-      plan.master_addr = c->addr;
-      plan.master_port = c->port;
-    }
-    plan.members.push_back(
-        {c->id, static_cast<int>(plan.members.size()), offset, c->nproc, c->addr});
-    offset += c->nproc;
   }
-  plan.world_size = offset;
   plan.formed = static_cast<int>(plan.members.size()) >= limits.min_nodes &&
                 !plan.members.empty();
   return plan;
