@@ -18,17 +18,8 @@ namespace {
 using nlohmann::json;
 using testing::ControlConn;
 
-class ControlBadInputTest : public ::testing::Test {
+class ControlBadInputTest : public testing::ControlServerFixture {
  protected:
-  void SetUp() override {
-    auto dir = TempDir::Create("efdl-ctl-bad");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
-    auto server = ControlServer::Start({dir_.path() + "/control.sock", "job1", "node-a"});
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    server_ = std::move(server).value();
-    server_->SetRound(3);
-  }
   // A well-formed hello on a fresh connection is still welcomed: the server lives on.
   void ExpectServerStillServes() {
     ControlConn c(server_->path());
@@ -38,8 +29,6 @@ class ControlBadInputTest : public ::testing::Test {
     json reply = json::parse(c.ReadLine(), nullptr, false);
     EXPECT_EQ(reply.value("type", ""), "welcome");
   }
-  TempDir dir_;
-  std::unique_ptr<ControlServer> server_;
 };
 
 TEST_F(ControlBadInputTest, MalformedLinesGetAnErrorReplyEach) {

@@ -1,6 +1,6 @@
-// A raw worker-side connection to an agent's control socket, as a non-Python worker (or any
-// other process of the job's user) would open it; shared by the control server's tests.
-// Owns its socket; not thread-safe.
+// The control server's tests: a raw worker-side connection to an agent's control socket, as a
+// non-Python worker (or any other process of the job's user) would open it, and a fixture that
+// runs a ControlServer.
 #pragma once
 
 #include <poll.h>
@@ -12,9 +12,15 @@
 #include <cstring>
 #include <string>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "agent/control_server.h"
+#include "common/net.h"
+
 namespace efdl::agent::testing {
+
+// Owns its socket; not thread-safe.
 
 class ControlConn {
  public:
@@ -75,6 +81,24 @@ class ControlConn {
   int fd_ = -1;
   bool connected_ = false;
   std::string buffer_;
+};
+
+// A ControlServer of job1/node-a at round 3 on a socket in a fresh temporary directory; both are
+// gone after the test.
+class ControlServerFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dir = TempDir::Create("efdl-ctl-test");
+    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+    dir_ = std::move(dir).value();
+    auto server = ControlServer::Start({dir_.path() + "/control.sock", "job1", "node-a"});
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    server_->SetRound(3);
+  }
+
+  TempDir dir_;   // declared first: destroyed after the server that has its socket in it
+  std::unique_ptr<ControlServer> server_;
 };
 
 }  // namespace efdl::agent::testing

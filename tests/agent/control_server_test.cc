@@ -19,20 +19,7 @@ using nlohmann::json;
 using testing::ControlConn;
 using testing::WaitUntil;
 
-class ControlServerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto dir = TempDir::Create("efdl-ctl-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
-    auto server = ControlServer::Start({dir_.path() + "/control.sock", "job1", "node-a"});
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    server_ = std::move(server).value();
-    server_->SetRound(3);
-  }
-  TempDir dir_;
-  std::unique_ptr<ControlServer> server_;
-};
+class ControlServerTest : public testing::ControlServerFixture {};
 
 TEST_F(ControlServerTest, SocketIsPrivateToTheUser) {
   struct stat st {};
