@@ -54,6 +54,26 @@ class DemoError(Exception):
     """A step of the demo did not happen in time; the message says which and where to look."""
 
 
+def wait_under(cond, what, predicate, timeout, where, check=None):
+    """Waits (bounded) until predicate() holds and returns its value.
+
+    predicate and check run with `cond` held; check (optional) raises DemoError when waiting is
+    pointless. On timeout the DemoError names `what` and, through `where`, what to read.
+    """
+    deadline = time.monotonic() + timeout
+    with cond:
+        while True:
+            value = predicate()
+            if value:
+                return value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DemoError("timed out after %d s waiting for %s%s" % (timeout, what, where))
+            cond.wait(min(left, 0.5))
+            if check is not None:
+                check()
+
+
 def efdl_binary():
     path = os.environ.get("EFDL_BIN") or shutil.which("efdl") or os.path.join(REPO, "build", "efdl")
     if not os.access(path, os.X_OK):
@@ -231,21 +251,14 @@ class Demo:
 
     def wait_for(self, what, predicate, timeout):
         """Waits (bounded) until predicate() holds; predicate runs under self.cond."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DemoError("timed out after %d s waiting for %s; the agents' logs are in "
-                                    "%s" % (timeout, what, os.path.join(self.out, "logs")))
-                self.cond.wait(min(left, 0.5))
-                for p in self.procs.values():
-                    if p.name == "etcd" and not p.alive():
-                        raise DemoError("etcd exited; see %s" % os.path.join(self.out, "logs",
-                                                                             "etcd.log"))
+        return wait_under(self.cond, what, predicate, timeout,
+                          "; the agents' logs are in %s" % os.path.join(self.out, "logs"),
+                          check=self._etcd_alive)
+
+    def _etcd_alive(self):
+        for p in self.procs.values():
+            if p.name == "etcd" and not p.alive():
+                raise DemoError("etcd exited; see %s" % os.path.join(self.out, "logs", "etcd.log"))
 
     # ---------------------------------------------------------------- processes
 

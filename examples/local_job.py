@@ -17,7 +17,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo import REPO, DemoError, Proc, clean_env, efdl_binary  # noqa: E402
+from demo import REPO, DemoError, Proc, clean_env, efdl_binary, wait_under  # noqa: E402
 
 PYTHON = "/usr/bin/python3"
 
@@ -72,17 +72,7 @@ class LocalJob:
 
     def wait_for(self, what, predicate, timeout):
         """Waits (bounded) until predicate() holds (it runs under self.cond); returns its value."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DemoError("timed out after %d s waiting for %s (the nodes' output "
-                                    "is above)" % (timeout, what))
-                self.cond.wait(min(left, 0.5))
+        return wait_under(self.cond, what, predicate, timeout, " (the nodes' output is above)")
 
     def count(self, pattern, nodes=None, start=0):
         """Lines from `nodes` (default: all) matching `pattern`, from index `start`; under cond."""
