@@ -144,6 +144,8 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
       {"TORCHELASTIC_RUN_ID", options.job_id},
   };
   if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
+  // The agent's AgentPersister writes storage; the workers only commit to shared memory.
+  if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
   // As torchrun does: several processes per node must not each spawn a thread per core.
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   AddHorovodEnvironment(options, a, local_rank, env);
@@ -205,6 +207,17 @@ int Agent::Run() {
     return 1;
   }
   control_ = std::move(control).value();
+  if (!options_.launcher) {
+    // A launcher's workers persist themselves: their ranks are the inner launcher's business.
+    auto persist = AgentPersisterOptionsFromEnvironment(
+        options_.job_id, options_.node_id, options_.snapshot_dir, options_.job_secret,
+        [](const char* name) -> const char* { return std::getenv(name); });
+    if (!persist.ok()) {
+      EFDL_LOG_ERROR("{}", persist.status().message());
+      return 1;
+    }
+    persister_ = std::make_unique<AgentPersister>(std::move(persist).value());
+  }
   if (options_.prestart && !options_.launcher) StartSparePool();
   if (spares_) {
     // Joining starts a new round at once, so the running nodes would stop training and wait
@@ -250,6 +263,7 @@ std::optional<int> Agent::PollWorkers() {
     case WorkerGroup::State::kSucceeded:
       EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group_->round(),
                     assignment_.nproc);
+      PersistNewestSnapshot("reporting the workers' success");
       rdzv_.ReportWorkersSucceeded(group_->round());
       group_.reset();
       return std::nullopt;
@@ -286,6 +300,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
     case Type::kJobComplete:
       spares_.reset();
       StopWorkers(/*graceful=*/false, "the job is complete");
+      PersistNewestSnapshot("the job's end");
+      persister_.reset();
       RemoveJobArenas(options_.job_id, options_.node_id);
       EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
       return 0;
@@ -294,6 +310,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                     options_.node_id, event.round, event.message.empty() ? "" : ": ",
                     event.message);
       StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
+      if (persister_) persister_->Clear();  // no longer a member: storage is not ours to write
       if (spares_) spares_->Clear();  // refilled when the node takes part in a round again
       return std::nullopt;
     case Type::kSuspended:
@@ -301,6 +318,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
     case Type::kFailed:
       spares_.reset();
       StopWorkers(/*graceful=*/false, event.message);
+      PersistNewestSnapshot("leaving the failed job");
       EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
       rdzv_.Leave();
       return 1;
@@ -333,6 +351,10 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   }
   assignment_ = a;
   control_->SetRound(a.round);
+  if (persister_) {
+    persister_->SetTargets(
+        PersistTargetsFor(persister_->options(), a.rank_offset, a.standby ? 0 : a.nproc));
+  }
   if (a.standby) {
     if (options_.world_size > 0) {
       EFDL_LOG_INFO("round {}: standby (the members' processes already add up to world size "
@@ -415,6 +437,17 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
   }
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
   group_.reset();
+  // The workers' final commit is in shared memory now; a suspend reads storage next.
+  if (graceful) PersistNewestSnapshot(reason);
+}
+
+void Agent::PersistNewestSnapshot(const std::string& why) {
+  if (!persister_ || persister_->targets().empty()) return;
+  Status s = persister_->Flush(std::chrono::minutes(10));
+  if (!s.ok()) {
+    EFDL_LOG_WARN("persisting the newest snapshot failed ({}); the previous one in storage is "
+                  "kept: {}", why, s.message());
+  }
 }
 
 int Agent::Suspend(const rdzv::Event& event) {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "agent/agent_persister.h"
 #include "agent/control_server.h"
 #include "agent/spare_pool.h"
 #include "agent/worker_group.h"
@@ -112,6 +113,9 @@ class Agent {
   int Suspend(const rdzv::Event& event);
   void StartSparePool();
   void StopWorkers(bool graceful, const std::string& reason);
+  // Writes the newest snapshot in this node's arenas to storage now (docs/snapshots.md), before
+  // `why` (a stop, the job's end) is acted on; a failure is logged, the previous one is kept.
+  void PersistNewestSnapshot(const std::string& why);
   // The rank-0 node serves Horovod's Gloo rendezvous for the round it starts (docs/horovod.md);
   // the server lives exactly as long as the round's workers.
   void StartHorovodRendezvous(const rdzv::Assignment& assignment);
@@ -124,6 +128,8 @@ class Agent {
   std::unique_ptr<ControlServer> control_;
   std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
   std::unique_ptr<WorkerGroup> group_;
+  // The workers' snapshots go to storage from here (null with --launcher or before Run()).
+  std::unique_ptr<AgentPersister> persister_;
   std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;

@@ -1,5 +1,6 @@
 #include "snapshot/persister.h"
 
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -56,6 +57,8 @@ uint64_t Persister::persisted_seq() const {
 }
 
 void Persister::Loop() {
+  // A name tools (and tests) can see in /proc/<pid>/task/*/comm: which process persists.
+  ::pthread_setname_np(::pthread_self(), "efdl-persist");
   // Background work: let the training threads win the CPU (Linux nice applies per thread). A
   // flush runs on the caller's thread, so a starved persister never delays a graceful stop.
   if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10) != 0) {

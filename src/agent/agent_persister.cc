@@ -1,0 +1,173 @@
+#include "agent/agent_persister.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "snapshot/env.h"
+#include "snapshot/persister.h"
+
+namespace efdl::agent {
+
+namespace {
+
+std::string Trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return std::string(s);
+}
+
+// As state.py's _env_int: unset or blank is the default, anything else must be an integer.
+Result<int64_t> EnvInt(const std::function<const char*(const char*)>& getenv, const char* name,
+                       int64_t fallback) {
+  const char* raw = getenv(name);
+  std::string value = Trim(raw != nullptr ? raw : "");
+  if (value.empty()) return fallback;
+  std::string_view digits = value;
+  if (digits.front() == '+') digits.remove_prefix(1);
+  int64_t out = 0;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), out);
+  if (ec != std::errc() || end != digits.data() + digits.size()) {
+    return Status::InvalidArgument(
+        fmt::format("environment variable {}='{}' is not an integer; set it to a whole number "
+                    "or unset it", name, value));
+  }
+  return out;
+}
+
+// state.py's _safe_name: the arena file name's job and node parts.
+std::string SafeName(const std::string& text) {
+  std::string out = text.substr(0, 80);
+  for (char& c : out) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != '-') c = '_';
+  }
+  return out;
+}
+
+std::string ArenaPath(const AgentPersisterOptions& o, const std::string& scope) {
+  return (std::filesystem::path(o.shm_dir) /
+          fmt::format("efdl-{}-{}-{}.arena", SafeName(o.job_id), SafeName(o.node_id), scope))
+      .string();
+}
+
+}  // namespace
+
+Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
+    std::string job_id, std::string node_id, std::string snapshot_dir, std::string job_secret,
+    const std::function<const char*(const char*)>& getenv) {
+  AgentPersisterOptions o;
+  o.job_id = std::move(job_id);
+  o.node_id = std::move(node_id);
+  o.snapshot_dir = std::move(snapshot_dir);
+  if (const char* shm = getenv("EFDL_SHM_DIR"); shm != nullptr && *shm != '\0') o.shm_dir = shm;
+  auto per_rank = EnvInt(getenv, "EFDL_SNAPSHOT_PER_RANK", 0);
+  if (!per_rank.ok()) return per_rank.status();
+  o.per_rank = *per_rank != 0;
+  auto keep = EnvInt(getenv, "EFDL_SNAPSHOT_KEEP", 2);
+  if (!keep.ok()) return keep.status();
+  if (*keep < 1) {
+    return Status::InvalidArgument(fmt::format(
+        "EFDL_SNAPSHOT_KEEP={} keeps no snapshot; set it to 1 or more", *keep));
+  }
+  o.keep = static_cast<int>(std::min<int64_t>(*keep, 1 << 20));
+  auto interval = EnvInt(getenv, "EFDL_PERSIST_MIN_INTERVAL_MS", 1000);
+  if (!interval.ok()) return interval.status();
+  o.min_interval = std::chrono::milliseconds(std::max<int64_t>(*interval, 0));
+  const char* hmac = getenv("EFDL_SNAPSHOT_HMAC");
+  std::string flag = Trim(hmac != nullptr ? hmac : "");
+  std::transform(flag.begin(), flag.end(), flag.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (flag == "1" || flag == "true" || flag == "yes" || flag == "on") {
+    if (job_secret.empty()) {
+      return Status::InvalidArgument(
+          "EFDL_SNAPSHOT_HMAC=1 needs the job's secret, which this agent was not given (efdl "
+          "run keeps it in etcd): run the agent with `efdl run`, or unset EFDL_SNAPSHOT_HMAC");
+    }
+    o.hmac_key = std::move(job_secret);
+  }
+  return o;
+}
+
+std::vector<PersistTarget> PersistTargetsFor(const AgentPersisterOptions& o, int rank_offset,
+                                             int nproc) {
+  std::vector<PersistTarget> out;
+  if (o.snapshot_dir.empty() || nproc <= 0) return out;
+  const std::filesystem::path job_dir = std::filesystem::path(o.snapshot_dir) / o.job_id;
+  if (!o.per_rank) {
+    // Local rank 0 writes the node copy on every node; storage gets the rank-0 node's.
+    if (rank_offset == 0) out.push_back({ArenaPath(o, "node"), job_dir.string()});
+    return out;
+  }
+  for (int lr = 0; lr < nproc; ++lr) {
+    const int rank = rank_offset + lr;
+    out.push_back({ArenaPath(o, fmt::format("rank{}", rank)),
+                   (job_dir / fmt::format("rank-{}", rank)).string()});
+  }
+  return out;
+}
+
+AgentPersister::AgentPersister(AgentPersisterOptions options) : options_(std::move(options)) {}
+
+AgentPersister::~AgentPersister() = default;
+
+std::unique_ptr<snapshot::Persister> AgentPersister::MakePersister(
+    const PersistTarget& target) const {
+  snapshot::PersisterOptions p;
+  p.arena_path = target.arena_path;
+  p.storage_dir = target.storage_dir;
+  p.keep = options_.keep;
+  p.env = snapshot::Env::Posix();
+  p.min_interval = options_.min_interval;
+  p.poll_interval = options_.poll_interval;
+  p.hmac_key = options_.hmac_key;
+  auto persister = std::make_unique<snapshot::Persister>(std::move(p));
+  persister->Start();
+  return persister;
+}
+
+void AgentPersister::SetTargets(std::vector<PersistTarget> targets) {
+  std::vector<std::unique_ptr<snapshot::Persister>> next(targets.size());
+  for (size_t i = 0; i < targets_.size(); ++i) {
+    auto kept = std::find(targets.begin(), targets.end(), targets_[i]);
+    if (kept != targets.end()) {
+      next[static_cast<size_t>(kept - targets.begin())] = std::move(persisters_[i]);
+      continue;
+    }
+    // No longer this node's to write: finish the round that ended first.
+    Status s = persisters_[i]->Flush(std::chrono::minutes(10));
+    if (!s.ok()) {
+      EFDL_LOG_WARN("persisting the newest snapshot of {} failed: {}", targets_[i].arena_path,
+                    s.message());
+    }
+    persisters_[i].reset();
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (!next[i]) {
+      next[i] = MakePersister(targets[i]);
+      EFDL_LOG_DEBUG("persisting snapshots of {} to {}", targets[i].arena_path,
+                     targets[i].storage_dir);
+    }
+  }
+  targets_ = std::move(targets);
+  persisters_ = std::move(next);
+}
+
+void AgentPersister::Clear() {
+  persisters_.clear();
+  targets_.clear();
+}
+
+Status AgentPersister::Flush(std::chrono::milliseconds timeout) {
+  Status first;
+  for (size_t i = 0; i < persisters_.size(); ++i) {
+    Status s = persisters_[i]->Flush(timeout);
+    if (!s.ok() && first.ok()) first = s.WithContext(targets_[i].arena_path);
+  }
+  return first;
+}
+
+}  // namespace efdl::agent

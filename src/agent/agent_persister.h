@@ -1,0 +1,97 @@
+// AgentPersister: the node agent persists its workers' snapshots (docs/snapshots.md).
+//
+// Under `efdl run` the workers only commit into their shared-memory arenas (they get
+// EFDL_AGENT_PERSISTS=1 and start no persister thread); the agent runs one snapshot::Persister per
+// arena this node must write to storage in the current round:
+// - node copies (default): the arena "node" of the node hosting global rank 0, written to
+//   <snapshot dir>/<job>/ — only that node writes, so a shared mount has one writer;
+// - per-rank states (EFDL_SNAPSHOT_PER_RANK=1): every local rank's arena "rank<R>", written to
+//   <snapshot dir>/<job>/rank-<R>/.
+// Arena paths follow python/efdl/state.py: <shm dir>/efdl-<job>-<node>-<scope>.arena.
+//
+// New commits are found by polling the arena's header (a stat and one header page every
+// poll_interval): that also covers a worker that died right after its commit, a worker that never
+// connected to the control socket, and the time between rounds, and costs nothing measurable. The
+// rate limit (min_interval) bounds how often storage is written; the newest ready snapshot is
+// taken each time (older ones in between are skipped), and the slot being written is pinned, so
+// commit() never waits.
+//
+// Ownership and thread-safety: the agent owns one AgentPersister; each Persister owns its thread,
+// which the destructor (and SetTargets, for persisters no longer wanted) stops and joins. All
+// methods are called from the agent's loop thread only.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "efdl/status.h"
+
+namespace efdl::snapshot {
+class Persister;
+}  // namespace efdl::snapshot
+
+namespace efdl::agent {
+
+struct AgentPersisterOptions {
+  std::string job_id;
+  std::string node_id;
+  std::string shm_dir = "/dev/shm";   // EFDL_SHM_DIR
+  std::string snapshot_dir;           // the workers' EFDL_SNAPSHOT_DIR (absolute); empty: off
+  bool per_rank = false;              // EFDL_SNAPSHOT_PER_RANK
+  int keep = 2;                       // EFDL_SNAPSHOT_KEEP
+  std::chrono::milliseconds min_interval{1000};  // EFDL_PERSIST_MIN_INTERVAL_MS
+  std::chrono::milliseconds poll_interval{150};
+  std::string hmac_key;               // the job's secret when EFDL_SNAPSHOT_HMAC=1, else empty
+};
+
+// The options from the variables State reads (the workers inherit the agent's environment, so
+// both sides see the same values). `getenv` is injectable for tests. InvalidArgument with one
+// line naming the variable for a value State would refuse as well.
+Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
+    std::string job_id, std::string node_id, std::string snapshot_dir, std::string job_secret,
+    const std::function<const char*(const char*)>& getenv);
+
+// One arena and the storage directory it goes to.
+struct PersistTarget {
+  std::string arena_path;
+  std::string storage_dir;
+  bool operator==(const PersistTarget&) const = default;
+};
+
+// What this node persists in a round where it runs global ranks rank_offset..rank_offset+nproc-1
+// (nproc 0: standby, nothing).
+std::vector<PersistTarget> PersistTargetsFor(const AgentPersisterOptions& options,
+                                             int rank_offset, int nproc);
+
+class AgentPersister {
+ public:
+  explicit AgentPersister(AgentPersisterOptions options);
+  ~AgentPersister();  // stops and joins the threads; does not flush (callers Flush first)
+  AgentPersister(const AgentPersister&) = delete;
+  AgentPersister& operator=(const AgentPersister&) = delete;
+
+  const AgentPersisterOptions& options() const { return options_; }
+
+  // Persists `targets` from now on. A target kept from before keeps its thread; one dropped is
+  // flushed first (its arena's newest snapshot belongs to the round that just ended, which this
+  // node was the writer of), then stopped.
+  void SetTargets(std::vector<PersistTarget> targets);
+  // Stops persisting without writing anything more (a fenced node must not write storage).
+  void Clear();
+  // Writes the newest ready snapshot of every target's arena to storage unless it is there
+  // already; returns the first failure (each is also logged once by its Persister).
+  Status Flush(std::chrono::milliseconds timeout);
+  const std::vector<PersistTarget>& targets() const { return targets_; }
+
+ private:
+  std::unique_ptr<snapshot::Persister> MakePersister(const PersistTarget& target) const;
+
+  const AgentPersisterOptions options_;
+  std::vector<PersistTarget> targets_;
+  std::vector<std::unique_ptr<snapshot::Persister>> persisters_;  // parallel to targets_
+};
+
+}  // namespace efdl::agent
