@@ -115,9 +115,15 @@ def _host_view(address, nbytes, dtype, shape):
 
 
 class _Plan:
-    """The tensors of the last commit: names, objects and addresses. Rebuilt when they change."""
+    """The tensors of the last commit: names, objects and addresses. Rebuilt when they change.
 
-    __slots__ = ("key", "names", "tensors", "ptrs", "raw_ptrs", "originals")
+    `fast_key` (State._fast_key) describes where the tensors came from; while it and the data
+    pointers are unchanged, a commit reuses the plan without collecting the tensors again.
+    None: every commit collects (the optimizer state holds non-tensor values, which may change
+    in place)."""
+
+    __slots__ = ("key", "names", "tensors", "ptrs", "raw_ptrs", "originals", "restage",
+                 "fast_key", "scalars")
 
     def __init__(self, names, tensors):
         self.names = names
@@ -126,6 +132,20 @@ class _Plan:
         # 0: not host memory, filled through State._fill (device-to-host into the arena)
         self.ptrs = [0 if t.is_cuda else t.data_ptr() for t in tensors]
         self.key = [id(t) for t in tensors]
+        self.restage = ()    # indexes of non-contiguous originals, copied to tensors[i] per commit
+        self.fast_key = None
+        self.scalars = {}
+
+
+# Keyword arguments of these types are written as JSON in the manifest and read back from it
+# exactly (ints only in the range a JSON parser keeps exact); others are pickled.
+_INT_LIMIT = 1 << 63
+_IMMUTABLE = frozenset((int, float, bool, str, bytes, type(None), complex))
+
+
+def _immutable(v):
+    t = type(v)
+    return t in _IMMUTABLE or (t is tuple and all(_immutable(x) for x in v))
 
 
 class State:
@@ -146,7 +166,8 @@ class State:
         d["_restored"] = None
         d["_restored_meta"] = None
         d["_lock"] = threading.Lock()
-        d["_sched_sd"] = None
+        d["_meta_cache"] = None    # (fingerprint, pickled metadata): see _meta
+        d["_kw_heads"] = {}        # keyword argument name: its JSON key text
         d["_vote"] = None
         d["_vote_checked"] = False
 
@@ -315,26 +336,54 @@ class State:
 
     def _snapshot(self, step):
         with self._lock:
-            names, tensors, scalars = self._collect_tensors()
+            sched_sd = self.scheduler.state_dict() if self.scheduler is not None else None
             plan = self._plan
-            # Same tensor objects at the same addresses: the layout and the copy list still hold.
-            if (plan is None or plan.key != [id(t) for t in tensors]
-                    or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
-                plan = self._make_plan(names, tensors)
-            meta = self._meta(scalars)
+            # The per-commit path (docs/snapshots.md, "Measured"): while the tensors come from
+            # the same objects at the same addresses, nothing is collected again.
+            if (plan is None or plan.fast_key is None or plan.fast_key != self._fast_key(sched_sd)
+                    or plan.raw_ptrs != [t.data_ptr() for t in plan.originals]):
+                names, tensors, scalars = self._collect_tensors(sched_sd)
+                if (plan is None or plan.key != [id(t) for t in tensors]
+                        or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
+                    plan = self._make_plan(names, tensors)
+                plan.scalars = scalars
+                plan.fast_key = None if scalars else self._fast_key(sched_sd)
+            for i in plan.restage:
+                plan.tensors[i].copy_(plan.originals[i])
+            meta = self._meta(plan.scalars, sched_sd)
             fill = self._fill if 0 in plan.ptrs else None
             self._engine.commit(plan.ptrs, int(step) if isinstance(step, int) else 0, meta, fill)
             self._last_step = step if isinstance(step, int) else 0
         if self._control is not None:
             self._control.notify_committed(step if isinstance(step, int) else 0)
 
+    def _fast_key(self, sched_sd):
+        """Identities that fix the tensor list of a commit: the model's cached entries, the
+        optimizer's parameters and state values, tensor-valued scheduler state and keyword
+        arguments (-1 separates the parts)."""
+        key = [id(self._model_cache) if self.model is not None else 0]
+        opt = self.optimizer
+        if opt is not None:
+            key.append(id(opt))
+            key += [(id(g["params"]), len(g["params"])) for g in opt.param_groups]
+            key.append(-1)
+            key += [id(x) for p, st in opt.state.items() for x in (p, *st.values())]
+        key.append(-1)
+        if sched_sd is not None:
+            key += [id(v) for v in sched_sd.values() if isinstance(v, torch.Tensor)]
+        key.append(-1)
+        key += [(k, id(v)) for k, v in self._values.items() if isinstance(v, torch.Tensor)]
+        return key
+
     def _make_plan(self, names, tensors):
-        staged = []
-        for t in tensors:
+        staged, restage = [], []
+        for i, t in enumerate(tensors):
             if not t.is_cuda and not t.is_contiguous():
-                t = t.contiguous()  # a copy per commit; parameters are contiguous in practice
+                t = t.contiguous()  # a staging copy, refreshed from the original every commit
+                restage.append(i)
             staged.append(t)
         plan = _Plan(names, staged)
+        plan.restage = tuple(restage)
         plan.key = [id(t) for t in tensors]
         plan.raw_ptrs = [t.data_ptr() for t in tensors]
         plan.originals = tensors  # keeps the ids in plan.key from being reused
@@ -378,8 +427,9 @@ class State:
             cached = self.__dict__["_param_cache"] = (key, index, {})
         return cached[1], cached[2]
 
-    def _collect_tensors(self):
-        """(names, tensors, {param index: non-tensor optimizer state}) of a commit.
+    def _collect_tensors(self, sched_sd):
+        """(names, tensors, {param index: non-tensor optimizer state}) of a commit; `sched_sd`:
+        the scheduler's state_dict() (None without a scheduler).
 
         On the path of every commit, so: one pass over the optimizer state, iterated rather than
         looked up (a lookup hashes the parameter through Python-level Tensor.__hash__), and each
@@ -408,10 +458,8 @@ class State:
                         tensors.append(v)
                     else:
                         scalars.setdefault(i, {})[key] = v
-        self._sched_sd = None
-        if self.scheduler is not None:
-            self._sched_sd = sd = self.scheduler.state_dict()
-            for key, v in sd.items():
+        if sched_sd is not None:
+            for key, v in sched_sd.items():
                 if isinstance(v, torch.Tensor):
                     names.append("scheduler/" + key)
                     tensors.append(v)
@@ -421,10 +469,57 @@ class State:
                 tensors.append(v)
         return names, tensors, scalars
 
-    def _meta(self, scalars):
-        """The manifest's meta text; `scalars`: non-tensor optimizer state by parameter index."""
-        kwargs = {k: v for k, v in self._values.items() if not isinstance(v, torch.Tensor)}
-        meta = {"kwargs": kwargs}
+    def _meta(self, scalars, sched_sd):
+        """The manifest's meta text; `scalars`: non-tensor optimizer state by parameter index,
+        `sched_sd`: the scheduler's state_dict() or None.
+
+        {"kwargs": {...}, "kwargs_exact": true, "pickle": base64 pickle of {"kwargs": the
+        keyword arguments JSON cannot carry exactly, "optimizer": ..., "scheduler": ...}}: the
+        plain ones (ints, floats, strings, ...: epoch, step) are JSON, formatted here rather
+        than pickled, and the pickle is reused while the optimizer's hyper-parameters are
+        unchanged - this runs on every commit (docs/snapshots.md, "Measured")."""
+        parts, rest = [], None
+        heads = self._kw_heads
+        for k, v in self._values.items():
+            t = type(v)
+            if t is int and -_INT_LIMIT <= v < _INT_LIMIT:
+                text = str(v)
+            elif t is float and v - v == 0.0:  # finite
+                text = repr(v)
+            elif t is bool:
+                text = "true" if v else "false"
+            elif v is None:
+                text = "null"
+            elif t is str:
+                text = json.dumps(v)
+            elif isinstance(v, torch.Tensor):
+                continue
+            else:
+                if rest is None:
+                    rest = {}
+                rest[k] = v
+                try:
+                    text = json.dumps(v, allow_nan=False)
+                except (TypeError, ValueError):
+                    text = json.dumps(repr(v))
+            head = heads.get(k)
+            if head is None:
+                head = heads[k] = json.dumps(str(k)) + ":"
+            parts.append(head + text)
+        kwargs_json = "{" + ",".join(parts) + "}"
+        fingerprint = None
+        if rest is None and sched_sd is None and not scalars:
+            opt = self.optimizer
+            fingerprint = (id(opt), None if opt is None else [
+                (len(g["params"]),) + tuple(g.values()) for g in opt.param_groups])
+            cached = self._meta_cache
+            try:
+                if cached is not None and cached[0] == fingerprint:
+                    return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"}' % (kwargs_json,
+                                                                               cached[1])
+            except Exception:  # noqa: BLE001 - a hyper-parameter without a plain ==: re-pickle
+                pass
+        meta = {"kwargs": rest or {}}
         if self.optimizer is not None:
             groups = []
             for g in self.optimizer.param_groups:
@@ -432,15 +527,17 @@ class State:
                 g["num_params"] = len(g.pop("params"))
                 groups.append(g)
             meta["optimizer"] = {"param_groups": groups, "state": scalars}
-        if self.scheduler is not None:
-            sd = self._sched_sd if self._sched_sd is not None else self.scheduler.state_dict()
-            meta["scheduler"] = {k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)}
+        if sched_sd is not None:
+            meta["scheduler"] = {k: v for k, v in sched_sd.items()
+                                 if not isinstance(v, torch.Tensor)}
         blob = base64.b64encode(pickle.dumps(meta, protocol=4)).decode()
-        try:
-            shown = json.dumps(kwargs)
-        except (TypeError, ValueError):
-            shown = json.dumps({k: repr(v) for k, v in kwargs.items()})
-        return '{"kwargs":%s,"pickle":"%s"}' % (shown, blob)
+        # Reused only while every hyper-parameter is immutable: one changed in place would
+        # still compare equal to the fingerprint's reference to it.
+        groups = meta["optimizer"]["param_groups"] if "optimizer" in meta else ()
+        if not all(_immutable(v) for g in groups for v in g.values()):
+            fingerprint = None
+        self._meta_cache = None if fingerprint is None else (fingerprint, blob)
+        return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"}' % (kwargs_json, blob)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -459,6 +556,10 @@ class State:
         try:
             meta_doc = json.loads(ref.meta_json)
             meta = pickle.loads(base64.b64decode(meta_doc["pickle"]))
+            if meta_doc.get("kwargs_exact"):  # see _meta; older snapshots pickled every kwarg
+                kwargs = dict(meta_doc["kwargs"])
+                kwargs.update(meta.get("kwargs") or {})
+                meta["kwargs"] = kwargs
         except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
             warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
                           % (ref.seq, ref.path, e))

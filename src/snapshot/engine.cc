@@ -22,6 +22,7 @@
 #include "snapshot/persister.h"
 #include "snapshot/snapshot_file.h"
 #include "snapshot/store.h"
+#include "snapshot/stream_copy.h"
 
 namespace efdl::snapshot {
 
@@ -73,6 +74,7 @@ class Engine final : public SnapshotEngine {
     nlohmann::json ids = {{"job", options_.job_id}, {"scope", options_.scope}};
     head_json_ = ids.dump();
     head_json_ = head_json_.substr(1, head_json_.size() - 2);
+    tensors_json_ = TensorsJson(layout_);  // a state without tensors never changes the layout
     auto arena = SnapshotArena::Open(options_.arena_path);
     if (arena.ok()) {
       arena_ = std::move(arena).value();
@@ -151,9 +153,9 @@ class Engine final : public SnapshotEngine {
       const Piece& p = pieces_[i];
       const void* src = sources[p.tensor].data;
       if (src == nullptr || p.length == 0) return;
-      std::memcpy(data + p.offset,
-                  static_cast<const uint8_t*>(src) + (p.offset - layout_[p.tensor].offset),
-                  p.length);
+      StreamCopy(data + p.offset,
+                 static_cast<const uint8_t*>(src) + (p.offset - layout_[p.tensor].offset),
+                 p.length);
     };
     if (data_bytes_ >= kParallelCopyBytes) {
       runner_.Run(pieces_.size(), copy_piece);

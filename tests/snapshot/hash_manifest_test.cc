@@ -9,6 +9,7 @@
 #include "snapshot/layout.h"
 #include "snapshot/parallel.h"
 #include "snapshot/snapshot_file.h"
+#include "snapshot/stream_copy.h"
 
 namespace efdl::snapshot {
 namespace {
@@ -28,6 +29,25 @@ TEST(Hash, CopyAndHashCopiesAndAgreesWithHashForEverySize) {
     EXPECT_EQ(h, Hash64(src.data(), n, 42)) << n;
     EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin())) << n;
     EXPECT_EQ(dst[n], 0xAB) << "wrote past the end at n=" << n;
+  }
+}
+
+TEST(StreamCopy, CopiesEverySizeAndAlignmentWithoutWritingPastTheEnd) {
+  for (size_t n : {0, 1, 15, 16, 63, 64, 4095, 4096, 4097, 4096 + 63, 100000, (1 << 20) + 13}) {
+    auto src = RandomBytes(n + 16, static_cast<uint32_t>(n) + 7);
+    for (size_t src_off : {0, 3}) {
+      for (size_t dst_off : {0, 1, 8, 15}) {
+        std::vector<uint8_t> dst(n + 32, 0xAB);
+        StreamCopy(dst.data() + dst_off, src.data() + src_off, n);
+        EXPECT_TRUE(std::equal(src.begin() + src_off, src.begin() + src_off + n,
+                               dst.begin() + dst_off))
+            << n << " " << src_off << " " << dst_off;
+        for (size_t i = 0; i < dst_off; ++i) EXPECT_EQ(dst[i], 0xAB) << "wrote before the start";
+        for (size_t i = dst_off + n; i < dst.size(); ++i) {
+          EXPECT_EQ(dst[i], 0xAB) << "wrote past the end at n=" << n;
+        }
+      }
+    }
   }
 }
 

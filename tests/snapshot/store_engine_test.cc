@@ -137,6 +137,18 @@ class EngineTest : public StoreTest {
   std::string arena_;
 };
 
+TEST_F(EngineTest, ACommitWithoutTensorsIsAValidSnapshot) {
+  {
+    auto e = Open(/*persist=*/false);
+    ASSERT_TRUE(e->SetLayout({}).ok());  // the same (empty) layout the engine starts with
+    ASSERT_TRUE(e->Commit({}, 4, R"({"k":1})").ok());
+  }
+  auto c = Open(false)->Candidates();
+  ASSERT_EQ(c.size(), 1u) << "the manifest of a tensor-less commit did not parse";
+  EXPECT_EQ(c[0].manifest.step, 4);
+  EXPECT_TRUE(c[0].manifest.tensors.empty());
+}
+
 TEST_F(EngineTest, RestoresTheNewestCommitFromMemoryAfterTheWriterIsGone) {
   std::vector<float> w(5000);
   {
