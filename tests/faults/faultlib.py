@@ -14,6 +14,8 @@ What the checks mean (docs/reliability.md has the same definitions):
   round that resumes after F restores a step >= the highest step whose commit() returned (ACK)
   before F on a node of S. When no node survived, the bound is the newest snapshot in storage
   right after the fault. The restored step is also never above a step some rank finished.
+- intact: every state restored with a step > 0 has the CRC (worker.py) of a COMMIT of that
+  step printed earlier: no rank ever resumed from a torn or foreign snapshot.
 - no_leftovers: once the agents have exited (or were killed by the case), every process that
   ran in an agent's session (agents lead their own sessions; workers and their children inherit
   them) is gone: those alive at the end and every one seen while the job ran (sampled 10x/s).
@@ -21,12 +23,16 @@ What the checks mean (docs/reliability.md has the same definitions):
 Every process started here is killed by pid / process group in close(), whatever happened.
 """
 
+import glob
 import json
 import os
 import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -107,12 +113,17 @@ class Job:
     """One job: etcd, agents (`nodes`, by name), output parsing and the checks."""
 
     def __init__(self, name, steps=40, step_time=0.05, nnodes="2:3", env=None,
-                 snapshot_dir=None):
+                 snapshot_dir=None, in_memory=False):
+        """in_memory: the nodes' shared memory and storage live in a temporary directory on
+        /dev/shm (large states: no disk writeback competing with the job)."""
         self.c = cluster.Cluster(job="%s-%d" % (name, os.getpid()))
         self.dir = self.c.dir
+        self.mem_dir = None
+        if in_memory and os.path.isdir("/dev/shm"):
+            self.mem_dir = tempfile.mkdtemp(prefix="efdl-faults-", dir="/dev/shm")
         self.steps = steps
         self.nnodes = nnodes
-        self.snapshot_dir = snapshot_dir or os.path.join(self.dir, "snapshots")
+        self.snapshot_dir = snapshot_dir or os.path.join(self.mem_dir or self.dir, "snapshots")
         self.marks = os.path.join(self.dir, "marks")
         os.makedirs(self.marks)
         self.env = {"FAULT_STEPS": str(steps), "FAULT_STEP_TIME": str(step_time),
@@ -128,7 +139,7 @@ class Job:
         return self.c.start_etcd()
 
     def shm_dir(self, node):
-        path = os.path.join(self.dir, "shm", node)
+        path = os.path.join(self.mem_dir or self.dir, "shm", node)
         os.makedirs(path, exist_ok=True)
         return path
 
@@ -174,6 +185,97 @@ class Job:
     def close(self):
         self.c.close()
         self.tracker.stop()
+        if self.mem_dir:
+            shutil.rmtree(self.mem_dir, ignore_errors=True)
+
+    # -- inside commit() -------------------------------------------------------------------------
+
+    def arena_path(self, node):
+        paths = [p for p in glob.glob(os.path.join(self.shm_dir(node), "efdl-*.arena"))]
+        return paths[0] if len(paths) == 1 else None
+
+    def worker_pid(self, node, rank=None):
+        """Pid of the node's newest worker (of `rank`), from its RESUME line."""
+        evs = [e for e in self.events({"RESUME"}, [self.nodes[node]])
+               if rank is None or e["rank"] == rank]
+        return evs[-1]["pid"] if evs else None
+
+    def marks_of(self, pid):
+        """Steps announced by worker `pid` (FAULT_ANNOUNCE): (commit() begun, commit() returned)."""
+        begun, returned = set(), set()
+        for name in os.listdir(self.marks):
+            kind, _, rest = name.partition("-")
+            p, _, step = rest.partition("-")
+            if kind in ("commit", "ack") and p == str(pid) and step.isdigit():
+                (begun if kind == "commit" else returned).add(int(step))
+        return begun, returned
+
+    def kill_inside_commit(self, node, whole_node=True, rank=None, timeout=60):
+        """SIGKILLs `node` (agent and workers; whole_node=False: only the arena-writing worker,
+        the one of `rank`) at a moment its worker is certainly inside commit(), copying into
+        its arena slot. The harness polls the node's arena header; when a slot turns `writing`
+        it SIGSTOPs the worker, waits until every thread of it is stopped, and re-checks: the
+        slot still `writing`, the worker announced commit-<pid>-<N> and not ack-<pid>-<N>.
+        Then the kill; otherwise SIGCONT and the next commit is tried (a loaded machine may
+        let a copy finish before the stop lands). Returns ((t0, t1), info) with the step N in
+        flight, the arena's slots at the kill and the number of missed tries."""
+        pid = self.worker_pid(node, rank)
+        assert pid, "no worker of %s announced itself\n%s" % (node, self.dump())
+        path = self.wait_for(lambda: self.arena_path(node), 30, "the arena of " + node)
+        stale = {s["slot"] for s in arena_slots(path) if s["state"] == ARENA_WRITING}
+        misses = 0
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                writing = [s for s in arena_slots(path) if s["state"] == ARENA_WRITING
+                           and s["slot"] not in stale]
+            except (OSError, struct.error):
+                writing = []
+            if not writing:
+                time.sleep(0.001)
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            stopped = wait_stopped(pid, 5)
+            slots = arena_slots(path)
+            begun, returned = self.marks_of(pid)
+            in_flight = max(begun, default=0)
+            if (stopped and in_flight not in returned
+                    and any(s["state"] == ARENA_WRITING and s["slot"] not in stale
+                            for s in slots)):
+                if whole_node:
+                    fault = self.signal_nodes([node])
+                else:
+                    t0 = time.time()
+                    os.killpg(pid, signal.SIGKILL)
+                    fault = (t0, time.time())
+                os.kill(pid, signal.SIGCONT)   # a stopped process dies of SIGKILL anyway
+                return fault, {"pid": pid, "step": in_flight, "slots": slots,
+                               "acked": max(returned, default=0), "misses": misses}
+            os.kill(pid, signal.SIGCONT)
+            misses += 1
+        raise AssertionError("no kill inside commit() of %s within %ss (%d tries missed)\n%s" % (
+            node, timeout, misses, self.dump()))
+
+    def check_half_written_slot(self, node, info, slots=None):
+        """After a kill inside commit() of step N: the node's arena holds the interrupted copy
+        as a `writing` slot (never `ready`), and its newest ready slot is older than N. It is
+        step N-1, the last acknowledged commit, unless a persister held a pin on the other ready
+        slot (docs/snapshots.md: with every other slot pinned the writer overwrites the newest;
+        then the pinned one, older, is what survives). `slots`: as read at the kill (a restarted
+        worker may already be committing again). Returns (newest ready slot, whether the last
+        acknowledged commit is still in the arena)."""
+        slots = slots or arena_slots(self.arena_path(node))
+        ready = [s for s in slots if s["state"] == ARENA_READY]
+        assert any(s["state"] == ARENA_WRITING for s in slots), slots
+        assert ready, "no complete snapshot left in the arena of %s: %s" % (node, slots)
+        newest = max(ready, key=lambda s: s["seq"])
+        what = "arena of %s at the kill: %s; commit of step %d in flight, %d acknowledged" % (
+            node, slots, info["step"], info["acked"])
+        assert info["acked"] == info["step"] - 1, what
+        assert newest["step"] < info["step"], what
+        kept = newest["step"] == info["acked"]
+        assert kept or any(s["pin"] for s in ready), what
+        return newest, kept
 
     # -- waiting -------------------------------------------------------------------------------
 
@@ -229,7 +331,9 @@ class Job:
             codes[n] = self.nodes[n].wait(max(deadline - time.monotonic(), 1))
         return codes
 
-    def dump(self, tail=2500):
+    def dump(self, tail=None):
+        # FAULT_DUMP_TAIL: characters of each agent's output shown on a failure (default 2500).
+        tail = tail or int(os.environ.get("FAULT_DUMP_TAIL", "2500"))
         return "\n".join("==== %s (exit %s)\n%s" % (a.name, a.proc.poll(), a.output()[-tail:])
                          for a in self.all_agents)
 
@@ -263,7 +367,10 @@ class Job:
     # -- checks --------------------------------------------------------------------------------
 
     def max_ack_before(self, t, nodes):
-        acks = [e["step"] for e in self.events({"ACK"}) if e["t"] < t and e["node"] in nodes]
+        # Data-parallel: local rank 0 writes the node's snapshot; the other local ranks'
+        # commit() returns without waiting for it, so their ACK acknowledges nothing.
+        acks = [e["step"] for e in self.events({"ACK"})
+                if e["t"] < t and e["node"] in nodes and e.get("lr", 0) == 0]
         return max(acks, default=0)
 
     def check_finished(self, names, timeout=120):
@@ -336,9 +443,59 @@ class Job:
                 pass
         assert not left, "processes left behind: %s" % details
 
+    def check_intact(self):
+        commits = {}
+        for e in self.events({"COMMIT"}):
+            commits.setdefault((e["step"], e["crc"]), e["t"])
+        for e in self.events({"RESUME"}):
+            if e["step"] > 0:
+                t = commits.get((e["step"], e["crc"]))
+                assert t is not None and t < e["t"], (
+                    "round %d rank %d restored step %d with crc %d, which no COMMIT of that step "
+                    "had (src %d seq %d)\n%s" % (e["round"], e["rank"], e["step"], e["crc"],
+                                                 e["src"], e["seq"], self.dump()))
+
     def check_all(self, finishers, timeout=120):
         self.check_finished(finishers, timeout)
         self.check_rounds()
+        self.check_intact()
+
+
+# -- shared-memory arena (docs/snapshots.md, src/snapshot/arena.cc) ---------------------------
+
+ARENA_EMPTY, ARENA_WRITING, ARENA_READY = 0, 1, 2
+
+
+def arena_slots(path):
+    """The slot table of an arena's header page: per slot its state, pin pid, seq and step
+    (the header is 64 bytes, then one 64-byte record per slot: u32 state, u32 pin_pid,
+    u64 seq, i64 step, ...)."""
+    with open(path, "rb") as f:
+        head = f.read(64 + 4 * 64)
+    magic, _, num = struct.unpack_from("<8sII", head, 0)
+    assert magic == b"EFDLARN1", "not an arena: %s" % path
+    slots = []
+    for i in range(num):
+        state, pin, seq, step = struct.unpack_from("<IIQq", head, 64 + 64 * i)
+        slots.append({"slot": i, "state": state, "pin": pin, "seq": seq, "step": step})
+    return slots
+
+
+def wait_stopped(pid, timeout):
+    """True once every thread of `pid` is in the stopped state (SIGSTOP lands asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = []
+            for tid in os.listdir("/proc/%d/task" % pid):
+                with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return False
+        if states and all(s in ("T", "t") for s in states):
+            return True
+        time.sleep(0.0005)
+    return False
 
 
 # -- etcd ------------------------------------------------------------------------------------

@@ -3,14 +3,22 @@
 It commits after every step and prints what the checker needs, each line with the wall-clock
 time (time.time(); every process of a test runs on this machine, so the times are comparable):
 
-    RESUME round=R rank=r world=W step=S t=T   the step State restored (0: fresh start)
+    RESUME round=R rank=r world=W step=S pid=P src=K seq=Q crc=C t=T
+                                               the step State restored (0: fresh start), this
+                                               process's pid, where the snapshot came from
+                                               (K: 0 none, 1 memory, 2 storage, 3 peer), its seq
     STEP   round=R rank=r world=W step=S t=T   step S finished (its all-reduce completed)
-    COMMIT round=R rank=r step=S t=T           commit() of step S is about to be called
-    ACK    round=R rank=r step=S t=T           commit() of step S returned: acknowledged
+    COMMIT round=R rank=r step=S crc=C t=T     commit() of step S is about to be called
+    ACK    round=R rank=r step=S lr=L t=T      commit() of step S returned; L is the local
+                                               rank: only local rank 0 writes the node's
+                                               snapshot, so only its ACK acknowledges a commit
     DONE   round=R rank=r world=W step=S t=T   the job's last step is done on every rank
 
-`step` counts optimizer steps of the whole job (it continues across rounds). Options come
-from the environment so every node runs the same command line:
+`step` counts optimizer steps of the whole job (it continues across rounds). `crc` is a CRC32
+of the model's parameters and of the ballast's first and last element (both set to the step
+before each commit), so a restored state can be compared with what was committed: a snapshot
+torn by a kill inside the copy would not match any COMMIT of its step. Options come from the
+environment so every node runs the same command line:
 
   FAULT_STEPS        steps of the whole job (default 60)
   FAULT_STEP_TIME    seconds to sleep after each commit (default 0.05)
@@ -23,12 +31,18 @@ from the environment so every node runs the same command line:
   FAULT_FAIL         "RANK:STEP": that rank exits 3 at that step (every time it gets there)
   FAULT_IGNORE_TERM  a rank, or "all": that rank ignores SIGTERM (installed before State, which
                      then keeps its hands off SIGTERM)
+  FAULT_ANNOUNCE     1: also announce each commit in FAULT_MARK_DIR by creating
+                     commit-<pid>-<step> right before commit() and ack-<pid>-<step> once it
+                     returned; unlike the stdout lines (relayed by the agent) these survive a
+                     SIGKILL of the whole node, so the harness can tell at a kill whether
+                     commit() had begun and not returned
 """
 
 import os
 import signal
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -66,6 +80,23 @@ def say(kind, **fields):
     print("%s %s t=%.6f" % (kind, text, time.time()), flush=True)
 
 
+SOURCES = {None: 0, "memory": 1, "storage": 2, "peer": 3}
+
+
+def digest(model, ballast):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    crc = zlib.crc32(flat.numpy().tobytes())
+    if ballast.numel():
+        crc = zlib.crc32(torch.stack([ballast[0], ballast[-1]]).numpy().tobytes(), crc)
+    return crc
+
+
+def announce(kind, step):
+    if os.environ.get("FAULT_ANNOUNCE") == "1" and os.environ.get("FAULT_MARK_DIR"):
+        path = os.path.join(os.environ["FAULT_MARK_DIR"], "%s-%d-%d" % (kind, os.getpid(), step))
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
 def main():
     steps = int(os.environ.get("FAULT_STEPS", "60"))
     step_time = float(os.environ.get("FAULT_STEP_TIME", "0.05"))
@@ -87,7 +118,10 @@ def main():
     ballast = torch.zeros(ballast_mb * (1 << 18))  # float32: 4 bytes each
     state = efdl.State(model, optimizer, step=0, ballast=ballast)
     state.set_commit_interval(1)
-    say("RESUME", round=round_, rank=rank, world=world, step=state.step)
+    ballast = state.ballast   # a restored tensor keyword may be a new tensor, not the one given
+    source, seq, _ = state.restored_from or (None, 0, 0)
+    say("RESUME", round=round_, rank=rank, world=world, step=state.step, pid=os.getpid(),
+        src=SOURCES.get(source, 9), seq=seq, crc=digest(model, ballast))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
 
     batches = len(train) // BATCH
@@ -107,9 +141,14 @@ def main():
         optimizer.step()
         state.step += 1
         say("STEP", round=round_, rank=rank, world=world, step=state.step)
-        say("COMMIT", round=round_, rank=rank, step=state.step)
+        if ballast.numel():
+            ballast[0] = ballast[-1] = state.step
+        say("COMMIT", round=round_, rank=rank, step=state.step, crc=digest(model, ballast))
+        announce("commit", state.step)
         state.commit()
-        say("ACK", round=round_, rank=rank, step=state.step)
+        announce("ack", state.step)
+        say("ACK", round=round_, rank=rank, step=state.step,
+            lr=int(os.environ.get("LOCAL_RANK", "0")))
         time.sleep(step_time)
     dist.barrier()
     say("DONE", round=round_, rank=rank, world=world, step=state.step)
