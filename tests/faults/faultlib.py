@@ -219,27 +219,33 @@ class Job:
         Then the kill; otherwise SIGCONT and the next commit is tried (a loaded machine may
         let a copy finish before the stop lands). Returns ((t0, t1), info) with the step N in
         flight, the arena's slots at the kill and the number of missed tries."""
-        pid = self.worker_pid(node, rank)
-        assert pid, "no worker of %s announced itself\n%s" % (node, self.dump())
         path = self.wait_for(lambda: self.arena_path(node), 30, "the arena of " + node)
+        # A slot left `writing` by an earlier death is not a commit in progress; it stops
+        # being stale once seen in another state (a later writer reused and published it).
         stale = {s["slot"] for s in arena_slots(path) if s["state"] == ARENA_WRITING}
         misses = 0
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                writing = [s for s in arena_slots(path) if s["state"] == ARENA_WRITING
-                           and s["slot"] not in stale]
-            except (OSError, struct.error):
-                writing = []
-            if not writing:
+                slots = arena_slots(path)
+            except (OSError, AssertionError, struct.error):
+                slots = []
+            stale -= {s["slot"] for s in slots if s["state"] != ARENA_WRITING}
+            if not any(s["state"] == ARENA_WRITING and s["slot"] not in stale for s in slots):
                 time.sleep(0.001)
                 continue
-            os.kill(pid, signal.SIGSTOP)
+            pid = self.worker_pid(node, rank)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except (ProcessLookupError, TypeError):
+                misses += 1
+                continue
             stopped = wait_stopped(pid, 5)
             slots = arena_slots(path)
             begun, returned = self.marks_of(pid)
             in_flight = max(begun, default=0)
-            if (stopped and in_flight not in returned
+            # returned: an earlier commit of this worker, the one it must fall back to.
+            if (stopped and returned and in_flight not in returned
                     and any(s["state"] == ARENA_WRITING and s["slot"] not in stale
                             for s in slots)):
                 if whole_node:
@@ -250,7 +256,7 @@ class Job:
                     fault = (t0, time.time())
                 os.kill(pid, signal.SIGCONT)   # a stopped process dies of SIGKILL anyway
                 return fault, {"pid": pid, "step": in_flight, "slots": slots,
-                               "acked": max(returned, default=0), "misses": misses}
+                               "acked": max(returned), "misses": misses}
             os.kill(pid, signal.SIGCONT)
             misses += 1
         raise AssertionError("no kill inside commit() of %s within %ss (%d tries missed)\n%s" % (

@@ -4,19 +4,24 @@ plus the soak-only case (several random kills and freezes in one long job).
 
     /usr/bin/python3 tests/faults/soak.py --duration 1800 [-k EXPR]
 
-Prints one line per run (seed, case, result, seconds) and a summary; exits 1 if any run failed.
-A failed run's output is kept in --log-dir so it can be replayed with FAULT_SEED=<seed>.
+Prints one line per run (seed, result, seconds, load average, pytest's summary), then the
+faults that run injected (the cases' `soak:`/`killed`/`restored` lines), and a final summary;
+exits 1 if any run failed. A failed run's output is kept in --log-dir so it can be replayed with
+FAULT_SEED=<seed>.
 """
 
 import argparse
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# What the cases print about the faults they injected and what was restored (pytest -s).
+FAULT_LINE = re.compile(r"^\.?(soak: .*|killed .*|restored .*|persisted .*)$")
 
 
 def main():
@@ -38,7 +43,8 @@ def main():
         seed = rng.randrange(1, 10 ** 6)
         env = dict(os.environ, FAULT_SEED=str(seed), FAULT_SOAK="1",
                    FAULT_SOAK_FAULTS=str(rng.randrange(2, 6)))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", HERE]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rfE", "-x", "-p", "no:cacheprovider",
+               HERE]
         if args.k:
             cmd += ["-k", args.k]
         started = time.monotonic()
@@ -51,8 +57,12 @@ def main():
         runs += 1
         took = time.monotonic() - started
         summary = (out.strip().splitlines() or ["(no output)"])[-1]
-        print("run %d seed %d: %s in %.0f s: %s" % (runs, seed, "ok" if ok else "FAILED", took,
-                                                    summary), flush=True)
+        print("run %d seed %d: %s in %.0f s (load %.1f): %s" % (
+            runs, seed, "ok" if ok else "FAILED", took, os.getloadavg()[0], summary), flush=True)
+        for line in out.splitlines():
+            m = FAULT_LINE.match(line.strip())
+            if m:
+                print("    " + m.group(1), flush=True)
         if not ok:
             path = os.path.join(args.log_dir, "seed-%d.log" % seed)
             with open(path, "w") as f:

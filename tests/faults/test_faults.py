@@ -398,13 +398,14 @@ def test_one_member_of_a_three_member_etcd_cluster_killed(make_job, tmp_path):
 
 @pytest.mark.skipif(os.environ.get("FAULT_SOAK") != "1", reason="soak only (make soak)")
 def test_soak_random_kills_freezes_and_restarts(make_job, rng):
-    """A longer job where a random node is SIGKILLed or frozen past the TTL at a random moment,
-    then brought back, several times; the checks run over the whole history."""
-    job = make_job("soak", steps=150, env={"FAULT_BALLAST_MB": "8",
-                                           "EFDL_PERSIST_MIN_INTERVAL_MS": "0",
-                                           "WORKER_USE_CONTROL": "1"})
+    """A longer job where a random node is SIGKILLed at a random moment, SIGKILLed certainly
+    inside commit(), or frozen past the TTL, then brought back, several times; the checks run
+    over the whole history."""
+    job = make_job("soak", steps=150, in_memory=True,
+                   env={"FAULT_BALLAST_MB": "32", "EFDL_SNAPSHOT_THREADS": "1",
+                        "EFDL_PERSIST_MIN_INTERVAL_MS": "0", "WORKER_USE_CONTROL": "1",
+                        "FAULT_ANNOUNCE": "1"})
     three_nodes(job)
-    generation = 0
     for _ in range(int(os.environ.get("FAULT_SOAK_FAULTS", "3"))):
         now = max(e["step"] for e in job.events({"STEP"}))
         if now > job.steps - 40:
@@ -413,20 +414,29 @@ def test_soak_random_kills_freezes_and_restarts(make_job, rng):
         time.sleep(rng.uniform(0, 0.2))
         victim = rng.choice(sorted(n for n, a in job.nodes.items() if a.proc.poll() is None))
         survivors = [n for n in job.nodes if n != victim]
-        if rng.random() < 0.7:
-            fault = job.kill_node(victim)
+        kind = rng.choices(["kill", "kill-in-commit", "stop"], [0.35, 0.35, 0.3])[0]
+        if kind.startswith("kill"):
+            if kind == "kill":
+                fault = job.kill_node(victim)
+                what = "at a random moment"
+            else:
+                fault, info = job.kill_inside_commit(victim)
+                job.check_half_written_slot(victim, info, info["slots"])
+                what = "inside commit() of step %d (%d tries missed)" % (info["step"],
+                                                                        info["misses"])
             job.nodes[victim].wait(10)
-            print("soak: SIGKILL %s" % victim)
             job.wait_round(2, since=fault[1])
-            job.check_acked_kept(fault, survivors)
-            generation += 1
+            restored, bound = job.check_acked_kept(fault, survivors)
+            print("soak: SIGKILL %s %s; restored %d >= acknowledged %d" % (victim, what,
+                                                                            restored, bound))
             # The same machine comes back: its shared memory is still there.
             job.start_node(victim)
         else:
             fault = job.signal_nodes([victim], signal.SIGSTOP)
-            print("soak: SIGSTOP %s" % victim)
             job.wait_round(2, since=fault[1])
-            job.check_acked_kept(fault, survivors)
+            restored, bound = job.check_acked_kept(fault, survivors)
+            print("soak: SIGSTOP %s past the TTL; restored %d >= acknowledged %d" % (
+                victim, restored, bound))
             job.signal_nodes([victim], signal.SIGCONT)
         job.wait_round(3, since=time.time())
     job.check_all([n for n, a in job.nodes.items()])
