@@ -308,7 +308,12 @@ class Demo:
                       self.args.steps_per_phase or (self.complete and self.complete[0] > t),
                       self.args.phase_timeout)
         with self.cond:
-            resume = next(r for r in self.resumes if r[0] >= t)
+            resume = next((r for r in self.resumes if r[0] >= t), None)
+            if resume is None:
+                raise DemoError(
+                    "training finished before the %s of %s took effect: this machine is too slow "
+                    "for the demo's schedule (see the worker start times above); run it on a less "
+                    "loaded machine, or without --quick for a longer job" % (kind, node))
             # A round that resumes at the very end trains no step: it resumed when it completed.
             first = next((s for s in self.steps if s[0] > resume[0]), self.complete)
             before = [s for s in self.steps if s[0] < resume[0]]
@@ -479,7 +484,8 @@ def parse_args(argv):
     args.lr = 0.1
     args.commit_interval = 5
     args.ttl = 3
-    args.epochs = 2 if args.quick else 5
+    # Quick: 3 epochs, so that a loaded machine's slow worker starts still fit in the job.
+    args.epochs = 3 if args.quick else 5
     args.step_delay = 0.03 if args.quick else 0.08
     args.steps_per_phase = 10 if args.quick else 30
     # Mid-epoch (30 steps an epoch at world 3), so the crash has uncommitted steps to lose.
@@ -508,7 +514,8 @@ def main(argv=None):
                        "final_accuracy": demo.complete[2], "final_samples": demo.complete[1],
                        "reference_accuracy": demo.baseline[2],
                        "reference_samples": demo.baseline[1],
-                       "commit_interval": args.commit_interval, "exit_codes": codes,
+                       "commit_interval": args.commit_interval, "epochs": args.epochs,
+                       "exit_codes": codes,
                        "pids": {n: p.proc.pid for n, p in demo.procs.items()},
                        "elapsed_s": time.monotonic() - demo.t0}, f, indent=1)
         print("plot: %s   summary: %s   logs: %s" % (
