@@ -152,11 +152,11 @@ std::string SuspendReport::Encode() const {
 
 Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
   return ParseWith<SuspendReport>("suspend report", text, [](const json& j, SuspendReport& s) {
-    int64_t step = -1;
-    if (!(Field(j, "step", step) && Field(j, "t", s.time))) return false;
+    int64_t value = -1;
+    if (!(Field(j, "step", value) && Field(j, "t", s.time))) return false;
     if (j.contains("step") && !j["step"].is_null()) {
-      if (step < 0) return false;
-      s.step = step;
+      if (value < 0) return false;
+      s.step = value;
     }
     return true;
   });
