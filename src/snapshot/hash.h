@@ -16,6 +16,20 @@ namespace efdl::snapshot {
 inline constexpr uint64_t kPieceBytes = uint64_t{1} << 20;
 
 uint64_t Hash64(const void* data, size_t n, uint64_t seed);
+
+// Hash64 in parts, for hashing data while it is still in the cache after reading a part of it:
+// Update() with any number of whole 32-byte blocks, then Finish() with the rest (< 32 bytes) and
+// the total length. Hash64(d, n, s) == Hasher64(s).Update(d, n & ~31).Finish(d + (n & ~31),
+// n & 31, n). Not thread-safe (one per piece).
+class Hasher64 {
+ public:
+  explicit Hasher64(uint64_t seed);
+  Hasher64& Update(const void* data, size_t n);  // n must be a multiple of 32
+  uint64_t Finish(const void* tail, size_t n, uint64_t total) const;
+
+ private:
+  uint64_t lanes_[4];
+};
 // Copies n bytes from src to dst and returns Hash64(src, n, seed) in the same pass.
 uint64_t CopyAndHash64(void* dst, const void* src, size_t n, uint64_t seed);
 

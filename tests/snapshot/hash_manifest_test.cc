@@ -32,6 +32,57 @@ TEST(Hash, CopyAndHashCopiesAndAgreesWithHashForEverySize) {
   }
 }
 
+// The checksum's definition written out plainly (hash.h): every implementation of Hash64 (the
+// vector one included) must give exactly these values, or stored snapshots stop verifying.
+uint64_t ReferenceHash64(const uint8_t* p, size_t n, uint64_t seed) {
+  constexpr uint64_t m1 = 0x9E3779B97F4A7C15ULL, m2 = 0xD6E8FEB86659FD93ULL,
+                     m3 = 0xFF51AFD7ED558CCDULL;
+  auto rotl = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+  auto load = [](const uint8_t* q) {
+    uint64_t v = 0;
+    for (int b = 7; b >= 0; --b) v = (v << 8) | q[b];  // little-endian, as the x86 loads
+    return v;
+  };
+  auto lane = [&](uint64_t acc, uint64_t v) { return rotl(acc ^ (v * m2), 27) * m1; };
+  uint64_t l[4] = {seed + m1, seed ^ m2, rotl(seed, 17) + m3, ~seed * m1};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int k = 0; k < 4; ++k) l[k] = lane(l[k], load(p + i + 8 * k));
+  }
+  uint64_t h = rotl(l[0], 1) + rotl(l[1], 7) + rotl(l[2], 12) + rotl(l[3], 18) + n * m3;
+  for (; n - i >= 8; i += 8) h = lane(h, load(p + i));
+  if (n > i) {
+    uint64_t v = 0;
+    for (size_t b = n - i; b-- > 0;) v = (v << 8) | p[i + b];
+    h = lane(h, v ^ (uint64_t{n - i} << 56));
+  }
+  h ^= h >> 32;
+  h *= m3;
+  h ^= h >> 29;
+  h *= m2;
+  h ^= h >> 32;
+  return h;
+}
+
+TEST(Hash, EveryImplementationMatchesTheDefinition) {
+  for (size_t n : {0, 5, 31, 32, 255, 256, 257, 1000, 4096 + 17, (1 << 20) + 13}) {
+    auto data = RandomBytes(n, static_cast<uint32_t>(n) + 3);
+    const uint64_t want = ReferenceHash64(data.data(), n, 77);
+    EXPECT_EQ(Hash64(data.data(), n, 77), want) << n;
+    std::vector<uint8_t> dst(n);
+    EXPECT_EQ(CopyAndHash64(dst.data(), data.data(), n, 77), want) << n;
+    // In parts, as a restore hashes what it just read.
+    Hasher64 parts(77);
+    size_t whole = n & ~size_t{31}, i = 0;
+    for (size_t step = 64; i < whole; step *= 2) {
+      size_t len = std::min(step, whole - i);
+      parts.Update(data.data() + i, len);
+      i += len;
+    }
+    EXPECT_EQ(parts.Finish(data.data() + whole, n - whole, n), want) << n;
+  }
+}
+
 TEST(StreamCopy, CopiesEverySizeAndAlignmentWithoutWritingPastTheEnd) {
   for (size_t n : {0, 1, 15, 16, 63, 64, 4095, 4096, 4097, 4096 + 63, 100000, (1 << 20) + 13}) {
     auto src = RandomBytes(n + 16, static_cast<uint32_t>(n) + 7);
