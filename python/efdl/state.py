@@ -10,17 +10,19 @@ arguments) as raw bytes into a shared-memory arena of the node (efdl._efdl, C++)
 a manifest; non-tensor values (keyword arguments, optimizer hyper-parameters, the scheduler's
 state) travel as a small pickle inside the manifest. It returns as soon as the copy is done; a
 background thread persists the newest snapshot to <EFDL_SNAPSHOT_DIR>/<job id>/ (default
-./efdl-snapshots). Constructing a State restores the newest snapshot of the job: from shared
-memory when this node holds it (it survives the death of the process that wrote it), else from
-storage. See docs/snapshots.md.
+./efdl-snapshots) - under `efdl run` the node agent does that instead, from the same arena.
+Constructing a State restores the newest snapshot of the job: from shared memory when this node
+holds it (it survives the death of the process that wrote it), else from storage. See
+docs/snapshots.md.
 
 Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_NODE_ID (default: host
 name), EFDL_SNAPSHOT_DIR, EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node,
 written by local rank 0, for data-parallel jobs where all ranks hold the same state; 1: one per
 rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
 EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is written at most once a second; exit,
-SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1: the node agent persists; the worker
-does not), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
+SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1, set by
+`efdl run`: the node agent persists, the worker never writes storage and flush() returns at
+once), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
 secret EFDL_JOB_SECRET and restore only when it verifies).
 """
 
@@ -188,7 +190,8 @@ class State:
         # One writer per arena: local rank 0 for a node copy, every rank for per-rank copies.
         # Storage gets one copy per job (global rank 0) or one per rank.
         self._writer = per_rank or local_rank == 0
-        persist = (per_rank or rank == 0) and _env_int("EFDL_AGENT_PERSISTS", 0) == 0
+        self._agent_persists = _env_int("EFDL_AGENT_PERSISTS", 0) != 0
+        persist = (per_rank or rank == 0) and not self._agent_persists
         self._persists = persist and self._writer
         self._last_step = None  # step of this process' newest commit (for "persisted" reports)
         self._engine = _efdl.SnapshotEngine(
@@ -319,8 +322,12 @@ class State:
         return took
 
     def flush(self, timeout=_FLUSH_TIMEOUT_S):
-        """Waits until the newest snapshot is in storage (raises SnapshotError on failure)."""
-        if self._writer:
+        """Waits until the newest snapshot is in storage (raises SnapshotError on failure).
+
+        Under the node agent (EFDL_AGENT_PERSISTS=1) returns at once: the agent writes storage,
+        in the background and, at a graceful stop or SIGTERM, as soon as this worker has exited
+        (before it reports a suspend); a worker writing too would make two writers."""
+        if self._writer and not self._agent_persists:
             self._engine.flush(timeout)
             self._report_persisted()
 
