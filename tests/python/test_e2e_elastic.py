@@ -122,7 +122,9 @@ def test_below_min_gives_up_after_join_timeout(job):
 def test_worker_failures_past_max_restarts_end_the_agent(job):
     env = {"WORKER_FAIL_RANK": "1", "WORKER_FAIL_STEP": "2", "WORKER_STEP_TIME": "0.05"}
     # The node left behind when the failing one gives up waits below MIN: keep that short.
-    extra = ["--max-restarts", "1", "--join-timeout", "5"]
+    # Spawned workers: with the default pre-started ones node-b would join only after its
+    # spare's `import torch`, which under load takes longer than node-a's 5 s join timeout.
+    extra = ["--max-restarts", "1", "--join-timeout", "5", "--no-prestart"]
     a = job.start_agent("node-a", env=env, nnodes="2:2", extra=extra)
     job.wait_joined(a)
     b = job.start_agent("node-b", env=env, nnodes="2:2", extra=extra)
