@@ -166,8 +166,9 @@ class Cluster:
         self.agents.append(agent)
         return agent
 
-    def wait_joined(self, agent, timeout=30):
-        """Waits until `agent` logged that it joined the job."""
+    def wait_joined(self, agent, timeout=90):
+        """Waits until `agent` logged that it joined the job (by default only after its
+        pre-started workers imported torch: tens of seconds on a loaded machine)."""
         deadline = time.monotonic() + timeout
         while " joined job " not in agent.output():
             if agent.proc.poll() is not None or time.monotonic() > deadline:
