@@ -72,7 +72,10 @@ def test_fragmented_example_replaces_the_two_process_node_by_two_one_process_nod
     env = cluster.base_env()
     env["EFDL_BIN"] = cluster.efdl_bin()
     proc = subprocess.Popen([PYTHON, os.path.join(EXAMPLES, "fragmented.py"), "--replace",
-                             "--epochs", "1", "--steps-before-replace", "4", "--timeout", "100"],
+                             "--epochs", "1", "--steps-before-replace", "4", "--timeout", "100",
+                             # 1 s steps: the epoch must outlast node-c and then node-d each
+                             # importing torch into its pre-started worker before it joins.
+                             "--step-delay", "1.0"],
                             cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
                             start_new_session=True)
