@@ -1,4 +1,5 @@
-"""A pre-started worker for `efdl run --prestart` (started by the agent, not by users).
+"""A pre-started worker of `efdl run` (started by the agent, not by users; the default for a
+python worker command, `--no-prestart` turns it off).
 
 `python3 [options] -m efdl.preload FD [READY_FD]` imports the modules named in EFDL_PRELOAD_MODULES
 (comma-separated; default torch, torch.distributed and efdl.backend.torch), then blocks reading
@@ -10,7 +11,7 @@ as `python3 script.py` / `python3 -m module` would set them, and the program run
 status, signals, and the traceback of an uncaught exception (exit status 1) are the program's.
 
 When READY_FD is given, one byte is written to it and it is closed once the imports are done: a
-starting agent joins the job only then (docs/agent.md, --prestart).
+starting agent joins the job only then (docs/agent.md, "Pre-started workers").
 
 The pipe is read once, so a spare serves one round at most. End of file without a message (the
 agent died or discarded the spare) ends the process without running anything.
