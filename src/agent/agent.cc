@@ -456,6 +456,8 @@ int Agent::Suspend(const rdzv::Event& event) {
   // Graceful: each worker snapshots at its next commit() and persists before exiting; one that
   // does not answer gets SIGTERM, whose State hook persists the newest snapshot too.
   StopWorkers(/*graceful=*/true, fmt::format("job '{}' is being suspended", options_.job_id));
+  // Also when the workers were already gone (crashed, between rounds): storage is read next.
+  PersistNewestSnapshot("the suspend report");
   const std::optional<int64_t> reported = control_->newest_persisted_step();
   const std::optional<int64_t> committed = control_->newest_step();
   const std::optional<int64_t> stored = NewestStoredStep(options_.snapshot_dir, options_.job_id);
@@ -488,6 +490,7 @@ int Agent::Shutdown(int signal) {
   spares_.reset();
   StopWorkers(/*graceful=*/true, fmt::format("node {} is leaving ({})", options_.node_id,
                                              SignalName(signal)));
+  PersistNewestSnapshot("exiting");  // also when no workers ran (a crash between rounds)
   return 128 + signal;
 }
 

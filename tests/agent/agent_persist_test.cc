@@ -260,6 +260,27 @@ TEST(AgentPersist, AWorkerKilledRightAfterItsCommitStillGetsThatSnapshotPersiste
   EXPECT_EQ(node.Stop(SIGTERM), 128 + SIGTERM);
 }
 
+TEST(AgentPersist, SigtermAfterTheWorkersCrashedStillPersistsTheirNewestCommit) {
+  Node node;
+  ScopedEnv env({{"EFDL_SHM_DIR", node.shm}, {"EFDL_PERSIST_MIN_INTERVAL_MS", "600000"}});
+  node.rdzv.Push(Round(0, 1, 1));
+  // Step 1 is persisted at once; steps 2..7 are held back by the rate limit, then it dies.
+  node.Run(Worker("st.step = 1\n"
+                  "st.commit()\n"
+                  "d = os.path.join(os.environ['EFDL_SNAPSHOT_DIR'], os.environ['EFDL_JOB_ID'])\n"
+                  "while not (os.path.isdir(d) and\n"
+                  "           any(n.startswith('snap-') for n in os.listdir(d))):\n"
+                  "    time.sleep(0.02)\n"
+                  "for i in range(2, 8):\n"
+                  "    st.step = i\n"
+                  "    st.commit()\n"
+                  "os.kill(os.getpid(), signal.SIGKILL)\n"));
+  ASSERT_TRUE(WaitUntil([&] { return node.rdzv.failures() == 1; }, 60s)) << "the worker died";
+  EXPECT_EQ(node.StoredStep(), std::optional<int64_t>(1));
+  EXPECT_EQ(node.Stop(SIGTERM), 128 + SIGTERM);
+  EXPECT_EQ(node.StoredStep(), std::optional<int64_t>(7)) << "no workers ran at the SIGTERM";
+}
+
 TEST(AgentPersist, SigtermToTheAgentPersistsTheNewestSnapshotBeforeItExits) {
   Node node;
   // Rate limit far beyond the test: after the first write only the stop can persist.
