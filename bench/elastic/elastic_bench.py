@@ -5,17 +5,21 @@ steps), nnodes 2:3, default settings of each system except where noted:
   (a) SIGKILL of one whole node   -> first step of the survivors' new round (world 2)
   (b) SIGTERM of one node's agent -> first step of the new round (world 2)
   (c) start of a new node         -> first step with it included (world 3)
-Systems: efdl (this build), efdl-prestart (the same with `efdl run --prestart`), torchrun
-with the c10d rendezvous, torchrun with the etcd-v2
-rendezvous (etcd started with --enable-v2). torchrun runs through torchrun_py311.py, which
+Systems: efdl (this build, default settings: pre-started workers for the python worker
+command), efdl-spawn (the same with `efdl run --no-prestart`: every worker spawned),
+efdl-prestart (explicit `--prestart`; the same as the default for this command), torchrun
+with the c10d rendezvous, torchrun with the etcd-v2 rendezvous (etcd started with
+--enable-v2). torchrun runs through torchrun_py311.py, which
 works around torchrun 1.13's crash on Python 3.11 (see that file). In (b) the node killed is
 never the c10d store's host (SIGTERM of that node ends a c10d job).
 
-Also: the efdl agent's CPU use while training is steady, and etcd requests per node per minute
-(from etcd's /metrics), both over a 20 s window at world 3.
+Also: the first round (start of the first node -> first step at world 3 in (a) and (b), world
+2 in (c)), the efdl agent's CPU use while training is steady, and etcd requests per node per
+minute (from etcd's /metrics), both over a 20 s window at world 3.
 
-Usage: /usr/bin/python3 bench/elastic/elastic_bench.py [--systems efdl,efdl-prestart,c10d,etcd-v2]
-       [--timeout 120]. Needs EFDL_BIN or ./build/efdl. Prints one table with ratios.
+Usage: /usr/bin/python3 bench/elastic/elastic_bench.py [--systems efdl,efdl-spawn,c10d,etcd-v2]
+       [--timeout 120]. Needs EFDL_BIN or ./build/efdl. Prints one table with ratios against
+       efdl (defaults), or the fastest efdl variant run when efdl itself is not.
 """
 
 import argparse
@@ -45,7 +49,7 @@ def start_node(c, system, name, store_port):
         argv = [cluster.efdl_bin(), "run", "--etcd", c.endpoint, "--job", c.job, "--nnodes",
                 "2:3", "--node-id", name, "--nproc-per-node", "1",
                 "--snapshot-dir", os.path.join(c.dir, "snapshots")]
-        argv += ["--prestart"] if system == "efdl-prestart" else []
+        argv += {"efdl-prestart": ["--prestart"], "efdl-spawn": ["--no-prestart"]}.get(system, [])
         argv += ["--", cluster.PYTHON, cluster.WORKER]
     else:
         endpoint = c.endpoint if system == "etcd-v2" else "127.0.0.1:%d" % store_port
@@ -73,22 +77,26 @@ def etcd_requests(endpoint):
 
 
 ROUND_LINE = ": node rank "
-# Steady training before each event: long enough for efdl --prestart's spares (started 5 s
-# after a round begins, then `import torch`) to be ready, as they are in a long-running job.
-SETTLE_S = 9.0
+# Steady training before each event: long enough for efdl's pre-started spares (started 5 s
+# after a round begins, then `import torch`: ~6 s at load average 10) to be ready, as they are
+# in a long-running job; with less, (c)'s newcomer imports while the others' spares still do.
+SETTLE_S = 15.0
 
 
-def scenario(system, kind, timeout, steady=None, breakdown=None):
+def scenario(system, kind, timeout, steady=None, breakdown=None, first=None):
     c = cluster.Cluster(job="bench-%s-%s-%d" % (system.replace("-", ""), kind, os.getpid()))
     try:
         c.start_etcd(enable_v2=(system == "etcd-v2"))
         store_port = cluster.free_port()
+        start = time.monotonic()
         nodes = [start_node(c, system, "n%d" % i, store_port) for i in range(2)]
         if system == "c10d":
             time.sleep(1.0)  # the first node must host the store before others connect
         if kind != "join":
             nodes.append(start_node(c, system, "n2", store_port))
-            c.wait_for_world(3, timeout=timeout, by_round=False)
+            formed = c.wait_for_world(3, timeout=timeout, by_round=False)
+            if first is not None:
+                first.setdefault(system, []).append(formed - start)
             if steady is not None and system.startswith("efdl"):
                 time.sleep(2)
                 cpu0 = sum(cpu_seconds(n.proc.pid) for n in nodes)
@@ -110,7 +118,9 @@ def scenario(system, kind, timeout, steady=None, breakdown=None):
             done = c.wait_for_world(2, since=t0, agents=nodes[:2], timeout=timeout,
                                     by_round=False)
         else:
-            c.wait_for_world(2, timeout=timeout, by_round=False)
+            formed = c.wait_for_world(2, timeout=timeout, by_round=False)
+            if first is not None:
+                first.setdefault(system, []).append(formed - start)
             time.sleep(SETTLE_S)
             t0 = time.monotonic()
             nodes.append(start_node(c, system, "n2", store_port))
@@ -137,7 +147,7 @@ def scenario(system, kind, timeout, steady=None, breakdown=None):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--systems", default="efdl,efdl-prestart,c10d,etcd-v2")
+    parser.add_argument("--systems", default="efdl,efdl-spawn,c10d,etcd-v2")
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
     # SIGTERM (timeout(1), a CI limit) unwinds like Ctrl-C, so `finally: c.close()` stops the
@@ -148,11 +158,11 @@ def main():
     systems = args.systems.split(",")
     kinds = [("kill", "(a) SIGKILL node -> step"), ("term", "(b) SIGTERM node -> step"),
              ("join", "(c) new node -> step")]
-    results, steady, breakdown = {}, {}, {}
+    results, steady, breakdown, first = {}, {}, {}, {}
     for system in systems:
         for kind, _ in kinds:
             t = scenario(system, kind, args.timeout, steady if kind == "kill" else None,
-                         breakdown)
+                         breakdown, first)
             results[(system, kind)] = t
             print("  %-8s %-5s %s" % (system, kind, "%.2f s" % t if t is not None else "-"),
                   flush=True)
@@ -165,16 +175,21 @@ def main():
     print("\n" + header)
     for kind, label in kinds:
         row = "%-28s" % label + "".join("%12s" % fmt(results[(s, kind)]) for s in systems)
-        # Ratios against the fastest efdl variant run.
+        # Ratios against efdl at its defaults, else the fastest efdl variant run.
         ours = [results.get((s, kind)) for s in systems if s.startswith("efdl")]
         ours = [t for t in ours if t is not None]
-        base = min(ours) if ours else None
+        base = results.get(("efdl", kind)) if "efdl" in systems else None
+        base = base or (min(ours) if ours else None)
         for s in systems:
             if s.startswith("efdl"):
                 continue
             other = results[(s, kind)]
             row += "%14s" % ("%.1fx" % (other / base) if base and other else "-")
         print(row)
+    if first:
+        print("\nfirst round (start of the first node -> first step; (a) (b) at world 3, (c) at "
+              "world 2): " + ", ".join("%s %s" % (s, " / ".join("%.2f s" % t for t in v))
+                                       for s, v in first.items()))
     if breakdown:
         print("\nevent -> new round's workers started on every member (agent + rendezvous "
               "part): " + ", ".join("%s/%s %.2f s" % (s, k, v) for (s, k), v in breakdown.items()))
