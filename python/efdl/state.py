@@ -7,8 +7,9 @@
 
 commit() copies every tensor (model, optimizer and scheduler state, tensor-valued keyword
 arguments) as raw bytes into a shared-memory arena of the node (efdl._efdl, C++), together with
-a manifest; non-tensor values (keyword arguments, optimizer hyper-parameters, the scheduler's
-state) travel as a small pickle inside the manifest. It returns as soon as the copy is done; a
+a manifest; non-tensor values travel in the manifest: plain keyword arguments (int, float, str,
+...) as JSON, the others, optimizer hyper-parameters and the scheduler's state as a small pickle.
+It returns as soon as the copy is done; a
 background thread persists the newest snapshot to <EFDL_SNAPSHOT_DIR>/<job id>/ (default
 ./efdl-snapshots) - under `efdl run` the node agent does that instead, from the same arena.
 Constructing a State restores the newest snapshot of the job: from shared memory when this node
