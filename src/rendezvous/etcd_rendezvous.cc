@@ -115,6 +115,11 @@ class EtcdRendezvous final : public Rendezvous {
 
   // --- node side ---
   Status Register();                    // lease, node key, round key, watches
+  // Join() found the node id taken: waits (up to the join timeout) while the holder's lease is
+  // not being renewed — the registration of a previous agent of this node that died — and
+  // registers once it expired; returns `taken` as soon as the lease is seen renewed (a live
+  // agent uses the id).
+  Status WaitOutStaleRegistration(Status taken);
   void ApplyRound(const RoundRecord& rec, int64_t mod_rev);
   void TryStart();
   void SendAck(AckState state, int64_t round);
@@ -484,9 +489,46 @@ Status EtcdRendezvous::Join() {
   }
   if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
   if (driver_.joinable()) return Status::FailedPrecondition("Join() was already called");
-  EFDL_RETURN_IF_ERROR(Register());
+  Status s = Register();
+  if (s.code() == Status::Code::kAlreadyExists) s = WaitOutStaleRegistration(std::move(s));
+  EFDL_RETURN_IF_ERROR(s);
   driver_ = std::thread([this] { DriverLoop(); });
   return Status::OK();
+}
+
+Status EtcdRendezvous::WaitOutStaleRegistration(Status taken) {
+  // A dead holder's lease runs down with the clock; a live one's is renewed (every TTL/3), so
+  // its remaining time stays above that line. Seconds granularity: allow 2 s of slack.
+  const auto start = Clock::now();
+  const auto deadline = start + opt_.join_timeout;
+  std::optional<int64_t> first_left;
+  while (Clock::now() < deadline) {
+    auto kv = client_.Get(keys_.Node(opt_.node_id));
+    if (!kv.ok()) return kv.status().WithContext("cannot read the node's registration");
+    if (kv->has_value()) {
+      auto left = client_.LeaseTimeToLive((*kv)->lease);
+      if (left.ok()) {
+        double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+        if (!first_left) {
+          first_left = *left;
+          EFDL_LOG_INFO("rdzv {}: node id '{}' is still registered in job {} ({} s left on its "
+                        "lease): waiting for it to expire, in case it is a previous agent of "
+                        "this node that died", opt_.node_id, opt_.node_id, opt_.job_id, *left);
+        } else if (static_cast<double>(*left) > static_cast<double>(*first_left) - elapsed + 2.0) {
+          return taken;   // renewed meanwhile: another live agent
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    Status s = Register();
+    if (s.code() != Status::Code::kAlreadyExists) {
+      if (s.ok() && first_left) {
+        EFDL_LOG_INFO("rdzv {}: the previous registration expired; registered", opt_.node_id);
+      }
+      return s;
+    }
+  }
+  return taken;
 }
 
 Status EtcdRendezvous::Register() {
@@ -523,8 +565,8 @@ Status EtcdRendezvous::Register() {
     drop_lease();
     if (!reg.ok()) return reg.status().WithContext("cannot register the node");
     return Status::AlreadyExists(fmt::format(
-        "node id '{}' is already registered in job '{}' (another agent, or a previous one whose "
-        "lease has not expired yet): choose another --node-id or wait --ttl",
+        "node id '{}' is already registered in job '{}' by an agent whose lease is kept alive "
+        "(another agent uses this id): give this node another --node-id",
         opt_.node_id, opt_.job_id));
   }
   int64_t join_rev = reg->revision;
@@ -1003,11 +1045,19 @@ void EtcdRendezvous::BecomeCoordinator() {
   }
   int64_t last_formed = 0;
   std::map<std::string, AssignRecord> assigns;
+  std::set<std::string> restarted;
   for (const auto& kv : snap->gets[2].kvs) {
     auto rec = AssignRecord::Decode(kv.value);
     std::string id = kv.key.substr(keys_.assign.size());
     assign_keys_.insert(id);
     if (!rec.ok()) continue;
+    // A node registered after its assignment was written is a new incarnation of that id (an
+    // agent restarted with the same --node-id): it runs nothing of that round.
+    if (auto r = registered_.find(id); r != registered_.end() &&
+                                       r->second.create_revision > kv.mod_revision) {
+      if (rec->round == round_.round && !rec->standby) restarted.insert(id);
+      continue;
+    }
     assigns[id] = *rec;
     if (!rec->standby) last_formed = std::max(last_formed, rec->round);
   }
@@ -1048,6 +1098,11 @@ void EtcdRendezvous::BecomeCoordinator() {
         reround_graceful_ = false;
         reround_why_ = fmt::format("node {} left", id);
       }
+    }
+    for (const auto& id : restarted) {   // its old incarnation's workers died with it
+      reround_ = true;
+      reround_graceful_ = false;
+      reround_why_ = fmt::format("node {} restarted", id);
     }
   }
   Record(fmt::format("coordinating round {} ({}), {} nodes registered", round_.round,

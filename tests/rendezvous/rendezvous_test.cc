@@ -480,13 +480,33 @@ TEST(RendezvousTest, BadIdsAndTakenNodeIdAreRejectedBeforeRegistering) {
   EXPECT_EQ(minmax->Join().code(), Status::Code::kInvalidArgument);
   auto first = Start(db, Opts("same", 1, 2));
   auto second = NewEtcdRendezvous(db, Opts("same", 1, 2));
+  auto t0 = Clock::now();
   s = second->Join();
   EXPECT_EQ(s.code(), Status::Code::kAlreadyExists);
   EXPECT_NE(s.message().find("--node-id"), std::string::npos);
+  // A live holder is recognised by its renewed lease, long before the 20 s join timeout.
+  EXPECT_LT(Clock::now() - t0, 8s);
   db.SetUnavailable(true);
   auto down = NewEtcdRendezvous(db, Opts("y", 1, 2));
   EXPECT_TRUE(down->Join().IsUnavailable());
   db.SetUnavailable(false);
+}
+
+TEST(RendezvousTest, RestartedAgentWaitsOutItsDeadPredecessorsRegistration) {
+  MemoryEtcd db;
+  auto old_opts = Opts("same", 1, 2);
+  old_opts.ttl = 3s;
+  auto old = Start(db, old_opts);
+  ASSERT_TRUE(old->Started());
+  // The old agent dies without a word: its lease is no longer renewed but still holds the id.
+  db.PauseKeepAlive(LeaseOf(db, "same"), true);
+  old->client.Cut();
+  auto t0 = Clock::now();
+  auto restarted = std::make_unique<Node>(db, Opts("same", 1, 2));
+  Status s = restarted->rdzv->Join();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_LT(Clock::now() - t0, 8s) << "must register once the 3 s lease ran out";
+  EXPECT_TRUE(restarted->Started(10s));
 }
 
 // The scale claim in miniature: one re-round costs O(N) requests and watch events, with small
