@@ -16,7 +16,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, Cluster, base_env, efdl_bin  # noqa: E402
+from cluster import PYTHON, Cluster, base_env, efdl_bin, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(efdl_bin() is None, reason="efdl binary not built (set EFDL_BIN)")
 
@@ -29,16 +29,6 @@ def cluster(tmp_path):
     c.start_etcd()
     yield c
     c.close()
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
 
 
 def thread_names(pid):

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 import cluster  # noqa: E402
+from cluster import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
                                 reason="efdl binary not built (set EFDL_BIN)")
@@ -37,16 +38,6 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
 
 
 def test_rounds_take_spares_by_default_and_none_outlives_a_killed_agent(job):

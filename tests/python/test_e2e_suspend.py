@@ -14,7 +14,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, REPO, Cluster, base_env, efdl_bin  # noqa: E402
+from cluster import PYTHON, REPO, Cluster, base_env, efdl_bin, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(efdl_bin() is None, reason="efdl binary not built (set EFDL_BIN)")
 
@@ -65,16 +65,6 @@ def processes_of_job(job):
         except OSError:
             continue
     return found
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
 
 
 def example_steps(agent):

@@ -44,6 +44,19 @@ def base_env():
     return env
 
 
+
+def wait_for(predicate, timeout, what):
+    """Polls predicate() until it returns a true value, which is returned; fails naming `what`
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
+
+
 class Agent:
     def __init__(self, name, argv, env):
         self.name = name
