@@ -70,7 +70,10 @@ struct EngineOptions {
   std::string scope = "node";
   std::string arena_path;      // e.g. /dev/shm/efdl-<job>-<node>-node.arena
   std::string storage_dir;     // this job's (and scope's) directory; empty: no storage
-  int num_slots = 2;           // double buffering; 2..4
+  // 2..4. Three: the newest complete snapshot, one a persister may hold pinned while writing it
+  // to storage, and one to write into. With two, a commit during a persist must overwrite the
+  // newest, and a writer killed inside that commit leaves only the older one (docs/reliability.md).
+  int num_slots = 3;
   int keep = 2;                // snapshots kept in storage
   bool persist = true;         // run the background persister in this process
   int copy_threads = 0;        // 0: min(4, hardware threads)

@@ -58,13 +58,6 @@ _RESERVED = frozenset(("model", "optimizer", "scheduler"))
 _FLUSH_TIMEOUT_S = 600.0
 
 
-# Three slots: the newest complete snapshot, one a persister may hold pinned while it writes it
-# to storage, and one to write into. With two, a commit while the older slot is being persisted
-# has to overwrite the newest, so a writer killed inside that commit would leave only the older
-# snapshot: an acknowledged commit lost (found by tests/faults, docs/reliability.md).
-_DEFAULT_SLOTS = 3
-
-
 def _env_int(name, default):
     value = os.environ.get(name, "").strip()
     if not value:
@@ -204,7 +197,7 @@ class State:
         self._last_step = None  # step of this process' newest commit (for "persisted" reports)
         self._engine = _efdl.SnapshotEngine(
             self._job, scope, self._arena_path, self._storage_dir,
-            num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", _DEFAULT_SLOTS),
+            num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", _efdl.DEFAULT_SNAPSHOT_SLOTS),
             keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
             persist=persist and self._writer, copy_threads=_env_int("EFDL_SNAPSHOT_THREADS", 0),
             persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000),

@@ -76,6 +76,7 @@ PYBIND11_MODULE(_efdl, m) {
                std::to_string(r.manifest.step) + ">";
       });
 
+  m.attr("DEFAULT_SNAPSHOT_SLOTS") = snap::EngineOptions{}.num_slots;
   py::class_<snap::SnapshotEngine>(m, "SnapshotEngine")
       .def(py::init([](std::string job_id, std::string scope, std::string arena_path,
                        std::string storage_dir, int num_slots, int keep, bool persist,
@@ -94,7 +95,7 @@ PYBIND11_MODULE(_efdl, m) {
              return Unwrap(snap::SnapshotEngine::Open(std::move(o)));
            }),
            py::arg("job_id"), py::arg("scope"), py::arg("arena_path"), py::arg("storage_dir"),
-           py::arg("num_slots") = 2, py::arg("keep") = 2, py::arg("persist") = true,
+           py::arg("num_slots") = snap::EngineOptions{}.num_slots, py::arg("keep") = 2, py::arg("persist") = true,
            py::arg("copy_threads") = 0, py::arg("persist_min_interval_ms") = 0,
            py::arg("hmac_key") = "")
       .def(
