@@ -295,6 +295,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
         StopWorkers(event.graceful, event.message.empty()
                                         ? fmt::format("round {} is closing", event.round)
                                         : event.message);
+        // The workers' final commit is in shared memory now: store it before the next round.
+        if (event.graceful) PersistNewestSnapshot("a graceful round change");
       }
       return std::nullopt;
     case Type::kJobComplete:
@@ -437,8 +439,6 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
   }
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
   group_.reset();
-  // The workers' final commit is in shared memory now; a suspend reads storage next.
-  if (graceful) PersistNewestSnapshot(reason);
 }
 
 void Agent::PersistNewestSnapshot(const std::string& why) {
@@ -456,7 +456,8 @@ int Agent::Suspend(const rdzv::Event& event) {
   // Graceful: each worker snapshots at its next commit() and persists before exiting; one that
   // does not answer gets SIGTERM, whose State hook persists the newest snapshot too.
   StopWorkers(/*graceful=*/true, fmt::format("job '{}' is being suspended", options_.job_id));
-  // Also when the workers were already gone (crashed, between rounds): storage is read next.
+  // Their final commit — or the newest one when they were already gone (crashed, between
+  // rounds) — goes to storage, which is read next.
   PersistNewestSnapshot("the suspend report");
   const std::optional<int64_t> reported = control_->newest_persisted_step();
   const std::optional<int64_t> committed = control_->newest_step();
