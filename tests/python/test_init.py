@@ -50,6 +50,33 @@ def test_plain_python_is_a_one_process_job_with_a_real_group(clean_env):
     assert "RESULT (0, 1, 0, 1, False) (0, 1, 'gloo', 2.0)" in proc.stdout
 
 
+EXIT_TEARDOWN = textwrap.dedent("""
+    import atexit, torch, torch.distributed as dist
+    import efdl.backend.torch as efdl
+    # Registered before init(), so it runs after efdl's own exit hook (atexit is last-in,
+    # first-out): by then the group must be gone, destroyed while the interpreter was intact.
+    atexit.register(lambda: print("AT EXIT initialized=%s" % dist.is_initialized(), flush=True))
+    efdl.init()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    model.cycle = model  # only a garbage collection frees it (and its reference to the group)
+    model(torch.ones(4, 3)).sum().backward()
+""")
+
+
+def test_the_group_init_created_is_destroyed_at_exit_before_interpreter_teardown(clean_env):
+    # A gloo thread that frees a tensor's Python object during finalization aborts the process
+    # (docs/snapshots.md, "Fixed (twice)"); tearing the group down at exit prevents it.
+    proc = run(EXIT_TEARDOWN, clean_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "AT EXIT initialized=False" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_group_the_program_destroyed_itself_is_left_alone_at_exit(clean_env):
+    proc = run("import torch.distributed as dist, efdl.backend.torch as efdl\n"
+               "efdl.init(); dist.destroy_process_group(); print('DONE')", clean_env)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr
+
+
 def test_launcher_env_forms_a_group_of_all_ranks_even_with_etcd_env(spawn_ranks, tmp_path):
     script, record = fake_efdl(tmp_path)
     # The agent's workers also see the etcd variables: they must not re-execute.

@@ -4,7 +4,9 @@ Contract: init_process_group() is idempotent and safe to call from the main thre
 creates torch.distributed's default group, which is process-global by torch's design).
 """
 
+import atexit
 import datetime
+import gc
 import os
 import shutil
 import sys
@@ -106,10 +108,28 @@ def init_process_group(timeout=None, backend=None):
                              "rank 0's address and a free port)" % (size, " and ".join(missing)))
         dist.init_process_group(backend, init_method="env://", rank=this_rank, world_size=size,
                                 **kwargs)
-        return
-    # A 1-process job still gets a real group so DistributedDataParallel wraps unchanged; an
-    # in-memory store needs no port and no file.
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        # A 1-process job still gets a real group so DistributedDataParallel wraps unchanged; an
+        # in-memory store needs no port and no file.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit():
+    """Tears down the group that init_process_group() created while the interpreter is intact.
+
+    Left to interpreter finalization, a gloo worker thread that drops the last reference to a
+    finished collective's tensor must take the GIL to free the tensor's Python object; once the
+    interpreter is finalizing, that thread is terminated in C++ code and the process aborts
+    ("terminate called without an active exception", SIGABRT, after the program finished). So:
+    collect cyclic garbage (a State or DDP model in a cycle) now, then destroy the group; torch
+    releases the GIL while the group's destructor joins its threads. Registered at init, so it
+    runs after the atexit hooks registered later (StopVote's wait for its last all-reduce).
+    """
+    if not is_initialized():
+        return  # the program destroyed it itself
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def shutdown():
