@@ -193,7 +193,10 @@ class Demo:
     # ---------------------------------------------------------------- output
 
     def say(self, text):
-        print("%7.1fs  %s" % (time.monotonic() - self.t0, text), flush=True)
+        # Under the (reentrant) lock: print() writes the text and the newline separately, so
+        # two reader threads printing at once could glue two lines into one.
+        with self.cond:
+            print("%7.1fs  %s" % (time.monotonic() - self.t0, text), flush=True)
 
     def on_agent_line(self, p, t, line):
         shown = None

@@ -40,7 +40,10 @@ class LocalJob:
         self.t0 = time.monotonic()
 
     def say(self, text):
-        print("%6.1fs  %s" % (time.monotonic() - self.t0, text), flush=True)
+        # Under the (reentrant) lock: print() writes the text and the newline separately, so
+        # two reader threads printing at once could glue two nodes' lines into one.
+        with self.cond:
+            print("%6.1fs  %s" % (time.monotonic() - self.t0, text), flush=True)
 
     def _on_line(self, proc, t, line):
         with self.cond:
@@ -50,8 +53,8 @@ class LocalJob:
                 if m:
                     self.endpoint = m.group(1)
             self.cond.notify_all()
-        if proc.name != "etcd":
-            print("%6.1fs  %-7s %s" % (t - self.t0, proc.name, line), flush=True)
+            if proc.name != "etcd":
+                print("%6.1fs  %-7s %s" % (t - self.t0, proc.name, line), flush=True)
 
     def start_etcd(self):
         self.procs["etcd"] = Proc("etcd", [self.efdl, "etcd", "--port", "0", "--data-dir",
