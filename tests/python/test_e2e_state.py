@@ -134,7 +134,7 @@ def test_final_model_after_a_crash_matches_an_uninterrupted_run(job, spawn_ranks
         EFDL_SHM_DIR=str(tmp_path), EFDL_SNAPSHOT_DIR=str(tmp_path / "storage")))
     for r in results:
         assert "FINAL " in r.stdout, r.stderr[-3000:]
-        assert r.returncode == 0, r.stderr[-3000:]  # no exit-time abort (StopVote.__del__)
+        assert r.returncode == 0, r.stderr[-3000:]  # no exit-time abort (_dist._destroy_at_exit)
 
     crashed = str(tmp_path / "crashed.pt")
     env = dict(common, WORKER_CRASH_AT="30", WORKER_CRASH_MARKER=str(tmp_path / "crashed"),
