@@ -8,6 +8,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -42,20 +44,41 @@ int Connect(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    std::abort();
-  }
+  if (fd < 0) std::abort();
+  int rc;
+  do {
+    rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) std::abort();
   return fd;
+}
+
+// libFuzzer's -timeout runs on SIGALRM, which interrupts whatever blocking call this thread is
+// in (EINTR): every call below retries then, so only the server's behaviour can fail the run.
+void SendAll(int fd, std::string_view piece) {
+  while (!piece.empty()) {
+    ssize_t n = ::send(fd, piece.data(), piece.size(), MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // the server closed the connection (an oversized line): allowed
+    piece.remove_prefix(static_cast<size_t>(n));
+  }
 }
 
 // Reads until the server closes the connection; false if it does not within 10 s.
 bool DrainUntilClosed(int fd) {
   char buf[4096];
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) return false;
     pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 10000) != 1) return false;
+    int ready = ::poll(&p, 1, static_cast<int>(left));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready != 1) return false;
     ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
     if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+    if (n < 0 && errno == EINTR) continue;
     if (n < 0) return false;
   }
 }
@@ -73,7 +96,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Three writes at input-dependent places: lines split across reads are part of the contract.
   size_t cut1 = input.size() / 3, cut2 = 2 * input.size() / 3;
   for (auto piece : {input.substr(0, cut1), input.substr(cut1, cut2 - cut1), input.substr(cut2)}) {
-    if (!piece.empty()) (void)::send(fd, piece.data(), piece.size(), MSG_NOSIGNAL);
+    SendAll(fd, piece);
   }
   fixture.server->RequestStop(round, true, "fuzz");
   (void)fixture.server->IsConnected(round, 0);
