@@ -17,6 +17,8 @@ ENV_SOCKET = "EFDL_CONTROL_SOCKET"
 # so a per-step call costs well under a microsecond.
 _POLL_INTERVAL_NS = 1_000_000
 _MAX_LINE = 64 * 1024
+# A flush's answer may come this long after the agent's own timeout (its loop turn, the wire).
+_FLUSH_ANSWER_MARGIN_S = 10.0
 
 
 class ControlError(Exception):
@@ -117,6 +119,27 @@ class ControlClient:
             raise ControlError("agent refused the query: %s" % reply.get("message"))
         step = reply.get("restore_step")
         return None if step is None else int(step)
+
+    def request_flush(self, scope, timeout):
+        """Asks the agent to persist the newest snapshot of arena `scope` ("node", "rank<N>")
+        now and waits for it. Returns True when the agent wrote it (or storage had it), False
+        when this node does not write that arena to storage (the rank-0 node stores the same
+        step) or when a stop request arrived meanwhile (the agent persists at the stop anyway).
+        Raises ControlError when the agent reports a failure or does not answer in time."""
+        if self._stop is not None:
+            return False
+        request_id = self._next_id
+        self._next_id += 1
+        self._send({"type": "flush", "id": request_id, "scope": scope,
+                    "timeout_ms": int(max(0.0, timeout) * 1000)})
+        reply = self._wait_for(lambda m: m.get("id") == request_id or m.get("type") == "stop",
+                               max(0.0, timeout) + _FLUSH_ANSWER_MARGIN_S)
+        if reply.get("type") == "stop":
+            return False
+        if reply.get("type") == "error":
+            raise ControlError("the agent could not persist the snapshot: %s"
+                               % reply.get("message"))
+        return bool(reply.get("persisted"))
 
     def close(self):
         if not self._closed:

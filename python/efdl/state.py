@@ -22,8 +22,8 @@ written by local rank 0, for data-parallel jobs where all ranks hold the same st
 rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
 EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is written at most once a second; exit,
 SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1, set by
-`efdl run`: the node agent persists, the worker never writes storage and flush() returns at
-once), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
+`efdl run`: the node agent persists, the worker never writes storage and flush() asks the
+agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
 secret EFDL_JOB_SECRET and restore only when it verifies).
 """
 
@@ -181,6 +181,7 @@ class State:
         self._job = default_job_id()
         node = os.environ.get("EFDL_NODE_ID", "").strip() or socket.gethostname()
         scope = "rank%d" % rank if per_rank else "node"
+        self._scope = scope
         shm_dir = os.environ.get("EFDL_SHM_DIR", "/dev/shm")
         storage = os.path.join(os.environ.get("EFDL_SNAPSHOT_DIR", "efdl-snapshots"), self._job)
         if per_rank:
@@ -326,9 +327,29 @@ class State:
     def flush(self, timeout=_FLUSH_TIMEOUT_S):
         """Waits until the newest snapshot is in storage (raises SnapshotError on failure).
 
-        Under the node agent (EFDL_AGENT_PERSISTS=1) returns at once: the agent writes storage,
-        in the background and, at a graceful stop or SIGTERM, as soon as this worker has exited
-        (before it reports a suspend); a worker writing too would make two writers."""
+        Under the node agent (EFDL_AGENT_PERSISTS=1) the agent writes storage: flush() asks it,
+        through the control socket, to persist this worker's arena now and waits for its answer.
+        It returns at once in a process that does not write an arena (local ranks > 0 of a node
+        copy), on a node that does not store that arena (only the node hosting rank 0 stores
+        the node copy: the same step), and once a stop request has arrived (the agent persists
+        right after the worker exits)."""
+        if not self._writer:
+            return
+        if not self._agent_persists:
+            self._flush_own(timeout)
+            return
+        if self._control is None:
+            return
+        from efdl import control
+        try:
+            self._control.request_flush(self._scope, timeout)
+        except control.ControlError as e:
+            raise SnapshotError("flush: %s" % e) from None
+
+    def _flush_own(self, timeout=_FLUSH_TIMEOUT_S):
+        # This process' own persister (no agent). Under the agent: nothing, since at exit,
+        # SIGTERM and graceful stops the agent persists once this worker has exited; a worker
+        # writing too would make two writers.
         if self._writer and not self._agent_persists:
             self._engine.flush(timeout)
             self._report_persisted()
@@ -815,7 +836,7 @@ class State:
     def _stop_now(self, step):
         """The agent asked for a graceful stop: persist, tell it, exit 0."""
         try:
-            self.flush()
+            self._flush_own()
         except SnapshotError as e:
             sys.stderr.write("efdl: persisting the final snapshot failed: %s\n" % e)
         if self._control is not None:
@@ -830,7 +851,7 @@ class State:
         if d.get("_exit_flush_pid") is None or d.get("_exit_flush_pid") != os.getpid():
             return
         try:
-            self.flush()
+            self._flush_own()
         except Exception as e:  # noqa: BLE001 - in a finalizer: report, do not raise
             try:
                 sys.stderr.write("efdl: persisting the last snapshot failed: %s\n" % e)
@@ -848,7 +869,7 @@ class State:
             state = ref()
             if state is not None and os.getpid() == owner:
                 try:
-                    state.flush()
+                    state._flush_own()
                 except Exception as e:  # noqa: BLE001 - at exit: report, do not raise
                     sys.stderr.write("efdl: persisting the last snapshot at exit failed: %s\n" % e)
 

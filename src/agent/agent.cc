@@ -185,6 +185,7 @@ Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
   group_.reset();
   spares_.reset();
+  persister_.reset();  // its flusher answers through the control socket
   control_.reset();
 }
 
@@ -248,6 +249,7 @@ int Agent::Run() {
     if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
     if (sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
+    ServeFlushRequests();
     if (spares_) spares_->Maintain();
     if (auto event = rdzv_.WaitEvent(options_.poll_interval)) {
       if (auto code = HandleEvent(*event)) return *code;
@@ -439,6 +441,21 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
   }
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
   group_.reset();
+}
+
+void Agent::ServeFlushRequests() {
+  for (auto& request : control_->TakeFlushRequests()) {
+    if (!persister_) {
+      // --launcher (its workers persist themselves) or the job is over: nothing to write here.
+      control_->AnswerFlush(request, Status::OK(), false);
+      continue;
+    }
+    // control_ outlives persister_ (declared first, destroyed last), so the answer is safe.
+    persister_->FlushAsync(request.scope, request.timeout,
+                           [control = control_.get(), request](const Status& s, bool persisted) {
+                             control->AnswerFlush(request, s, persisted);
+                           });
+  }
 }
 
 void Agent::PersistNewestSnapshot(const std::string& why) {

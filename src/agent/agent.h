@@ -116,6 +116,8 @@ class Agent {
   // Writes the newest snapshot in this node's arenas to storage now (docs/snapshots.md), before
   // `why` (a stop, the job's end) is acted on; a failure is logged, the previous one is kept.
   void PersistNewestSnapshot(const std::string& why);
+  // Hands the workers' flush requests (State.flush()) to the persister, which answers them.
+  void ServeFlushRequests();
   // The rank-0 node serves Horovod's Gloo rendezvous for the round it starts (docs/horovod.md);
   // the server lives exactly as long as the round's workers.
   void StartHorovodRendezvous(const rdzv::Assignment& assignment);

@@ -112,9 +112,26 @@ std::vector<PersistTarget> PersistTargetsFor(const AgentPersisterOptions& o, int
 
 AgentPersister::AgentPersister(AgentPersisterOptions options) : options_(std::move(options)) {}
 
-AgentPersister::~AgentPersister() = default;
+AgentPersister::~AgentPersister() {
+  std::deque<FlushJob> left;
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (flusher_.joinable()) flusher_.join();
+  {
+    std::lock_guard lock(mutex_);
+    left.swap(jobs_);
+  }
+  for (auto& job : left) {
+    job.done(Status::Unavailable("the node agent is stopping; it persists the newest snapshot "
+                                 "itself before it exits"),
+             false);
+  }
+}
 
-std::unique_ptr<snapshot::Persister> AgentPersister::MakePersister(
+std::shared_ptr<snapshot::Persister> AgentPersister::MakePersister(
     const PersistTarget& target) const {
   snapshot::PersisterOptions p;
   p.arena_path = target.arena_path;
@@ -124,17 +141,18 @@ std::unique_ptr<snapshot::Persister> AgentPersister::MakePersister(
   p.min_interval = options_.min_interval;
   p.poll_interval = options_.poll_interval;
   p.hmac_key = options_.hmac_key;
-  auto persister = std::make_unique<snapshot::Persister>(std::move(p));
+  auto persister = std::make_shared<snapshot::Persister>(std::move(p));
   persister->Start();
   return persister;
 }
 
 void AgentPersister::SetTargets(std::vector<PersistTarget> targets) {
-  std::vector<std::unique_ptr<snapshot::Persister>> next(targets.size());
+  std::vector<std::shared_ptr<snapshot::Persister>> next(targets.size());
+  std::vector<std::shared_ptr<snapshot::Persister>> dropped;
   for (size_t i = 0; i < targets_.size(); ++i) {
     auto kept = std::find(targets.begin(), targets.end(), targets_[i]);
     if (kept != targets.end()) {
-      next[static_cast<size_t>(kept - targets.begin())] = std::move(persisters_[i]);
+      next[static_cast<size_t>(kept - targets.begin())] = persisters_[i];
       continue;
     }
     // No longer this node's to write: finish the round that ended first.
@@ -143,7 +161,7 @@ void AgentPersister::SetTargets(std::vector<PersistTarget> targets) {
       EFDL_LOG_WARN("persisting the newest snapshot of {} failed: {}", targets_[i].arena_path,
                     s.message());
     }
-    persisters_[i].reset();
+    dropped.push_back(persisters_[i]);
   }
   for (size_t i = 0; i < targets.size(); ++i) {
     if (!next[i]) {
@@ -152,12 +170,18 @@ void AgentPersister::SetTargets(std::vector<PersistTarget> targets) {
                      targets[i].storage_dir);
     }
   }
-  targets_ = std::move(targets);
-  persisters_ = std::move(next);
+  {
+    std::lock_guard lock(mutex_);
+    targets_ = std::move(targets);
+    persisters_ = std::move(next);
+  }
+  // `dropped` stops its threads here, outside the lock (or on the flusher, if it holds one).
 }
 
 void AgentPersister::Clear() {
-  persisters_.clear();
+  std::vector<std::shared_ptr<snapshot::Persister>> dropped;
+  std::lock_guard lock(mutex_);
+  dropped.swap(persisters_);
   targets_.clear();
 }
 
@@ -168,6 +192,39 @@ Status AgentPersister::Flush(std::chrono::milliseconds timeout) {
     if (!s.ok() && first.ok()) first = s.WithContext(targets_[i].arena_path);
   }
   return first;
+}
+
+void AgentPersister::FlushAsync(const std::string& scope, std::chrono::milliseconds timeout,
+                                FlushDone done) {
+  {
+    std::lock_guard lock(mutex_);
+    jobs_.push_back({ArenaPath(options_, scope), timeout, std::move(done)});
+    if (!flusher_.joinable()) flusher_ = std::thread([this] { FlusherLoop(); });
+  }
+  cv_.notify_all();
+}
+
+void AgentPersister::FlusherLoop() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    FlushJob job = std::move(jobs_.front());
+    jobs_.pop_front();
+    std::shared_ptr<snapshot::Persister> persister;
+    for (size_t i = 0; i < targets_.size(); ++i) {
+      if (targets_[i].arena_path == job.arena_path) persister = persisters_[i];
+    }
+    lock.unlock();
+    if (persister == nullptr) {
+      job.done(Status::OK(), false);
+    } else {
+      Status s = persister->Flush(job.timeout);
+      job.done(s.ok() ? s : s.WithContext("persisting " + job.arena_path), true);
+    }
+    persister.reset();  // may stop a persister a round change dropped meanwhile: not locked
+    lock.lock();
+  }
 }
 
 }  // namespace efdl::agent

@@ -16,15 +16,26 @@
 // taken each time (older ones in between are skipped), and the slot being written is pinned, so
 // commit() never waits.
 //
+// A worker's State.flush() reaches FlushAsync (through the control socket and the agent's loop):
+// one "flusher" thread, started at the first request, waits for the matching Persister's Flush so
+// that neither the loop nor the control socket's thread blocks on storage.
+//
 // Ownership and thread-safety: the agent owns one AgentPersister; each Persister owns its thread,
-// which the destructor (and SetTargets, for persisters no longer wanted) stops and joins. All
-// methods are called from the agent's loop thread only.
+// which the destructor (and SetTargets, for persisters no longer wanted) stops and joins; the
+// flusher thread is joined by the destructor (requests still queued are answered Unavailable).
+// Methods are called from the agent's loop thread only; the flusher reads the targets under
+// mutex_ and holds a reference to the Persister it waits on, so a round change meanwhile is safe
+// (the flush in flight finishes, for a snapshot this node committed while it was the writer).
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "efdl/status.h"
@@ -86,12 +97,30 @@ class AgentPersister {
   Status Flush(std::chrono::milliseconds timeout);
   const std::vector<PersistTarget>& targets() const { return targets_; }
 
+  // Persists the newest snapshot of the arena of `scope` ("node", "rank<N>") on the flusher
+  // thread and then calls done(status, persisted) there. persisted is false (with OK) when this
+  // node does not write that arena to storage in this round (e.g. the node copy of a node that
+  // does not host rank 0: the rank-0 node stores the same step).
+  using FlushDone = std::function<void(const Status&, bool persisted)>;
+  void FlushAsync(const std::string& scope, std::chrono::milliseconds timeout, FlushDone done);
+
  private:
-  std::unique_ptr<snapshot::Persister> MakePersister(const PersistTarget& target) const;
+  struct FlushJob {
+    std::string arena_path;
+    std::chrono::milliseconds timeout;
+    FlushDone done;
+  };
+  std::shared_ptr<snapshot::Persister> MakePersister(const PersistTarget& target) const;
+  void FlusherLoop();
 
   const AgentPersisterOptions options_;
-  std::vector<PersistTarget> targets_;
-  std::vector<std::unique_ptr<snapshot::Persister>> persisters_;  // parallel to targets_
+  std::vector<PersistTarget> targets_;  // written under mutex_ (read by the flusher)
+  std::vector<std::shared_ptr<snapshot::Persister>> persisters_;  // parallel to targets_, ditto
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<FlushJob> jobs_;     // GUARDED_BY(mutex_)
+  bool stop_ = false;             // GUARDED_BY(mutex_)
+  std::thread flusher_;           // started by the first FlushAsync
 };
 
 }  // namespace efdl::agent

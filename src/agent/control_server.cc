@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -23,6 +24,11 @@ using nlohmann::json;
 
 constexpr int kProtocolVersion = 1;
 constexpr size_t kMaxLine = 64 * 1024;
+// Flush requests waiting for the agent's loop; a worker cannot have more than one in flight, so
+// more than this means something is sending them without waiting for the answers.
+constexpr size_t kMaxPendingFlushes = 256;
+// The longest a flush may take (the agent's own final persist allows as much).
+constexpr int64_t kMaxFlushTimeoutMs = 10 * 60 * 1000;
 
 // Field readers that never throw: a malformed field reads as the fallback.
 int64_t IntField(const json& j, const char* key, int64_t fallback) {
@@ -138,6 +144,29 @@ std::optional<int64_t> ControlServer::newest_persisted_step() const {
   return newest_persisted_;
 }
 
+std::vector<FlushRequest> ControlServer::TakeFlushRequests() {
+  std::lock_guard lock(mutex_);
+  std::vector<FlushRequest> out;
+  out.swap(flushes_);
+  return out;
+}
+
+void ControlServer::AnswerFlush(const FlushRequest& request, const Status& status,
+                                bool persisted) {
+  json id = json::parse(request.id_json, nullptr, /*allow_exceptions=*/false);
+  if (id.is_discarded()) id = nullptr;
+  std::string line = status.ok()
+                         ? Line({{"type", "reply"}, {"id", id}, {"persisted", persisted}})
+                         : Line({{"type", "error"}, {"id", id}, {"message", status.message()}});
+  std::lock_guard lock(mutex_);
+  for (const auto& [fd, c] : clients_) {
+    if (c.connection == request.connection) {
+      SendLocked(fd, line);
+      return;
+    }
+  }
+}
+
 std::vector<int> ControlServer::StoppingRanks(int64_t round) const {
   std::lock_guard lock(mutex_);
   auto it = stopping_.find(round);
@@ -196,6 +225,30 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     return true;
   }
   json reply_id = msg.contains("id") ? msg["id"] : json(nullptr);
+  if (type == "flush") {
+    std::string scope = StringField(msg, "scope");
+    const bool scope_ok =
+        scope == "node" ||
+        (scope.size() > 4 && scope.rfind("rank", 0) == 0 &&
+         scope.find_first_not_of("0123456789", 4) == std::string::npos);
+    std::string problem;
+    if (!client.said_hello) {
+      problem = "say hello before asking for a flush";
+    } else if (!scope_ok) {
+      problem = fmt::format("flush needs a scope \"node\" or \"rank<N>\", got '{}'", scope);
+    } else if (flushes_.size() >= kMaxPendingFlushes) {
+      problem = "too many flush requests waiting; wait for the answers";
+    }
+    if (!problem.empty()) {
+      SendLocked(fd, Line({{"type", "error"}, {"id", reply_id}, {"message", problem}}));
+      return true;
+    }
+    const int64_t timeout_ms =
+        std::clamp<int64_t>(IntField(msg, "timeout_ms", kMaxFlushTimeoutMs), 0, kMaxFlushTimeoutMs);
+    flushes_.push_back({client.connection, reply_id.dump(), std::move(scope), client.local_rank,
+                        std::chrono::milliseconds(timeout_ms)});
+    return true;
+  }
   if (type == "query" && StringField(msg, "what") == "restore") {
     json step = newest_step_ ? json(*newest_step_) : json(nullptr);
     SendLocked(fd, Line({{"type", "reply"}, {"id", reply_id}, {"restore_step", step},
@@ -230,7 +283,9 @@ void ControlServer::Serve() {
         int cfd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (cfd < 0) break;
         std::lock_guard lock(mutex_);
-        clients_.emplace(cfd, Client{});
+        Client client;
+        client.connection = next_connection_++;
+        clients_.emplace(cfd, std::move(client));
       }
     }
     for (size_t i = 2; i < fds.size(); ++i) {

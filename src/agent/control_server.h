@@ -5,6 +5,7 @@
 // destructor, which also removes the socket file. All public methods are thread-safe.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -17,6 +18,16 @@
 #include "efdl/status.h"
 
 namespace efdl::agent {
+
+// A worker's "flush" request (State.flush() under the agent): persist the newest snapshot of
+// its arena `scope` to storage and answer when that is done. Answered with AnswerFlush().
+struct FlushRequest {
+  uint64_t connection = 0;     // which connection asked (connections are numbered, never reused)
+  std::string id_json;         // the request's "id", as JSON text, echoed in the answer
+  std::string scope;           // "node" or "rank<N>": which arena (state.py's naming)
+  int local_rank = -1;
+  std::chrono::milliseconds timeout{0};
+};
 
 struct ControlServerOptions {
   std::string socket_path;   // created (must not exist); removed again by the destructor
@@ -45,9 +56,16 @@ class ControlServer {
   std::vector<int> StoppingRanks(int64_t round) const;
   // The newest step a worker reported as persisted to storage ("persisted"), if any.
   std::optional<int64_t> newest_persisted_step() const;
+  // Flush requests received since the last call, oldest first (the agent's loop takes them).
+  std::vector<FlushRequest> TakeFlushRequests();
+  // Answers a flush request: a "reply" with `persisted` (false: this node does not write that
+  // arena to storage) when `status` is OK, else an "error" with its message. Dropped when the
+  // worker has disconnected meanwhile.
+  void AnswerFlush(const FlushRequest& request, const Status& status, bool persisted);
 
  private:
   struct Client {
+    uint64_t connection = 0;
     std::string buffer;        // bytes read, not yet a full line
     bool said_hello = false;
     int pid = 0;
@@ -74,6 +92,8 @@ class ControlServer {
   std::optional<int64_t> newest_step_;     // GUARDED_BY(mutex_)
   std::optional<int64_t> newest_persisted_;  // GUARDED_BY(mutex_)
   std::map<int64_t, std::vector<int>> stopping_;  // by round; GUARDED_BY(mutex_)
+  std::vector<FlushRequest> flushes_;      // not yet taken; GUARDED_BY(mutex_)
+  uint64_t next_connection_ = 1;           // GUARDED_BY(mutex_)
 };
 
 }  // namespace efdl::agent

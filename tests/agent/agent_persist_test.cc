@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -351,6 +352,75 @@ TEST(AgentPersist, PerRankStatesArePersistedForEveryLocalRankAndOnlyRankZerosNod
     EXPECT_FALSE(node.StoredStep().has_value());
     EXPECT_FALSE(std::filesystem::exists(node.storage + "/pj"));
   }
+}
+
+// The worker commits step 1 and (wait_stored) waits until it is in storage (the first write is at
+// once), commits 2..5 (held back by the rate limit), calls flush() and writes what it returned
+// (or raised) to `marker`.
+std::string FlushAfterHeldBackCommits(const std::string& marker, bool wait_stored = true) {
+  return std::string("st.step = 1\n"
+         "st.commit()\n"
+         "d = os.path.join(os.environ['EFDL_SNAPSHOT_DIR'], os.environ['EFDL_JOB_ID'])\n") +
+         (wait_stored ? "while not (os.path.isdir(d) and\n"
+                        "           any(n.startswith('snap-') for n in os.listdir(d))):\n"
+                        "    time.sleep(0.02)\n" : "") +
+         "for i in range(2, 6):\n"
+         "    st.step = i\n"
+         "    st.commit()\n"
+         "try:\n"
+         "    st.flush(timeout=20)\n"
+         "    out = 'flushed'\n"
+         "except Exception as e:\n"
+         "    out = '%s: %s' % (type(e).__name__, e)\n"
+         "open('" + marker + ".tmp', 'w').write(out)\n"
+         "os.rename('" + marker + ".tmp', '" + marker + "')\n" +
+         kWaitForStop;
+}
+
+TEST(AgentPersist, FlushInAWorkerReturnsOnceTheAgentHasStoredItsNewestCommit) {
+  Node node;
+  // Rate limit far beyond the test: only the flush can store steps 2..5 while the worker runs.
+  ScopedEnv env({{"EFDL_SHM_DIR", node.shm}, {"EFDL_PERSIST_MIN_INTERVAL_MS", "600000"}});
+  const std::string marker = node.dir.path() + "/flushed";
+  node.rdzv.Push(Round(0, 1, 1));
+  node.Run(Worker(FlushAfterHeldBackCommits(marker)));
+  ASSERT_TRUE(WaitUntil([&] { return !ReadFile(marker).empty(); }, 60s));
+  EXPECT_EQ(ReadFile(marker), "flushed");
+  EXPECT_EQ(node.StoredStep(), std::optional<int64_t>(5)) << "flush() returned before the write";
+  EXPECT_EQ(node.Stop(SIGTERM), 128 + SIGTERM);
+  EXPECT_EQ(node.rdzv.failures(), 0);
+}
+
+TEST(AgentPersist, FlushReportsTheAgentsStorageFailureToTheWorker) {
+  Node node;
+  ScopedEnv env({{"EFDL_SHM_DIR", node.shm}, {"EFDL_PERSIST_MIN_INTERVAL_MS", "600000"}});
+  // The job's storage directory cannot be created: a file is in its place.
+  { std::ofstream(node.storage + "/pj") << "not a directory"; }
+  const std::string marker = node.dir.path() + "/flushed";
+  node.rdzv.Push(Round(0, 1, 1));
+  node.Run(Worker(FlushAfterHeldBackCommits(marker, /*wait_stored=*/false)));
+  ASSERT_TRUE(WaitUntil([&] { return !ReadFile(marker).empty(); }, 60s));
+  const std::string out = ReadFile(marker);
+  EXPECT_EQ(out.rfind("SnapshotError: flush: the agent could not persist the snapshot: ", 0), 0u)
+      << out;
+  EXPECT_NE(out.find("/pj"), std::string::npos) << "names the storage path: " << out;
+  EXPECT_EQ(node.Stop(SIGTERM), 128 + SIGTERM);
+}
+
+TEST(AgentPersist, FlushOnANodeThatDoesNotStoreTheNodeCopyReturnsWithoutWriting) {
+  Node node;  // node rank 1 of 2: the rank-0 node stores the (same) node copy
+  ScopedEnv env({{"EFDL_SHM_DIR", node.shm}, {"EFDL_PERSIST_MIN_INTERVAL_MS", "0"}});
+  const std::string marker = node.dir.path() + "/flushed";
+  node.rdzv.Push(Round(1, 1, 2));
+  node.Run(Worker("st.step = 3\n"
+                  "st.commit()\n"
+                  "st.flush(timeout=20)\n"
+                  "open('" + marker + "', 'w').write('returned')\n" +
+                  kWaitForStop));
+  ASSERT_TRUE(WaitUntil([&] { return ReadFile(marker) == "returned"; }, 60s));
+  EXPECT_EQ(node.MemoryStep(), std::optional<int64_t>(3));
+  EXPECT_FALSE(std::filesystem::exists(node.storage + "/pj"));
+  EXPECT_EQ(node.Stop(SIGTERM), 128 + SIGTERM);
 }
 
 TEST(AgentPersistTargets, FollowStateArenaNamesAndTheRankZeroRule) {

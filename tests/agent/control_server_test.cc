@@ -91,6 +91,82 @@ TEST_F(ControlServerTest, GarbageAndUnknownRequestsGetAnErrorAndKeepTheConnectio
   EXPECT_EQ(c.ReadJson()["type"], "welcome");
 }
 
+TEST_F(ControlServerTest, FlushRequestIsQueuedAndAnsweredOnItsOwnConnection) {
+  ControlConn a(server_->path());
+  ControlConn b(server_->path());
+  for (auto* c : {&a, &b}) {
+    ASSERT_TRUE(c->SendJson(
+        {{"type", "hello"}, {"pid", 1}, {"rank", 0}, {"local_rank", c == &a ? 0 : 1},
+         {"round", 3}}));
+    ASSERT_EQ(c->ReadJson()["type"], "welcome");
+  }
+  ASSERT_TRUE(a.SendJson({{"type", "flush"}, {"id", 11}, {"scope", "node"}, {"timeout_ms", 2500}}));
+  ASSERT_TRUE(b.SendJson({{"type", "flush"}, {"id", "x"}, {"scope", "rank12"}}));
+  std::vector<FlushRequest> taken;
+  ASSERT_TRUE(WaitUntil([&] {
+    for (auto& r : server_->TakeFlushRequests()) taken.push_back(r);
+    return taken.size() == 2;
+  }));
+  const FlushRequest* ra = taken[0].local_rank == 0 ? &taken[0] : &taken[1];
+  const FlushRequest* rb = ra == &taken[0] ? &taken[1] : &taken[0];
+  EXPECT_EQ(ra->scope, "node");
+  EXPECT_EQ(ra->timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(rb->scope, "rank12");
+  EXPECT_EQ(rb->timeout, std::chrono::minutes(10)) << "no timeout: the longest allowed";
+  EXPECT_TRUE(server_->TakeFlushRequests().empty()) << "taken once";
+  server_->AnswerFlush(*rb, Status::IOError("disk full"), false);
+  server_->AnswerFlush(*ra, Status::OK(), true);
+  json ans_a = a.ReadJson();
+  EXPECT_EQ(ans_a["type"], "reply");
+  EXPECT_EQ(ans_a["id"], 11);
+  EXPECT_EQ(ans_a["persisted"], true);
+  json ans_b = b.ReadJson();
+  EXPECT_EQ(ans_b["type"], "error");
+  EXPECT_EQ(ans_b["id"], "x");
+  EXPECT_EQ(ans_b["message"], "disk full");
+}
+
+TEST_F(ControlServerTest, FlushWithoutHelloOrWithABadScopeGetsAnError) {
+  ControlConn c(server_->path());
+  ASSERT_TRUE(c.SendJson({{"type", "flush"}, {"id", 1}, {"scope", "node"}}));
+  json reply = c.ReadJson();
+  EXPECT_EQ(reply["type"], "error");
+  EXPECT_EQ(reply["id"], 1);
+  ASSERT_TRUE(c.SendJson(
+      {{"type", "hello"}, {"pid", 1}, {"rank", 0}, {"local_rank", 0}, {"round", 3}}));
+  ASSERT_EQ(c.ReadJson()["type"], "welcome");
+  for (const char* scope : {"", "rank", "rank1x", "../etc", "node2"}) {
+    ASSERT_TRUE(c.SendJson({{"type", "flush"}, {"id", 2}, {"scope", scope}}));
+    reply = c.ReadJson();
+    EXPECT_EQ(reply["type"], "error") << scope;
+    EXPECT_NE(reply["message"].get<std::string>().find("scope"), std::string::npos) << scope;
+  }
+  EXPECT_TRUE(server_->TakeFlushRequests().empty());
+}
+
+TEST_F(ControlServerTest, FlushAnswerToAWorkerThatLeftIsDropped) {
+  FlushRequest request;
+  {
+    ControlConn c(server_->path());
+    ASSERT_TRUE(c.SendJson(
+        {{"type", "hello"}, {"pid", 1}, {"rank", 0}, {"local_rank", 0}, {"round", 3}}));
+    ASSERT_EQ(c.ReadJson()["type"], "welcome");
+    ASSERT_TRUE(c.SendJson({{"type", "flush"}, {"id", 5}, {"scope", "node"}}));
+    ASSERT_TRUE(WaitUntil([&] {
+      auto r = server_->TakeFlushRequests();
+      if (!r.empty()) request = r.front();
+      return !r.empty();
+    }));
+  }
+  ASSERT_TRUE(WaitUntil([&] { return !server_->IsConnected(3, 0); }));
+  ControlConn next(server_->path());  // may get the same fd: must not get the old answer
+  ASSERT_TRUE(next.SendJson(
+      {{"type", "hello"}, {"pid", 2}, {"rank", 0}, {"local_rank", 0}, {"round", 3}}));
+  ASSERT_EQ(next.ReadJson()["type"], "welcome");
+  server_->AnswerFlush(request, Status::OK(), true);
+  EXPECT_EQ(next.ReadLine(std::chrono::milliseconds(300)), "<timeout>");
+}
+
 TEST_F(ControlServerTest, DisconnectedWorkerIsForgotten) {
   {
     ControlConn c(server_->path());

@@ -1,0 +1,113 @@
+"""The worker side of the control socket (efdl.control) against a scripted peer.
+
+The real agent's answers are covered by tests/agent (ControlServer, and agent_persist_test,
+where python workers under a real Agent call State.flush()); here the peer is a socket server in
+this process, so the client's handling of each kind of answer is checked exactly.
+"""
+
+import json
+import os
+import socket
+import tempfile
+import threading
+
+import pytest
+
+from efdl import control
+
+
+class ScriptedAgent:
+    """Accepts one connection, welcomes its hello, then answers each request with `answer`."""
+
+    def __init__(self, answer):
+        self._dir = tempfile.TemporaryDirectory(prefix="efdl-ctl-")
+        self.path = os.path.join(self._dir.name, "control.sock")
+        self._answer = answer
+        self.requests = []
+        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listen.bind(self.path)
+        self._listen.listen(1)
+        self._listen.settimeout(10)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        conn, _ = self._listen.accept()
+        with conn, conn.makefile("rwb") as f:
+            for raw in f:
+                msg = json.loads(raw)
+                if msg["type"] == "hello":
+                    out = [{"type": "welcome", "version": 1, "round": msg["round"]}]
+                else:
+                    self.requests.append(msg)
+                    out = self._answer(msg)
+                for m in out:
+                    f.write((json.dumps(m) + "\n").encode())
+                f.flush()
+
+    def close(self):
+        self._listen.close()
+        self._thread.join(10)
+        self._dir.cleanup()
+
+
+@pytest.fixture
+def agent_with():
+    made = []
+
+    def make(answer):
+        agent = ScriptedAgent(answer)
+        made.append(agent)
+        return agent, control.ControlClient(agent.path, rank=0, local_rank=0, round_=4)
+    yield make
+    for a in made:
+        a.close()
+
+
+def test_flush_request_carries_scope_and_timeout_and_returns_the_agents_answer(agent_with):
+    agent, client = agent_with(lambda m: [{"type": "reply", "id": m["id"], "persisted": True}])
+    with client:
+        assert client.request_flush("rank3", timeout=2.5) is True
+    assert agent.requests[0]["type"] == "flush"
+    assert agent.requests[0]["scope"] == "rank3"
+    assert agent.requests[0]["timeout_ms"] == 2500
+
+
+def test_flush_on_a_node_that_does_not_store_the_arena_returns_false(agent_with):
+    _, client = agent_with(lambda m: [{"type": "reply", "id": m["id"], "persisted": False}])
+    with client:
+        assert client.request_flush("node", timeout=5) is False
+
+
+def test_flush_failure_is_a_control_error_with_the_agents_reason(agent_with):
+    _, client = agent_with(lambda m: [{"type": "error", "id": m["id"],
+                                       "message": "no space left on device"}])
+    with client, pytest.raises(control.ControlError, match="no space left on device"):
+        client.request_flush("node", timeout=5)
+
+
+def test_a_stop_arriving_while_waiting_ends_the_flush_and_is_kept(agent_with):
+    # The agent persists after the worker exits, and its loop may be busy stopping workers
+    # rather than answering: the flush must not wait for it.
+    _, client = agent_with(lambda m: [{"type": "stop", "round": 4, "graceful": True,
+                                       "reason": "scale out"}])
+    with client:
+        assert client.request_flush("node", timeout=5) is False
+        assert client.stop_requested()
+        assert client.stop_request().reason == "scale out"
+        assert client.request_flush("node", timeout=5) is False  # no request once stopping
+
+
+def test_answers_to_other_requests_are_not_taken_for_the_flushes(agent_with):
+    answers = iter([[{"type": "reply", "id": 999, "persisted": False},
+                     {"type": "reply", "id": 1, "persisted": True}]])
+    _, client = agent_with(lambda m: next(answers))
+    with client:
+        assert client.request_flush("node", timeout=5) is True
+
+
+def test_an_agent_that_never_answers_is_a_bounded_wait(agent_with, monkeypatch):
+    monkeypatch.setattr(control, "_FLUSH_ANSWER_MARGIN_S", 0.3)
+    _, client = agent_with(lambda m: [])
+    with client, pytest.raises(control.ControlError, match="did not answer"):
+        client.request_flush("node", timeout=0.2)
