@@ -188,7 +188,6 @@ def test_sigkill_of_a_worker_inside_commit_restores_the_previous_snapshot_from_m
     job.check_acked_kept(fault, ["node-a"])
 
 
-@SOAK_ONLY
 def test_sigkill_of_two_nodes_at_once(make_job, rng):
     job = make_job("kill-two", steps=40, nnodes="1:3")
     three_nodes(job)
@@ -270,7 +269,7 @@ def damage(path, how):
             f.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("how", [pytest.param("truncated", marks=SOAK_ONLY), "corrupted"])
+@pytest.mark.parametrize("how", ["truncated", "corrupted"])
 def test_damaged_newest_snapshot_is_skipped_for_the_previous_one(make_job, how):
     """Both nodes die; the newest file in storage is then damaged. The restarted job (fresh
     shared memory) must skip it with a warning and resume from the one before."""
@@ -300,8 +299,7 @@ def test_damaged_newest_snapshot_is_skipped_for_the_previous_one(make_job, how):
     job.check_no_leftovers()
 
 
-@pytest.mark.parametrize("fault", ["disk-full", pytest.param("read-only", marks=SOAK_ONLY),
-                                   pytest.param("deleted", marks=SOAK_ONLY)])
+@pytest.mark.parametrize("fault", ["disk-full", "read-only", "deleted"])
 def test_storage_fault_mid_run_does_not_stop_training(make_job, fault):
     """Storage fails while training (a full tmpfs, the mount turned read-only, the job's
     snapshot directory removed) and is repaired later: training never stops, the failure is
@@ -382,7 +380,6 @@ def test_etcd_restart_shorter_than_the_ttl_does_not_interrupt_training(make_job)
     job.check_no_leftovers()
 
 
-@SOAK_ONLY
 def test_one_member_of_a_three_member_etcd_cluster_killed(make_job, tmp_path):
     job = make_job("etcd-member", steps=40, nnodes="2:2")
     members = faultlib.EtcdCluster(str(tmp_path), 3)
