@@ -146,6 +146,28 @@ _INT_LIMIT = 1 << 63
 _IMMUTABLE = frozenset((int, float, bool, str, bytes, type(None), complex))
 
 
+def _utf8_encodable(text):
+    # False for a str holding a lone surrogate: its JSON escape (\ud800) is not valid JSON text
+    # for the manifest's parser, so such a value is pickled like any other JSON cannot carry.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _display_json(value):
+    """The manifest's readable JSON of a keyword argument that is pickled for the restore."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+        if "\\ud" not in text:  # no surrogate escape at all (json.dumps writes lower case)
+            return text
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
+        return text
+    except (TypeError, ValueError):  # UnicodeEncodeError is a ValueError
+        return json.dumps(repr(value))
+
+
 def _immutable(v):
     t = type(v)
     return t in _IMMUTABLE or (t is tuple and all(_immutable(x) for x in v))
@@ -520,7 +542,7 @@ class State:
                 text = "true" if v else "false"
             elif v is None:
                 text = "null"
-            elif t is str:
+            elif t is str and (v.isascii() or _utf8_encodable(v)):
                 text = json.dumps(v)
             elif isinstance(v, torch.Tensor):
                 continue
@@ -528,10 +550,7 @@ class State:
                 if rest is None:
                     rest = {}
                 rest[k] = v
-                try:
-                    text = json.dumps(v, allow_nan=False)
-                except (TypeError, ValueError):
-                    text = json.dumps(repr(v))
+                text = _display_json(v)
             head = heads.get(k)
             if head is None:
                 head = heads[k] = json.dumps(str(k)) + ":"

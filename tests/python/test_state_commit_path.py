@@ -94,6 +94,7 @@ def test_keyword_arguments_of_every_kind_come_back_exactly(job):  # noqa: F811
         "nan": float("nan"), "inf": float("-inf"), "flag": True, "none": None,
         "text": 'quote " backslash \\ newline \n unicode \u00e9\u4e2d', "pair": (1, 2),
         "items": [1, "a"], "table": {"k": 1}, "one": 1.0,
+        "lone": "\ud800", "lone_in": ["\udfff"],  # lone surrogates: not valid JSON text
     }
     state = State(**values)
     state.commit()
