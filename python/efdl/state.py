@@ -195,6 +195,10 @@ class State:
         d["_kw_heads"] = {}        # keyword argument name: its JSON key text
         d["_vote"] = None
         d["_vote_checked"] = False
+        d["_fast"] = None          # efdl._efdl.FastCommit of the current plan, see _snapshot
+        d["_fast_enabled"] = _env_int("EFDL_FAST_COMMIT", 1) != 0
+        d["_fast_strikes"] = 0     # fast paths dropped after < 4 commits, in a row: _make_fast
+        d["_fast_retry"] = 0       # no fast path before this many commits
 
         from efdl.backend import _env
         rank, local_rank = _env.rank(), _env.local_rank()
@@ -323,16 +327,18 @@ class State:
         on the stop (efdl._agreement.StopVote): all of them stop at the same call, one call
         after the first rank saw the request - so every rank must call commit() equally often.
         """
-        step = self._values.get("step", self._commits)
-        stop = self._control is not None and self._control.stop_requested()
-        if not self._vote_checked:
-            self._vote_checked = True
+        d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
+        step = d["_values"].get("step", d["_commits"])
+        control = d["_control"]
+        stop = control is not None and control.stop_requested()
+        if not d["_vote_checked"]:
+            d["_vote_checked"] = True
             if _agreement.group_size():
-                self._vote = _agreement.StopVote()
-        if self._vote is not None:
-            stop = self._vote.poll(stop)
-        self._commits += 1
-        if not stop and self._interval > 1:
+                d["_vote"] = _agreement.StopVote()
+        if d["_vote"] is not None:
+            stop = d["_vote"].poll(stop)
+        d["_commits"] += 1
+        if not stop and d["_interval"] > 1:
             try:
                 if step % self._interval != 0:
                     return False
@@ -387,27 +393,62 @@ class State:
         return self._engine.last_persist_error()
 
     def _snapshot(self, step):
-        with self._lock:
-            sched_sd = self.scheduler.state_dict() if self.scheduler is not None else None
-            plan = self._plan
-            # The per-commit path (docs/snapshots.md, "Measured"): while the tensors come from
-            # the same objects at the same addresses, nothing is collected again.
-            if (plan is None or plan.fast_key is None or plan.fast_key != self._fast_key(sched_sd)
-                    or plan.raw_ptrs != [t.data_ptr() for t in plan.originals]):
-                names, tensors, scalars = self._collect_tensors(sched_sd)
-                if (plan is None or plan.key != [id(t) for t in tensors]
-                        or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
-                    plan = self._make_plan(names, tensors)
-                plan.scalars = scalars
-                plan.fast_key = None if scalars else self._fast_key(sched_sd)
-            for i in plan.restage:
-                plan.tensors[i].copy_(plan.originals[i])
-            meta = self._meta(plan.scalars, sched_sd)
-            fill = self._fill if 0 in plan.ptrs else None
-            self._engine.commit(plan.ptrs, int(step) if isinstance(step, int) else 0, meta, fill)
-            self._last_step = step if isinstance(step, int) else 0
-        if self._control is not None:
-            self._control.notify_committed(step if isinstance(step, int) else 0)
+        step = int(step) if isinstance(step, int) else 0
+        d = self.__dict__
+        with d["_lock"]:
+            fast = d["_fast"]
+            if fast is None or fast.commit(step) is None:
+                self._snapshot_collect(step)
+            d["_last_step"] = step
+        if d["_control"] is not None:
+            d["_control"].notify_committed(step)
+
+    def _snapshot_collect(self, step):
+        """The Python path of a commit: finds the tensors (or proves them unchanged), formats the
+        meta text, copies; then prepares the compiled path for the next commits (_make_fast)."""
+        sched_sd = self.scheduler.state_dict() if self.scheduler is not None else None
+        plan = self._plan
+        # The per-commit path (docs/snapshots.md, "Measured"): while the tensors come from
+        # the same objects at the same addresses, nothing is collected again.
+        if (plan is None or plan.fast_key is None or plan.fast_key != self._fast_key(sched_sd)
+                or plan.raw_ptrs != [t.data_ptr() for t in plan.originals]):
+            names, tensors, scalars = self._collect_tensors(sched_sd)
+            if (plan is None or plan.key != [id(t) for t in tensors]
+                    or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
+                plan = self._make_plan(names, tensors)
+            plan.scalars = scalars
+            plan.fast_key = None if scalars else self._fast_key(sched_sd)
+        for i in plan.restage:
+            plan.tensors[i].copy_(plan.originals[i])
+        meta = self._meta(plan.scalars, sched_sd)
+        fill = self._fill if 0 in plan.ptrs else None
+        self._engine.commit(plan.ptrs, step, meta, fill)
+        self._make_fast(plan, sched_sd)
+
+    def _make_fast(self, plan, sched_sd):
+        """Hands the commit just taken to efdl._efdl.FastCommit, which repeats it from C++ while
+        nothing it was made from changes (src/python/fast_commit.h): only for plain states (no
+        scheduler, tensors in host memory, optimizer state all tensors, keyword arguments JSON
+        carries exactly: what _fast_key and the cached meta describe). When four in a row were
+        dropped after fewer than 4 commits (say, a learning rate set on every step), none is
+        made for the next 100 commits: building one costs more than it saves then."""
+        old = self._fast
+        if old is not None:
+            self._fast = None
+            self._fast_strikes = self._fast_strikes + 1 if old.hits < 4 else 0
+            if self._fast_strikes >= 4:
+                self._fast_strikes = 0
+                self._fast_retry = self._commits + 100
+        cached = self._meta_cache
+        if (self._fast_enabled and self._commits >= self._fast_retry and cached is not None
+                and sched_sd is None and plan.fast_key is not None and not plan.restage
+                and 0 not in plan.ptrs):
+            try:
+                self._fast = _efdl.FastCommit(
+                    self._engine, self.__dict__, plan, plan.originals, plan.ptrs,
+                    self._model_cache, cached[0], cached[1], torch.Tensor)
+            except _efdl.SnapshotError:
+                self._fast = None  # a state it does not cover: the Python path it is
 
     def _fast_key(self, sched_sd):
         """Identities that fix the tensor list of a commit: the model's cached entries, the
