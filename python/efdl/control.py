@@ -17,6 +17,9 @@ ENV_SOCKET = "EFDL_CONTROL_SOCKET"
 # so a per-step call costs well under a microsecond.
 _POLL_INTERVAL_NS = 1_000_000
 _MAX_LINE = 64 * 1024
+# `committed` notifications go out at most this often (the protocol calls them low rate): with a
+# commit every step, one message per commit cost a send() here and a parse in the agent each step.
+_COMMITTED_INTERVAL_NS = 100_000_000
 # A flush's answer may come this long after the agent's own timeout (its loop turn, the wire).
 _FLUSH_ANSWER_MARGIN_S = 10.0
 
@@ -63,6 +66,7 @@ class ControlClient:
         self._closed = False
         self._next_id = 1
         self._next_poll_ns = 0
+        self._next_committed_ns = 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)
@@ -96,7 +100,13 @@ class ControlClient:
     # -- notifications -------------------------------------------------------------------------
 
     def notify_committed(self, step):
-        """A snapshot of `step` is complete in the node's memory."""
+        """A snapshot of `step` is complete in the node's memory. Sent at most every 100 ms (a
+        commit every step would send one message per step); commits in between are not
+        reported, and the final step of a graceful stop goes out with `stopping`."""
+        now = time.monotonic_ns()
+        if now < self._next_committed_ns:
+            return
+        self._next_committed_ns = now + _COMMITTED_INTERVAL_NS
         self._send_quiet({"type": "committed", "step": int(step)})
 
     def notify_persisted(self, step):

@@ -10,6 +10,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -111,3 +112,18 @@ def test_an_agent_that_never_answers_is_a_bounded_wait(agent_with, monkeypatch):
     _, client = agent_with(lambda m: [])
     with client, pytest.raises(control.ControlError, match="did not answer"):
         client.request_flush("node", timeout=0.2)
+
+
+def test_committed_is_sent_at_most_every_100_ms(agent_with):
+    agent, client = agent_with(lambda m: [{"type": "reply", "id": m["id"], "persisted": True}]
+                               if m["type"] == "flush" else [])
+    with client:
+        for step in range(1, 201):   # a commit every step: one message, not 200
+            client.notify_committed(step)
+        time.sleep(0.12)
+        client.notify_committed(201)  # the interval is over: sent
+        client.notify_committed(202)
+        # The answer to a later request: the peer has read everything sent before it.
+        assert client.request_flush("node", timeout=5) is True
+    steps = [m["step"] for m in agent.requests if m["type"] == "committed"]
+    assert steps == [1, 201]
