@@ -127,3 +127,24 @@ def test_committed_is_sent_at_most_every_100_ms(agent_with):
         assert client.request_flush("node", timeout=5) is True
     steps = [m["step"] for m in agent.requests if m["type"] == "committed"]
     assert steps == [1, 201]
+
+
+def test_stop_requested_reads_the_socket_at_most_every_10_ms_and_sees_a_stop(agent_with):
+    agent, client = agent_with(lambda m: [{"type": "stop", "round": 4, "graceful": True,
+                                           "reason": "scale out"}]
+                               if m["type"] == "query" else [])
+    reads = []
+    real_read = client._read_available
+    client._read_available = lambda: (reads.append(1), real_read())[1]
+    with client:
+        start = time.monotonic()
+        while time.monotonic() - start < 0.05:   # 50 ms of steps that each call commit()
+            assert not client.stop_requested()
+            time.sleep(0.0002)
+        assert 1 <= len(reads) <= 1 + (time.monotonic() - start) / 0.01 + 1
+        client._send({"type": "query", "id": 1, "what": "restore"})  # the peer answers 'stop'
+        deadline = time.monotonic() + 5
+        while not client.stop_requested():
+            assert time.monotonic() < deadline, "the stop request was never seen"
+            time.sleep(0.001)
+        assert client.stop_request().graceful is True
