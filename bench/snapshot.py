@@ -2,7 +2,7 @@
 """bench/snapshot: what a snapshot costs, against baselines measured in the same run.
 
     PYTHONPATH=python /usr/bin/python3 bench/snapshot.py [--gib 1.0] [--reps 3] [--digits-steps N]
-                                  [--skip-big] [--skip-digits] [--skip-save]
+                                  [--skip-big] [--skip-digits] [--skip-save] [--ddp-steps N]
 
 Part 1, a state of about --gib GiB (parameters of large Linear layers plus SGD momentum):
   raw copy     memcpy of every tensor into pre-allocated, pre-faulted memory (2 threads): the limit
@@ -16,6 +16,9 @@ Part 1, a state of about --gib GiB (parameters of large Linear layers plus SGD m
   restore disk the same with the shared-memory copy gone (from storage, checksums verified)
 Part 2, the digits data set (sklearn) with a small MLP: steps/s with commit() every step vs
 without State. Prints ratios and whether the targets hold. Times are the best of --reps runs.
+Part 3 (--ddp-steps N, off by default): the same loop as 2 gloo ranks under DDP (two processes,
+two "nodes" with their own arenas): steps/s with commit() every step vs without, on rank 0. This
+is what a multi-rank job pays per commit beyond part 2: the stop vote (efdl._agreement).
 """
 
 import argparse
@@ -263,6 +266,78 @@ def part2(args):
           % (1e6 * ca / block, 1e6 * cb / block, ca / cb))
 
 
+def ddp_rank(args):
+    """One rank of part 3 (run by part3 in a child process)."""
+    import efdl.backend.torch as efdl
+    from sklearn.datasets import load_digits
+    torch.set_num_threads(1)
+    efdl.init(timeout=60)
+    rank = efdl.get_rank()
+    X, y = load_digits(return_X_y=True)
+    X = torch.tensor(X / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    batch, block = 32, 100
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = efdl.State(model, opt, epoch=0, step=0)
+    gen = torch.Generator().manual_seed(rank)
+
+    def run_block(commit):
+        t0 = time.perf_counter()
+        for _ in range(block):
+            idx = torch.randint(len(X), (batch,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(ddp(X[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.step += 1
+            if commit:
+                state.commit()
+        return time.perf_counter() - t0
+
+    run_block(True)
+    run_block(False)
+    without, with_ = [], []
+    for _ in range(max(1, args.ddp_steps // (2 * block))):  # alternating, the same on both ranks
+        without.append(run_block(False))
+        with_.append(run_block(True))
+    state.flush()
+    if rank == 0:
+        a, b = statistics.median(without), statistics.median(with_)
+        print("digits DDP, 2 gloo ranks, %d alternating blocks of %d steps: without commit %.0f "
+              "steps/s, commit() every step %.0f steps/s; ratio %.3f"
+              % (2 * len(without), block, block / a, block / b, a / b), flush=True)
+
+
+def part3(args, work):
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   EFDL_JOB_ID=os.environ["EFDL_JOB_ID"] + "-ddp", EFDL_NODE_ID="n%d" % rank,
+                   EFDL_SNAPSHOT_DIR=os.path.join(work, "snaps-n%d" % rank))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ddp-rank",
+                                       "--ddp-steps", str(args.ddp_steps)], env=env))
+    try:
+        for p in procs:
+            if p.wait(timeout=900) != 0:
+                raise SystemExit("part 3: a rank exited with status %d" % p.returncode)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -272,7 +347,13 @@ def main():
     ap.add_argument("--skip-digits", action="store_true")
     ap.add_argument("--skip-save", action="store_true",
                     help="leave out deepcopy and torch.save (the slow baselines)")
+    ap.add_argument("--ddp-steps", type=int, default=0,
+                    help="run part 3 (2 DDP ranks) for this many steps (0: skip it)")
+    ap.add_argument("--ddp-rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ddp_rank:
+        ddp_rank(args)
+        return
     work = tempfile.mkdtemp(prefix="efdl-bench-", dir=os.environ.get("BENCH_DISK_DIR", "/var/tmp"))
     os.environ.update(EFDL_JOB_ID="bench-snapshot-%d" % os.getpid(),
                       EFDL_SNAPSHOT_DIR=os.path.join(work, "snaps"))
@@ -281,6 +362,8 @@ def main():
             part1(args, work)
         if not args.skip_digits:
             part2(args)
+        if args.ddp_steps > 0:
+            part3(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for f in os.listdir("/dev/shm"):

@@ -324,8 +324,9 @@ class State:
         Returns True when a snapshot was taken. When the node's agent asked this worker to stop
         (a graceful round change), snapshots regardless of the interval, persists it, and exits
         the process with status 0. With a process group of more than one rank, the ranks agree
-        on the stop (efdl._agreement.StopVote): all of them stop at the same call, one call
-        after the first rank saw the request - so every rank must call commit() equally often.
+        on the stop (efdl._agreement.StopVote): all of them stop at the same call, within about
+        0.1 s of calls after the first rank saw the request - so every rank must call commit()
+        equally often.
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
         step = d["_values"].get("step", d["_commits"])
