@@ -398,7 +398,7 @@ class State:
         d = self.__dict__
         with d["_lock"]:
             fast = d["_fast"]
-            if fast is None or fast.commit(step) is None:
+            if fast is None or fast.commit(step, d) is None:
                 self._snapshot_collect(step)
             d["_last_step"] = step
         if d["_control"] is not None:

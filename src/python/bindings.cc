@@ -187,28 +187,27 @@ PYBIND11_MODULE(_efdl, m) {
       .def(py::init([](py::object engine, py::dict state_dict, py::object plan, py::list tensors,
                        std::vector<uintptr_t> ptrs, py::object model_cache,
                        py::tuple fingerprint, std::string pickle_blob, py::object tensor_type) {
-             efdl::python::FastCommitInputs in{std::move(engine),      std::move(state_dict),
-                                               std::move(plan),        std::move(tensors),
-                                               std::move(ptrs),        std::move(model_cache),
-                                               std::move(fingerprint), std::move(pickle_blob),
-                                               std::move(tensor_type)};
-             return Unwrap(FastCommit::Create(std::move(in)));
+             efdl::python::FastCommitInputs in{std::move(engine),      std::move(plan),
+                                               std::move(tensors),     std::move(ptrs),
+                                               std::move(model_cache), std::move(fingerprint),
+                                               std::move(pickle_blob), std::move(tensor_type)};
+             return Unwrap(FastCommit::Create(std::move(in), state_dict));
            }),
            py::arg("engine"), py::arg("state_dict"), py::arg("plan"), py::arg("tensors"),
            py::arg("ptrs"), py::arg("model_cache"), py::arg("fingerprint"),
            py::arg("pickle_blob"), py::arg("tensor_type"))
       .def(
           "commit",
-          [](FastCommit& f, int64_t step) -> py::object {
-            std::optional<uint64_t> seq = Unwrap(f.Commit(step));
+          [](FastCommit& f, int64_t step, const py::dict& state_dict) -> py::object {
+            std::optional<uint64_t> seq = Unwrap(f.Commit(step, state_dict));
             return seq ? py::object(py::int_(*seq)) : py::object(py::none());
           },
-          py::arg("step"),
+          py::arg("step"), py::arg("state_dict"),
           "Commits when nothing the fast path relies on changed (returns the seq); else copies "
           "nothing and returns None.")
       .def("meta_text",
-           [](FastCommit& f) -> py::object {
-             auto text = f.MetaText();
+           [](FastCommit& f, const py::dict& state_dict) -> py::object {
+             auto text = f.MetaText(state_dict);
              return text ? py::object(py::str(*text)) : py::object(py::none());
            })
       .def_property_readonly("hits", &FastCommit::hits)

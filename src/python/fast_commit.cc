@@ -59,16 +59,18 @@ bool AppendPyString(std::string& out, PyObject* s) {
 
 }  // namespace
 
-Result<std::unique_ptr<FastCommit>> FastCommit::Create(FastCommitInputs in) {
+Result<std::unique_ptr<FastCommit>> FastCommit::Create(FastCommitInputs in,
+                                                       const py::dict& state_dict) {
   try {
-    return CreateOrThrow(std::move(in));
+    return CreateOrThrow(std::move(in), state_dict);
   } catch (const std::exception& e) {  // a cast of an object that is not what State keeps there
     PyErr_Clear();
     return Status::InvalidArgument(std::string("FastCommit: ") + e.what());
   }
 }
 
-Result<std::unique_ptr<FastCommit>> FastCommit::CreateOrThrow(FastCommitInputs in) {
+Result<std::unique_ptr<FastCommit>> FastCommit::CreateOrThrow(FastCommitInputs in,
+                                                              const py::dict& state_dict) {
   std::unique_ptr<FastCommit> f(new FastCommit(std::move(in)));
   const FastCommitInputs& x = f->in_;
   try {
@@ -84,11 +86,11 @@ Result<std::unique_ptr<FastCommit>> FastCommit::CreateOrThrow(FastCommitInputs i
     if (p == 0) return Status::InvalidArgument("FastCommit: a tensor without host memory");
     f->sources_.push_back({reinterpret_cast<const void*>(p)});
   }
-  if (!x.state_dict.contains("scheduler") || !x.state_dict["scheduler"].is_none()) {
+  if (!state_dict.contains("scheduler") || !state_dict["scheduler"].is_none()) {
     return Status::InvalidArgument("FastCommit: a state with a scheduler");
   }
-  f->model_ = x.state_dict["model"];
-  f->optimizer_ = x.state_dict["optimizer"];
+  f->model_ = state_dict["model"];
+  f->optimizer_ = state_dict["optimizer"];
   f->data_ptr_name_ = Interned("data_ptr");
   f->params_key_ = Interned("params");
   f->model_key_ = Interned("model");
@@ -127,7 +129,7 @@ Result<std::unique_ptr<FastCommit>> FastCommit::CreateOrThrow(FastCommitInputs i
       f->opt_state_sizes_.push_back(n);
     }
   }
-  py::dict values = x.state_dict["_values"];
+  py::dict values = state_dict["_values"];
   for (auto [k, v] : values) {
     if (PyObject_IsInstance(v.ptr(), x.tensor_type.ptr()) == 1) {
       f->kw_tensors_.emplace_back(py::reinterpret_borrow<py::object>(k),
@@ -138,8 +140,7 @@ Result<std::unique_ptr<FastCommit>> FastCommit::CreateOrThrow(FastCommitInputs i
   return f;
 }
 
-bool FastCommit::StateUnchanged() const {
-  PyObject* d = in_.state_dict.ptr();
+bool FastCommit::StateUnchanged(PyObject* d) const {
   return Item(d, model_key_) == model_.ptr() && Item(d, optimizer_key_) == optimizer_.ptr() &&
          Item(d, scheduler_key_) == Py_None && Item(d, plan_key_) == in_.plan.ptr() &&
          Item(d, model_cache_key_) == in_.model_cache.ptr();
@@ -225,8 +226,8 @@ bool FastCommit::PointersUnchanged() const {
   return true;
 }
 
-bool FastCommit::AppendKwargs(std::string& out) const {
-  PyObject* values = Item(in_.state_dict.ptr(), values_key_);
+bool FastCommit::AppendKwargs(PyObject* state_dict, std::string& out) const {
+  PyObject* values = Item(state_dict, values_key_);
   if (values == nullptr || !PyDict_Check(values)) return false;
   out += '{';
   bool first = true;
@@ -282,18 +283,20 @@ bool FastCommit::AppendKwargs(std::string& out) const {
   return tensor_at == kw_tensors_.size();
 }
 
-std::optional<std::string> FastCommit::MetaText() {
+std::optional<std::string> FastCommit::MetaText(const py::dict& state_dict) {
   std::string meta = "{\"kwargs\":";
-  if (!AppendKwargs(meta)) return std::nullopt;
+  if (!AppendKwargs(state_dict.ptr(), meta)) return std::nullopt;
   meta += ",\"kwargs_exact\":true,\"pickle\":\"";
   meta += in_.pickle_blob;
   meta += "\"}";
   return meta;
 }
 
-Result<std::optional<uint64_t>> FastCommit::Commit(int64_t step) {
+Result<std::optional<uint64_t>> FastCommit::Commit(int64_t step, const py::dict& state_dict) {
   std::optional<std::string> meta;
-  if (StateUnchanged() && OptimizerUnchanged() && PointersUnchanged()) meta = MetaText();
+  if (StateUnchanged(state_dict.ptr()) && OptimizerUnchanged() && PointersUnchanged()) {
+    meta = MetaText(state_dict);
+  }
   if (!meta) {
     ++misses_;
     return std::optional<uint64_t>();

@@ -19,6 +19,9 @@
 //    is an int, float, bool, None or str (formatted as JSON here), nothing else;
 //  - every tensor's data_ptr() is the address the plan copies from.
 // Every object compared by identity is held by a reference, so an address cannot be reused.
+// State's __dict__ is not held: it is passed to each call (holding it would make a reference
+// cycle through State._fast that Python's collector cannot see, keeping the engine and its
+// persister thread alive after the State is gone).
 //
 // Needs the GIL for everything except the copy, which releases it.
 #pragma once
@@ -37,7 +40,6 @@ namespace efdl::python {
 
 struct FastCommitInputs {
   pybind11::object engine;       // the SnapshotEngine (a pybind11 object)
-  pybind11::dict state_dict;     // State.__dict__
   pybind11::object plan;         // State._plan the commit used
   pybind11::list tensors;        // plan.originals: the tensors copied, in layout order
   std::vector<uintptr_t> ptrs;   // their data_ptr() values
@@ -50,26 +52,29 @@ struct FastCommitInputs {
 class FastCommit {
  public:
   // Fails (InvalidArgument) when the inputs do not describe a state the fast path can repeat.
-  static Result<std::unique_ptr<FastCommit>> Create(FastCommitInputs in);
+  // `state_dict`: State.__dict__ now (read, not kept).
+  static Result<std::unique_ptr<FastCommit>> Create(FastCommitInputs in,
+                                                    const pybind11::dict& state_dict);
 
   // The snapshot's seq, or nullopt when an input changed (nothing was copied). Errors of the
   // copy itself (e.g. shared memory full) come back as a Status.
-  Result<std::optional<uint64_t>> Commit(int64_t step);
+  Result<std::optional<uint64_t>> Commit(int64_t step, const pybind11::dict& state_dict);
 
   // The meta text Commit() would write now, or nullopt where it would decline (for tests).
-  std::optional<std::string> MetaText();
+  std::optional<std::string> MetaText(const pybind11::dict& state_dict);
 
   uint64_t hits() const { return hits_; }
   uint64_t misses() const { return misses_; }
 
  private:
   explicit FastCommit(FastCommitInputs in) : in_(std::move(in)) {}
-  static Result<std::unique_ptr<FastCommit>> CreateOrThrow(FastCommitInputs in);
-  bool StateUnchanged() const;
+  static Result<std::unique_ptr<FastCommit>> CreateOrThrow(FastCommitInputs in,
+                                                           const pybind11::dict& state_dict);
+  bool StateUnchanged(PyObject* state_dict) const;
   bool OptimizerUnchanged() const;
   bool PointersUnchanged() const;
   // Appends the keyword arguments as a JSON object; false where the fast path cannot.
-  bool AppendKwargs(std::string& out) const;
+  bool AppendKwargs(PyObject* state_dict, std::string& out) const;
 
   FastCommitInputs in_;
   snapshot::SnapshotEngine* engine_ = nullptr;

@@ -6,7 +6,10 @@ from C++ while nothing it was made from changed. Each test here gets the compile
 shared memory and from storage: the change must be in the snapshot, and the compiled path must
 have noticed it itself (a miss), not left it to luck."""
 
+import gc
+import glob
 import json
+import weakref
 
 import pytest
 import torch
@@ -74,12 +77,12 @@ def test_meta_text_equals_the_python_path_for_every_plain_value(job):  # noqa: F
     fast = state._fast
     assert fast is not None
     python_text = state._meta(state._plan.scalars, None)
-    ours = json.loads(fast.meta_text())
+    ours = json.loads(fast.meta_text(state.__dict__))
     theirs = json.loads(python_text)
     assert ours == theirs
     for k, v in theirs["kwargs"].items():
         assert type(ours["kwargs"][k]) is type(v), k  # 1.0 stays a float, True a bool
-    assert '"one":1.0' in fast.meta_text()
+    assert '"one":1.0' in fast.meta_text(state.__dict__)
 
 
 @pytest.mark.parametrize("value", [2 ** 63, float("nan"), float("inf"), (1, 2), [1], {"k": 1},
@@ -223,3 +226,32 @@ def test_no_compiled_path_with_a_scheduler(job):  # noqa: F811
         state.step += 1
         state.commit()
     assert state._fast is None
+
+
+def persister_threads():
+    names = []
+    for task in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(task) as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return names.count("efdl-persist")
+
+
+def test_a_dropped_state_is_freed_with_its_engine(job):  # noqa: F811
+    # The compiled path must not keep State's __dict__ (and so the engine and its persister
+    # thread) alive in a reference cycle the collector cannot see.
+    before = persister_threads()
+
+    def run():
+        model, optimizer, _ = make_training()
+        state = State(model, optimizer, step=0)
+        hot(state, model, optimizer)
+        assert persister_threads() == before + 1
+        return weakref.ref(state)
+    ref = run()
+    gc.collect()
+    assert ref() is None
+    assert persister_threads() == before
+
