@@ -14,8 +14,9 @@ commits, the late one would block in a collective with peers that are gone. Stop
 all-reduces (MAX) the local stop flag asynchronously at agreed commit() calls ("votes") and
 reads the result at the next vote, so every rank sees the agreed stop at the same call. Votes
 are spaced about _VOTE_SPACING_S apart: each vote also carries every rank's proposal for the
-number of calls to the next one (that spacing divided by its measured time per call), and the
-all-reduce's MAX of them is the same on every rank, so all ranks vote at the same calls. With
+number of calls to the next one (that spacing divided by its measured time per call, at most
+twice the current number), and the all-reduce's MAX of them is the same on every rank, so all
+ranks vote at the same calls. With
 slow steps that is every call, as a vote per call once was; with 1 ms steps, about one call in
 50 — one extra collective per step cost more than the step itself with 2 gloo ranks on 2 cores.
 A stop takes effect within two spacings of the first rank seeing it.
@@ -253,7 +254,10 @@ class StopVote:
         proposal = 1
         if self._last_vote is not None:
             per_call = (now - self._last_vote[0]) / max(1, self._calls - self._last_vote[1])
-            proposal = int(min(_MAX_VOTE_CALLS, max(1.0, _VOTE_SPACING_S / max(per_call, 1e-9))))
+            # At most double the spacing per vote: calls that come in a burst (an epoch's end
+            # commits twice in a row) must not stretch it to hundreds of slow steps at once.
+            limit = min(_MAX_VOTE_CALLS, 2 * max(1, calls_to_next))
+            proposal = int(min(limit, max(1.0, _VOTE_SPACING_S / max(per_call, 1e-9))))
         self._last_vote = (now, self._calls)
         self._flag.copy_(torch.tensor([1 if self._stop_seen else 0, proposal], dtype=torch.int32))
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)

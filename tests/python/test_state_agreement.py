@@ -147,3 +147,38 @@ def test_a_rank_whose_memory_copy_was_lost_receives_it(tmp_path, spawn_ranks, mo
     out = restore_in_group(tmp_path, spawn_ranks)
     assert [o["source"] for o in out] == ["memory", "peer", "memory"], out
     assert {o["step"] for o in out} == {"30"} and {o["weight"] for o in out} == {"3.000"}, out
+
+
+# Slow steps (30 ms: a vote every call) with a burst of two commit() calls at each "epoch's
+# end" (every 10 steps), as examples/train_ddp_state.py does: a stop seen at call 45 must take
+# effect within a few calls. A spacing computed from the burst alone (two calls microseconds
+# apart) once stretched the next vote to 200 calls, so a graceful leave came too late.
+BURST = textwrap.dedent("""
+    import time
+    import torch
+    import efdl.backend.torch as efdl
+    from efdl import _agreement
+    efdl.init(timeout=60)
+    vote = _agreement.StopVote()
+    stop = -1
+    for call in range(300):
+        if call % 11 != 10:
+            time.sleep(0.03)
+            x = torch.ones(1)
+            torch.distributed.all_reduce(x)
+        if vote.poll(call >= 45):
+            stop = call
+            break
+    print("stop=%d" % stop)
+""")
+
+
+def test_a_burst_of_commits_does_not_stretch_the_stop_vote(spawn_ranks):
+    results = spawn_ranks([PYTHON, "-c", BURST], 2, timeout=90,
+                          rank_env=lambda r: {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    stops = set()
+    for r in results:
+        assert r.returncode == 0, r.stderr
+        stops.add(int(r.stdout.strip().split("=")[1]))
+    assert len(stops) == 1, stops
+    assert 46 <= stops.pop() <= 45 + 2 * 4, stops  # votes stay about 50 ms (2 calls) apart
