@@ -197,20 +197,26 @@ def part1(args, work):
             os.unlink(os.path.join("/dev/shm", f))
 
 
-def part2(args):
-    import efdl.backend.torch as efdl
+def digits_training():
+    """The digits data set (sklearn) and the MLP of parts 2 and 3: (X, y, model, optimizer)."""
     from sklearn.datasets import load_digits
     torch.set_num_threads(1)
     X, y = load_digits(return_X_y=True)
     X = torch.tensor(X / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
-    batch, block = 32, 100
-    os.environ["EFDL_JOB_ID"] += "-digits"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return X, y, model, opt
+
+
+def part2(args):
+    import efdl.backend.torch as efdl
+    batch, block = 32, 100
+    os.environ["EFDL_JOB_ID"] += "-digits"
+    X, y, model, opt = digits_training()
     state = efdl.State(model, opt, epoch=0, step=0)
     gen = torch.Generator().manual_seed(0)
 
@@ -269,20 +275,11 @@ def part2(args):
 def ddp_rank(args):
     """One rank of part 3 (run by part3 in a child process)."""
     import efdl.backend.torch as efdl
-    from sklearn.datasets import load_digits
-    torch.set_num_threads(1)
     efdl.init(timeout=60)
     rank = efdl.get_rank()
-    X, y = load_digits(return_X_y=True)
-    X = torch.tensor(X / 16.0, dtype=torch.float32)
-    y = torch.tensor(y)
     batch, block = 32, 100
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 10))
+    X, y, model, opt = digits_training()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = efdl.State(model, opt, epoch=0, step=0)
     gen = torch.Generator().manual_seed(rank)
 

@@ -16,9 +16,9 @@ reads the result at the next vote, so every rank sees the agreed stop at the sam
 are spaced about _VOTE_SPACING_S apart: each vote also carries every rank's proposal for the
 number of calls to the next one (that spacing divided by its measured time per call, at most
 twice the current number), and the all-reduce's MAX of them is the same on every rank, so all
-ranks vote at the same calls. With
-slow steps that is every call, as a vote per call once was; with 1 ms steps, about one call in
-50 — one extra collective per step cost more than the step itself with 2 gloo ranks on 2 cores.
+ranks vote at the same calls. With slow steps that is every call, as a vote per call once was;
+with 1 ms steps, about one call in 50 — one extra collective per step cost more than the step
+itself with 2 gloo ranks on 2 cores.
 A stop takes effect within two spacings of the first rank seeing it.
 
 Contract: every rank calls the same sequence of collectives here (State's constructor, commit()),
