@@ -20,7 +20,8 @@ namespace efdl::snapshot {
 namespace {
 
 constexpr char kMagic[8] = {'E', 'F', 'D', 'L', 'A', 'R', 'N', '1'};
-constexpr uint32_t kVersion = 1;
+// Version 2: the slots' checksums are DataHash64's (hash.h); version 1 arenas are not opened.
+constexpr uint32_t kVersion = 2;
 
 enum SlotState : uint32_t { kEmpty = 0, kWriting = 1, kReady = 2 };
 

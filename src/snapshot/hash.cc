@@ -1,7 +1,14 @@
 #include "snapshot/hash.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 namespace efdl::snapshot {
 
@@ -65,51 +72,192 @@ struct Lanes {
 
 }  // namespace
 
-Hasher64::Hasher64(uint64_t seed) {
-  Lanes l(seed);
-  lanes_[0] = l.a;
-  lanes_[1] = l.b;
-  lanes_[2] = l.c;
-  lanes_[3] = l.d;
-}
-
-Hasher64& Hasher64::Update(const void* data, size_t n) {
-  Blocks(lanes_, static_cast<const unsigned char*>(data), n);
-  return *this;
-}
-
-uint64_t Hasher64::Finish(const void* tail, size_t n, uint64_t total) const {
-  Lanes l(0);
-  l.a = lanes_[0];
-  l.b = lanes_[1];
-  l.c = lanes_[2];
-  l.d = lanes_[3];
-  return l.Tail(static_cast<const unsigned char*>(tail), n, total);
-}
-
 uint64_t Hash64(const void* data, size_t n, uint64_t seed) {
   const auto* p = static_cast<const unsigned char*>(data);
   const size_t whole = n & ~size_t{31};
-  return Hasher64(seed).Update(p, whole).Finish(p + whole, n - whole, n);
+  Lanes l(seed);
+  uint64_t lanes[4] = {l.a, l.b, l.c, l.d};
+  Blocks(lanes, p, whole);
+  l.a = lanes[0];
+  l.b = lanes[1];
+  l.c = lanes[2];
+  l.d = lanes[3];
+  return l.Tail(p + whole, n - whole, n);
 }
 
-uint64_t CopyAndHash64(void* dst, const void* src, size_t n, uint64_t seed) {
-  // Copy in 4 KiB strides with memcpy (it picks the best instructions) and hash the destination
-  // while it is still in L1: one pass over memory.
-  constexpr size_t kStride = 4096;
-  const auto* s = static_cast<const unsigned char*>(src);
-  auto* d = static_cast<unsigned char*>(dst);
-  Hasher64 hasher(seed);
-  size_t i = 0;
-  while (n - i >= 32) {
-    size_t chunk = std::min(kStride, (n - i) & ~size_t{31});
-    std::memcpy(d + i, s + i, chunk);
-    hasher.Update(d + i, chunk);
-    i += chunk;
+namespace {
+
+// -- DataHash64 (format 2) -------------------------------------------------------------------
+
+constexpr uint64_t SplitMixFinal(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+constexpr std::array<uint64_t, 24> MakeKeys() {
+  std::array<uint64_t, 24> keys{};
+  uint64_t state = 0x243F6A8885A308D3ULL;
+  for (auto& k : keys) {
+    state += kM1;
+    k = SplitMixFinal(state);
   }
-  // memcpy with a null pointer is undefined even for 0 bytes, and an empty tensor may have none.
-  if (n > i) std::memcpy(d + i, s + i, n - i);
-  return hasher.Finish(d + i, n - i, n);
+  return keys;
+}
+
+constexpr std::array<uint64_t, 24> kKeys = MakeKeys();
+constexpr uint64_t kScrambleMul = 0x9E3779B1ULL;
+constexpr unsigned kStripesPerBlock = 16;
+
+void StripesPortable(uint64_t* acc, const unsigned char* p, size_t stripes, unsigned* stripe) {
+  unsigned j = *stripe;
+  for (size_t s = 0; s < stripes; ++s, p += 64) {
+    for (unsigned i = 0; i < 8; ++i) {
+      const uint64_t w = Load64(p + 8 * i);
+      const uint64_t k = w ^ kKeys[j + i];
+      acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+      acc[i ^ 1] += w;
+    }
+    if (++j == kStripesPerBlock) {
+      j = 0;
+      for (unsigned i = 0; i < 8; ++i) {
+        acc[i] = (acc[i] ^ (acc[i] >> 47) ^ kKeys[8 + i]) * kScrambleMul;
+      }
+    }
+  }
+  *stripe = j;
+}
+
+#if defined(__x86_64__)
+// The same arithmetic, four lanes per instruction: 32x32->64 multiplies (vpmuludq) and a swap of
+// the 64-bit halves of each 128-bit lane for acc[i ^ 1] += w[i].
+__attribute__((target("avx2"))) __m256i Scramble(__m256i a, const uint64_t* key) {
+  const __m256i mul = _mm256_set1_epi64x(static_cast<long long>(kScrambleMul));
+  a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 47));
+  a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key)));
+  const __m256i lo = _mm256_mul_epu32(a, mul);
+  const __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), mul);
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+}
+
+__attribute__((target("avx2"))) __m256i Accumulate(__m256i acc, const unsigned char* p,
+                                                   const uint64_t* key) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i k = _mm256_xor_si256(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key)));
+  const __m256i product = _mm256_mul_epu32(k, _mm256_srli_epi64(k, 32));
+  const __m256i swapped = _mm256_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 3, 2));
+  return _mm256_add_epi64(acc, _mm256_add_epi64(product, swapped));
+}
+
+__attribute__((target("avx2"))) void StripesAvx2(uint64_t* acc, const unsigned char* p,
+                                                 size_t stripes, unsigned* stripe) {
+  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
+  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + 4));
+  unsigned j = *stripe;
+  for (size_t s = 0; s < stripes; ++s, p += 64) {
+    a0 = Accumulate(a0, p, kKeys.data() + j);
+    a1 = Accumulate(a1, p + 32, kKeys.data() + j + 4);
+    if (++j == kStripesPerBlock) {
+      j = 0;
+      a0 = Scramble(a0, kKeys.data() + 8);
+      a1 = Scramble(a1, kKeys.data() + 12);
+    }
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc), a0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + 4), a1);
+  *stripe = j;
+}
+#endif
+
+#if defined(__aarch64__)
+// The same arithmetic on NEON (every AArch64 CPU has it), two lanes per register: vmull_u32 is
+// the 32x32->64 multiply, vextq_u64 the swap of the two 64-bit halves.
+uint64x2_t Scramble(uint64x2_t a, const uint64_t* key) {
+  const uint32x2_t mul = vdup_n_u32(static_cast<uint32_t>(kScrambleMul));
+  a = veorq_u64(a, vshrq_n_u64(a, 47));
+  a = veorq_u64(a, vld1q_u64(key));
+  const uint64x2_t lo = vmull_u32(vmovn_u64(a), mul);
+  const uint64x2_t hi = vmull_u32(vshrn_n_u64(a, 32), mul);
+  return vaddq_u64(lo, vshlq_n_u64(hi, 32));
+}
+
+uint64x2_t Accumulate(uint64x2_t acc, const unsigned char* p, const uint64_t* key) {
+  const uint64x2_t w = vreinterpretq_u64_u8(vld1q_u8(p));
+  const uint64x2_t k = veorq_u64(w, vld1q_u64(key));
+  const uint64x2_t product = vmull_u32(vmovn_u64(k), vshrn_n_u64(k, 32));
+  return vaddq_u64(acc, vaddq_u64(product, vextq_u64(w, w, 1)));
+}
+
+void StripesNeon(uint64_t* acc, const unsigned char* p, size_t stripes, unsigned* stripe) {
+  uint64x2_t a[4];
+  for (int r = 0; r < 4; ++r) a[r] = vld1q_u64(acc + 2 * r);
+  unsigned j = *stripe;
+  for (size_t s = 0; s < stripes; ++s, p += 64) {
+    for (int r = 0; r < 4; ++r) a[r] = Accumulate(a[r], p + 16 * r, kKeys.data() + j + 2 * r);
+    if (++j == kStripesPerBlock) {
+      j = 0;
+      for (int r = 0; r < 4; ++r) a[r] = Scramble(a[r], kKeys.data() + 8 + 2 * r);
+    }
+  }
+  for (int r = 0; r < 4; ++r) vst1q_u64(acc + 2 * r, a[r]);
+  *stripe = j;
+}
+#endif
+
+}  // namespace
+
+bool DataHasher::CpuHasAvx2() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
+DataHasher::DataHasher(uint64_t seed, bool vector) : vector_(vector), seed_(seed) {
+  for (unsigned i = 0; i < 8; ++i) acc_[i] = kKeys[16 + i] ^ SplitMixFinal(seed + i);
+}
+
+DataHasher& DataHasher::Update(const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+#if defined(__x86_64__)
+  if (vector_ && CpuHasAvx2()) {
+    StripesAvx2(acc_, p, n / kStripe, &stripe_);
+    return *this;
+  }
+#elif defined(__aarch64__)
+  if (vector_) {
+    StripesNeon(acc_, p, n / kStripe, &stripe_);
+    return *this;
+  }
+#endif
+  StripesPortable(acc_, p, n / kStripe, &stripe_);
+  return *this;
+}
+
+uint64_t DataHasher::Finish(const void* tail, size_t n, uint64_t total) const {
+  uint64_t acc[8];
+  std::memcpy(acc, acc_, sizeof(acc));
+  if (n > 0) {
+    unsigned char last[kStripe] = {};
+    std::memcpy(last, tail, std::min(n, kStripe));
+    unsigned stripe = stripe_;
+    StripesPortable(acc, last, 1, &stripe);
+  }
+  uint64_t h = seed_ ^ (total * kM3);
+  for (uint64_t a : acc) h = Lane(h, a);
+  return Finalize(h);
+}
+
+uint64_t DataHash64(const void* data, size_t n, uint64_t seed) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const size_t whole = n - n % DataHasher::kStripe;
+  return DataHasher(seed).Update(p, whole).Finish(p + whole, n - whole, n);
+}
+
+uint64_t PieceHash(int format, const void* data, size_t n, uint64_t seed) {
+  return format == 1 ? Hash64(data, n, seed) : DataHash64(data, n, seed);
 }
 
 uint64_t FoldPieceHashes(const std::vector<uint64_t>& hashes) {

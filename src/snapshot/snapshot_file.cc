@@ -16,7 +16,11 @@ namespace efdl::snapshot {
 namespace {
 
 constexpr char kMagic[8] = {'E', 'F', 'D', 'L', 'S', 'N', 'A', 'P'};
-constexpr uint32_t kVersion = 1;
+// Version 2: data pieces hashed with DataHash64 (version 1: Hash64; still read). The header and
+// manifest hashes are Hash64 in both.
+constexpr uint32_t kVersion = 2;
+constexpr uint32_t kOldestReadable = 1;
+static_assert(kVersion == kCurrentDataFormat);
 constexpr uint64_t kHeaderSeed = 0x5eed0001;
 constexpr uint64_t kManifestSeed = 0x5eed0002;
 
@@ -77,7 +81,7 @@ uint64_t ChecksumOfRegion(const std::vector<TensorEntry>& tensors, const uint8_t
   auto pieces = PiecesOf(tensors);
   std::vector<uint64_t> hashes(pieces.size());
   auto body = [&](size_t i) {
-    hashes[i] = Hash64(data + pieces[i].offset, pieces[i].length, pieces[i].Seed());
+    hashes[i] = DataHash64(data + pieces[i].offset, pieces[i].length, pieces[i].Seed());
   };
   if (runner != nullptr) {
     runner->Run(pieces.size(), body);
@@ -124,10 +128,10 @@ Result<SnapshotFileInfo> ReadSnapshotInfo(const RandomAccessFile& file, const st
   if (h.header_hash != Hash64(&h, offsetof(FileHeader, header_hash), kHeaderSeed)) {
     return Status::Corruption(fmt::format("{} has a damaged header", path));
   }
-  if (h.version != kVersion) {
+  if (h.version < kOldestReadable || h.version > kVersion) {
     return Status::Corruption(
-        fmt::format("{} has snapshot format version {}, this EFDL reads {}", path, h.version,
-                    kVersion));
+        fmt::format("{} has snapshot format version {}, this EFDL reads {} to {}", path,
+                    h.version, kOldestReadable, kVersion));
   }
   // Each bound is checked before it is used in a sum, so huge lengths cannot wrap past a check.
   if (h.manifest_len > file.Size() || h.data_offset < sizeof(h) + h.manifest_len ||
@@ -147,7 +151,7 @@ Result<SnapshotFileInfo> ReadSnapshotInfo(const RandomAccessFile& file, const st
   }
   EFDL_RETURN_IF_ERROR(manifest->Validate().WithContext(path));
   return SnapshotFileInfo{std::move(manifest).value(), h.data_offset, h.data_checksum,
-                          file.Size()};
+                          file.Size(), static_cast<int>(h.version)};
 }
 
 Status VerifySnapshotData(const RandomAccessFile& file, const SnapshotFileInfo& info,
@@ -160,7 +164,7 @@ Status VerifySnapshotData(const RandomAccessFile& file, const SnapshotFileInfo& 
     const int b = scratch.Acquire();
     const Piece& p = pieces[i];
     Status s = file.Read(info.data_offset + p.offset, p.length, scratch.buffer(b));
-    if (s.ok()) hashes[i] = Hash64(scratch.buffer(b), p.length, p.Seed());
+    if (s.ok()) hashes[i] = PieceHash(info.format, scratch.buffer(b), p.length, p.Seed());
     scratch.Release(b);
     return s;
   }));

@@ -18,6 +18,7 @@
 
 #include "efdl/snapshot.h"
 #include "snapshot/env.h"
+#include "snapshot/hash.h"
 #include "snapshot/parallel.h"
 
 namespace efdl::snapshot {
@@ -27,6 +28,7 @@ struct SnapshotFileInfo {
   uint64_t data_offset = 0;
   uint64_t data_checksum = 0;
   uint64_t file_bytes = 0;
+  int format = kCurrentDataFormat;  // the header's version: which piece hash (hash.h)
 };
 
 // Writes header, manifest and the data region to `file` (no sync: the caller syncs).
@@ -55,7 +57,8 @@ class ScratchPool {
   std::vector<std::atomic<bool>> busy_;
 };
 
-// The data checksum of a region laid out as `tensors` says (parallel over pieces).
+// The data checksum (current format) of a region laid out as `tensors` says (parallel over
+// pieces).
 uint64_t ChecksumOfRegion(const std::vector<TensorEntry>& tensors, const uint8_t* data,
                           ParallelRunner* runner);
 

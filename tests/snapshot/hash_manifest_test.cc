@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "efdl/snapshot.h"
@@ -21,29 +23,28 @@ std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
   return v;
 }
 
-TEST(Hash, CopyAndHashCopiesAndAgreesWithHashForEverySize) {
-  for (size_t n : {0, 1, 7, 8, 31, 32, 33, 100, 4095, 4096, 4097, 100000, (1 << 20) + 13}) {
-    auto src = RandomBytes(n, static_cast<uint32_t>(n));
-    std::vector<uint8_t> dst(n + 1, 0xAB);
-    uint64_t h = CopyAndHash64(dst.data(), src.data(), n, 42);
-    EXPECT_EQ(h, Hash64(src.data(), n, 42)) << n;
-    EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin())) << n;
-    EXPECT_EQ(dst[n], 0xAB) << "wrote past the end at n=" << n;
-  }
+// The pieces both hashes' definitions share, written out plainly (no code shared with hash.cc).
+constexpr uint64_t m1 = 0x9E3779B97F4A7C15ULL, m2 = 0xD6E8FEB86659FD93ULL,
+                   m3 = 0xFF51AFD7ED558CCDULL;
+uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+uint64_t load(const uint8_t* q) {
+  uint64_t v = 0;
+  for (int b = 7; b >= 0; --b) v = (v << 8) | q[b];  // little-endian, as the x86 loads
+  return v;
+}
+uint64_t lane(uint64_t acc, uint64_t v) { return rotl(acc ^ (v * m2), 27) * m1; }
+uint64_t finalize(uint64_t h) {
+  h ^= h >> 32;
+  h *= m3;
+  h ^= h >> 29;
+  h *= m2;
+  h ^= h >> 32;
+  return h;
 }
 
-// The checksum's definition written out plainly (hash.h): every implementation of Hash64 (the
-// vector one included) must give exactly these values, or stored snapshots stop verifying.
+// Format 1's piece hash (and every file's header and manifest hash) written out plainly
+// (hash.h): Hash64 must give exactly these values, or stored snapshots stop verifying.
 uint64_t ReferenceHash64(const uint8_t* p, size_t n, uint64_t seed) {
-  constexpr uint64_t m1 = 0x9E3779B97F4A7C15ULL, m2 = 0xD6E8FEB86659FD93ULL,
-                     m3 = 0xFF51AFD7ED558CCDULL;
-  auto rotl = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
-  auto load = [](const uint8_t* q) {
-    uint64_t v = 0;
-    for (int b = 7; b >= 0; --b) v = (v << 8) | q[b];  // little-endian, as the x86 loads
-    return v;
-  };
-  auto lane = [&](uint64_t acc, uint64_t v) { return rotl(acc ^ (v * m2), 27) * m1; };
   uint64_t l[4] = {seed + m1, seed ^ m2, rotl(seed, 17) + m3, ~seed * m1};
   size_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -56,31 +57,106 @@ uint64_t ReferenceHash64(const uint8_t* p, size_t n, uint64_t seed) {
     for (size_t b = n - i; b-- > 0;) v = (v << 8) | p[i + b];
     h = lane(h, v ^ (uint64_t{n - i} << 56));
   }
-  h ^= h >> 32;
-  h *= m3;
-  h ^= h >> 29;
-  h *= m2;
-  h ^= h >> 32;
-  return h;
+  return finalize(h);
 }
 
-TEST(Hash, EveryImplementationMatchesTheDefinition) {
+TEST(Hash, Hash64MatchesItsDefinition) {
   for (size_t n : {0, 5, 31, 32, 255, 256, 257, 1000, 4096 + 17, (1 << 20) + 13}) {
     auto data = RandomBytes(n, static_cast<uint32_t>(n) + 3);
-    const uint64_t want = ReferenceHash64(data.data(), n, 77);
-    EXPECT_EQ(Hash64(data.data(), n, 77), want) << n;
-    std::vector<uint8_t> dst(n);
-    EXPECT_EQ(CopyAndHash64(dst.data(), data.data(), n, 77), want) << n;
-    // In parts, as a restore hashes what it just read.
-    Hasher64 parts(77);
-    size_t whole = n & ~size_t{31}, i = 0;
-    for (size_t step = 64; i < whole; step *= 2) {
-      size_t len = std::min(step, whole - i);
-      parts.Update(data.data() + i, len);
-      i += len;
-    }
-    EXPECT_EQ(parts.Finish(data.data() + whole, n - whole, n), want) << n;
+    EXPECT_EQ(Hash64(data.data(), n, 77), ReferenceHash64(data.data(), n, 77)) << n;
+    EXPECT_EQ(PieceHash(1, data.data(), n, 77), ReferenceHash64(data.data(), n, 77)) << n;
   }
+}
+
+// Format 2's piece hash written out plainly, from the definition in hash.h (no shared code with
+// hash.cc): the portable and the AVX2 DataHasher, whole or in parts, must give these values.
+uint64_t ReferenceDataHash64(const uint8_t* p, size_t n, uint64_t seed) {
+  auto mix = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  };
+  uint64_t key[24];
+  uint64_t state = 0x243F6A8885A308D3ULL;
+  for (auto& k : key) k = mix(state += m1);
+  uint64_t acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = key[16 + i] ^ mix(seed + static_cast<uint64_t>(i));
+  std::vector<uint8_t> padded(p, p + n);
+  padded.resize((n + 63) / 64 * 64, 0);
+  for (size_t s = 0; s < padded.size() / 64; ++s) {
+    const size_t j = s % 16;
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t w = load(padded.data() + 64 * s + 8 * i);
+      const uint64_t k = w ^ key[j + i];
+      acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+      acc[i ^ 1] += w;
+    }
+    if (j == 15) {
+      for (int i = 0; i < 8; ++i) acc[i] = (acc[i] ^ (acc[i] >> 47) ^ key[8 + i]) * 0x9E3779B1ULL;
+    }
+  }
+  uint64_t h = seed ^ (n * m3);
+  for (uint64_t a : acc) h = lane(h, a);
+  return finalize(h);
+}
+
+TEST(Hash, DataHash64MatchesItsDefinitionOnEveryPathWholeOrInParts) {
+  if (!DataHasher::CpuHasAvx2()) GTEST_LOG_(INFO) << "no AVX2 here: the portable code only";
+  for (size_t n : {0, 1, 63, 64, 65, 1023, 1024, 1025, 4096 + 17, 100000, (1 << 20) + 13}) {
+    auto data = RandomBytes(n, static_cast<uint32_t>(n) + 5);
+    for (uint64_t seed : {uint64_t{0}, uint64_t{77}, (uint64_t{3} << 32) | 9}) {
+      const uint64_t want = ReferenceDataHash64(data.data(), n, seed);
+      EXPECT_EQ(DataHash64(data.data(), n, seed), want) << n;
+      EXPECT_EQ(PieceHash(2, data.data(), n, seed), want) << n;
+      const size_t whole = n - n % 64;
+      for (bool vector : {false, true}) {
+        // In parts of growing size, as a restore hashes each chunk it just read.
+        DataHasher parts(seed, vector);
+        size_t i = 0;
+        for (size_t step = 64; i < whole; step += 192) {
+          const size_t len = std::min(step, whole - i);
+          parts.Update(data.data() + i, len);
+          i += len;
+        }
+        EXPECT_EQ(parts.Finish(data.data() + whole, n - whole, n), want) << n << " " << vector;
+      }
+    }
+  }
+}
+
+// Stored snapshots depend on these exact values (also produced by the NEON code under
+// qemu-aarch64 when the hash was written).
+TEST(Hash, DataHash64AndHash64KeepTheirValuesOnAFixedInput) {
+  std::vector<uint8_t> data(4113);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  EXPECT_EQ(DataHash64(data.data(), data.size(), 77), 0x2579d2f311696762ULL);
+  EXPECT_EQ(DataHash64(data.data(), 63, 77), 0xf925e3633f0f2fafULL);
+  EXPECT_EQ(Hash64(data.data(), data.size(), 77), 0xf2ac970b0f927c19ULL);
+}
+
+TEST(Hash, DataHash64SeesBitFlipsSwappedStripesZeroTailsAndSeeds) {
+  auto data = RandomBytes(4096, 11);
+  const uint64_t h = DataHash64(data.data(), data.size(), 0);
+  EXPECT_NE(h, DataHash64(data.data(), data.size(), 1));
+  for (size_t byte = 0; byte < data.size(); byte += 29) {
+    for (int bit = 0; bit < 8; ++bit) {
+      data[byte] ^= static_cast<uint8_t>(1 << bit);
+      EXPECT_NE(h, DataHash64(data.data(), data.size(), 0)) << byte << ":" << bit;
+      data[byte] ^= static_cast<uint8_t>(1 << bit);
+    }
+  }
+  // Two 64-byte stripes swapped, inside one 1 KiB block and across blocks (a torn or misplaced
+  // copy): the additive term alone would not see it, the keyed products must.
+  for (auto [a, b] : {std::pair<size_t, size_t>{0, 1}, {3, 9}, {2, 18}, {0, 63}}) {
+    auto swapped = data;
+    std::swap_ranges(swapped.begin() + 64 * a, swapped.begin() + 64 * a + 64,
+                     swapped.begin() + 64 * b);
+    EXPECT_NE(h, DataHash64(swapped.data(), swapped.size(), 0)) << a << "<->" << b;
+  }
+  // Zero padding of the tail is not the data: a trailing zero byte changes the hash.
+  std::vector<uint8_t> zeros(100, 0);
+  EXPECT_NE(DataHash64(zeros.data(), 99, 0), DataHash64(zeros.data(), 100, 0));
+  EXPECT_NE(DataHash64(zeros.data(), 0, 0), DataHash64(zeros.data(), 0, 1));
 }
 
 TEST(StreamCopy, CopiesEverySizeAndAlignmentWithoutWritingPastTheEnd) {

@@ -1,6 +1,7 @@
 // Snapshot files and manifests damaged or written by something else: every one is refused with a
 // Corruption status that names the file, never an exception, a huge allocation or a read
 // outside the file. (Random bit flips and truncation: store_engine_test.cc.)
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -46,8 +47,8 @@ class MemoryFile final : public RandomAccessFile {
 };
 
 // Header field offsets and hash seeds of the file format (snapshot_file.h/.cc).
-constexpr size_t kManifestLenAt = 16, kDataOffsetAt = 24, kDataLenAt = 32, kManifestHashAt = 40,
-                 kHeaderHashAt = 56, kHeaderBytes = 64;
+constexpr size_t kVersionAt = 8, kManifestLenAt = 16, kDataOffsetAt = 24, kDataLenAt = 32,
+                 kManifestHashAt = 40, kDataChecksumAt = 48, kHeaderHashAt = 56, kHeaderBytes = 64;
 constexpr uint64_t kHeaderSeed = 0x5eed0001, kManifestSeed = 0x5eed0002;
 
 std::string GoodFile() {
@@ -114,6 +115,64 @@ TEST(SnapshotFileBadInputTest, LyingLengthsWithValidHashesAreCorruption) {
     Put64(bytes, c.field, c.value);
     Rehash(bytes);
     ExpectCorruption(bytes, c.what);
+  }
+}
+
+// GoodFile's data region replaced by `data` (64 bytes; its one tensor is the first 16), with the
+// data checksum of format `version`, as that version's writer produced it.
+std::string FileOfVersion(uint32_t version, const std::vector<uint8_t>& data) {
+  std::string bytes = GoodFile();
+  bytes.replace(bytes.size() - data.size(), data.size(),
+                reinterpret_cast<const char*>(data.data()), data.size());
+  const uint64_t piece = PieceHash(static_cast<int>(version), data.data(), 16, Piece{}.Seed());
+  Put64(bytes, kDataChecksumAt, FoldPieceHashes({piece}));
+  std::memcpy(bytes.data() + kVersionAt, &version, 4);
+  Rehash(bytes);
+  return bytes;
+}
+
+TEST(SnapshotFileFormatTest, FilesOfFormat1StillVerifyWithTheirOwnHash) {
+  std::vector<uint8_t> data(64);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 13 + 1);
+  for (uint32_t version : {1u, 2u}) {
+    MemoryFile file(FileOfVersion(version, data));
+    auto info = ReadSnapshotInfo(file, "x.snap");
+    ASSERT_TRUE(info.ok()) << version << ": " << info.status().ToString();
+    EXPECT_EQ(info->format, static_cast<int>(version));
+    EXPECT_TRUE(VerifySnapshotData(file, *info, "x.snap", nullptr).ok()) << version;
+    std::vector<uint8_t> back(16);
+    ASSERT_TRUE(ReadSnapshotTensors(file, *info, {back.data()}, nullptr).ok());
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), data.begin()));
+  }
+  // The checksum is read as its version's hash, not the other one.
+  std::string v1 = FileOfVersion(1, data);
+  uint32_t two = 2;
+  std::memcpy(v1.data() + kVersionAt, &two, 4);
+  Rehash(v1);
+  MemoryFile file(v1);
+  auto info = ReadSnapshotInfo(file, "x.snap");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(VerifySnapshotData(file, *info, "x.snap", nullptr).code(),
+            Status::Code::kCorruption);
+  // What this EFDL writes is format 2, with the checksum ChecksumOfRegion gives.
+  MemoryFile fresh(GoodFile());
+  auto fresh_info = ReadSnapshotInfo(fresh, "x.snap");
+  ASSERT_TRUE(fresh_info.ok());
+  EXPECT_EQ(fresh_info->format, kCurrentDataFormat);
+}
+
+TEST(SnapshotFileFormatTest, VersionsThisEfdlDoesNotKnowAreCorruptionNamingTheVersion) {
+  for (uint32_t version : {0u, 3u, 77u}) {
+    std::string bytes = GoodFile();
+    std::memcpy(bytes.data() + kVersionAt, &version, 4);
+    Rehash(bytes);
+    MemoryFile file(bytes);
+    auto info = ReadSnapshotInfo(file, "/snap/x.snap");
+    ASSERT_FALSE(info.ok()) << version;
+    EXPECT_EQ(info.status().code(), Status::Code::kCorruption);
+    EXPECT_NE(info.status().message().find("version " + std::to_string(version)),
+              std::string::npos)
+        << info.status().ToString();
   }
 }
 
