@@ -40,16 +40,19 @@ uint64_t DataHash64(const void* data, size_t n, uint64_t seed);
 class DataHasher {
  public:
   static constexpr size_t kStripe = 64;
-  // vector=false: always the portable code (tests compare it with the vector code: AVX2 where
-  // the CPU has it, NEON on AArch64).
-  explicit DataHasher(uint64_t seed, bool vector = true);
+  // The code that runs the stripes; all give the same values. kBest: the fastest this CPU has
+  // (AVX-512, then AVX2 on x86-64; NEON on AArch64; else portable).
+  enum class Path { kBest, kPortable, kAvx2, kAvx512, kNeon };
+  static bool Supported(Path path);
+  static const char* Name(Path path);
+
+  explicit DataHasher(uint64_t seed, Path path = Path::kBest);  // path must be Supported
   DataHasher& Update(const void* data, size_t n);  // n must be a multiple of kStripe
   uint64_t Finish(const void* tail, size_t n, uint64_t total) const;
-  // Whether this CPU runs the AVX2 version (same values as the portable one).
-  static bool CpuHasAvx2();
+  Path path() const { return path_; }
 
  private:
-  bool vector_;
+  Path path_;
   uint64_t seed_;
   uint64_t acc_[8];
   unsigned stripe_ = 0;  // stripe number inside the current 1 KiB block

@@ -101,7 +101,16 @@ uint64_t ReferenceDataHash64(const uint8_t* p, size_t n, uint64_t seed) {
 }
 
 TEST(Hash, DataHash64MatchesItsDefinitionOnEveryPathWholeOrInParts) {
-  if (!DataHasher::CpuHasAvx2()) GTEST_LOG_(INFO) << "no AVX2 here: the portable code only";
+  using Path = DataHasher::Path;
+  std::vector<Path> paths;
+  for (Path path : {Path::kPortable, Path::kAvx2, Path::kAvx512, Path::kNeon}) {
+    if (DataHasher::Supported(path)) {
+      paths.push_back(path);
+    } else {
+      GTEST_LOG_(INFO) << "this CPU has no " << DataHasher::Name(path) << " code path";
+    }
+  }
+  EXPECT_NE(DataHasher(0).path(), Path::kBest);
   for (size_t n : {0, 1, 63, 64, 65, 1023, 1024, 1025, 4096 + 17, 100000, (1 << 20) + 13}) {
     auto data = RandomBytes(n, static_cast<uint32_t>(n) + 5);
     for (uint64_t seed : {uint64_t{0}, uint64_t{77}, (uint64_t{3} << 32) | 9}) {
@@ -109,16 +118,17 @@ TEST(Hash, DataHash64MatchesItsDefinitionOnEveryPathWholeOrInParts) {
       EXPECT_EQ(DataHash64(data.data(), n, seed), want) << n;
       EXPECT_EQ(PieceHash(2, data.data(), n, seed), want) << n;
       const size_t whole = n - n % 64;
-      for (bool vector : {false, true}) {
+      for (Path path : paths) {
         // In parts of growing size, as a restore hashes each chunk it just read.
-        DataHasher parts(seed, vector);
+        DataHasher parts(seed, path);
         size_t i = 0;
         for (size_t step = 64; i < whole; step += 192) {
           const size_t len = std::min(step, whole - i);
           parts.Update(data.data() + i, len);
           i += len;
         }
-        EXPECT_EQ(parts.Finish(data.data() + whole, n - whole, n), want) << n << " " << vector;
+        EXPECT_EQ(parts.Finish(data.data() + whole, n - whole, n), want)
+            << n << " " << DataHasher::Name(path);
       }
     }
   }
