@@ -90,6 +90,7 @@ int Run(const std::string& action, const SnapshotsArgs& a) {
         row["time"] = FormatTime(m.wall_time);
         row["scope"] = m.scope;
         row["bytes"] = info->file_bytes;
+        row["format"] = info->format;
         row["tensors"] = m.tensors.size();
         if (action == "show") {
           auto meta = nlohmann::json::parse(m.meta_json, nullptr, false);
@@ -118,10 +119,11 @@ int Run(const std::string& action, const SnapshotsArgs& a) {
     std::cout << out.dump(2) << "\n";
   } else if (action == "show") {
     for (const auto& r : out) {
-      std::cout << fmt::format("snapshot {}\n  seq {}  step {}  scope {}  written {}  {} bytes\n",
-                               r["path"].get<std::string>(), r["seq"].get<uint64_t>(),
-                               r.value("step", int64_t{0}), r.value("scope", ""),
-                               r.value("time", ""), r.value("bytes", uint64_t{0}));
+      std::cout << fmt::format(
+          "snapshot {}\n  seq {}  step {}  scope {}  written {}  {} bytes  format {}\n",
+          r["path"].get<std::string>(), r["seq"].get<uint64_t>(), r.value("step", int64_t{0}),
+          r.value("scope", ""), r.value("time", ""), r.value("bytes", uint64_t{0}),
+          r.value("format", 0));
       if (!r["ok"].get<bool>()) {
         std::cout << "  DAMAGED: " << r["error"].get<std::string>() << "\n";
         continue;

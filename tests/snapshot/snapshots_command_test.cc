@@ -60,6 +60,7 @@ TEST_F(SnapshotsCommandTest, ListShowsEverySnapshotNewestFirst) {
   EXPECT_LT(p3, p1);
   ASSERT_EQ(Run({"show", "--job", "job1", "--snapshot-dir", dir_.path()}, &out), 0);
   EXPECT_NE(out.find("step 300"), std::string::npos) << out;
+  EXPECT_NE(out.find("format 2"), std::string::npos) << out;
   EXPECT_NE(out.find(R"({"epoch":7})"), std::string::npos) << out;
   EXPECT_NE(out.find("model/w"), std::string::npos) << out;
 }
