@@ -583,8 +583,21 @@ class Tmpfs:
         self.mounted = proc.returncode == 0
         self.error = proc.stderr.strip()
 
-    def remount_ro(self):
-        subprocess.run(["mount", "-o", "remount,ro", self.path], check=True)
+    def remount_ro(self, timeout=10.0):
+        """Turns the mount read-only. The kernel refuses (EBUSY, "mount point is busy") while a
+        file on it is open for writing — the persister's temporary, for a few milliseconds — so
+        retry until it goes through (a failing disk does not wait for writers; the test only
+        needs the moment after)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = subprocess.run(["mount", "-o", "remount,ro", self.path],
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("cannot remount %s read-only for %.0f s: %s"
+                                     % (self.path, timeout, proc.stderr.strip()))
+            time.sleep(0.02)
 
     def close(self):
         if self.mounted:
