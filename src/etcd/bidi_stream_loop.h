@@ -78,6 +78,10 @@ class BidiStreamLoop {
   virtual void OnStreamDown() = 0;
   // Commands and timers; returns when it next needs to run.
   virtual TimePoint OnTick(TimePoint now) = 0;
+  // Whether a broken stream must be re-opened as soon as possible: then the loop retries every
+  // kUrgentBackoff instead of backing off to kMaxBackoff, and asks gRPC to skip its own connect
+  // backoff, so the stream is back within about kUrgentBackoff of etcd serving again.
+  virtual bool ReconnectUrgently() { return false; }
 
   // Queues a request on the open stream; false when no stream is up.
   bool Send(Req request) {
@@ -121,6 +125,9 @@ class BidiStreamLoop {
       TimePoint wake = OnTick(now);
       now = SteadyClock::now();
       if (!stream_ && WantStream()) {
+        if (ReconnectUrgently()) {
+          reconnect_at_ = std::min(reconnect_at_, last_break_ + kUrgentBackoff);
+        }
         if (now >= reconnect_at_) {
           Open();
         } else {
@@ -155,6 +162,11 @@ class BidiStreamLoop {
 
   void Open() {
     size_t endpoint = channels_->preferred();
+    if (ReconnectUrgently()) {
+      // gRPC waits out its own connect backoff (up to GRPC_ARG_MAX_RECONNECT_BACKOFF_MS) before
+      // it tries a failed address again; a call started meanwhile fails at once.
+      grpc::experimental::ChannelResetConnectionBackoff(channels_->at(endpoint).channel.get());
+    }
     stream_ = std::make_unique<Attempt>(endpoint);
     // Ask the member to end the stream when it loses its raft leader, so we move to another
     // member instead of waiting on one that cannot serve (as etcd's own client does).
@@ -254,7 +266,8 @@ class BidiStreamLoop {
                      s.final_status.error_message(), static_cast<int>(s.final_status.error_code()));
     }
     channels_->MarkBad(s.endpoint);
-    reconnect_at_ = SteadyClock::now() + backoff_;
+    last_break_ = SteadyClock::now();
+    reconnect_at_ = last_break_ + backoff_;
     backoff_ = std::min(backoff_ * 2, kMaxBackoff);
     stream_.reset();
   }
@@ -271,12 +284,14 @@ class BidiStreamLoop {
   static constexpr std::chrono::milliseconds kAuthTimeout{2000};
   static constexpr std::chrono::milliseconds kMinBackoff{50};
   static constexpr std::chrono::milliseconds kMaxBackoff{1000};
+  static constexpr std::chrono::milliseconds kUrgentBackoff{100};
 
   const std::shared_ptr<ChannelSet> channels_;
   const std::string name_;
   grpc::CompletionQueue cq_;
   std::unique_ptr<Attempt> stream_;  // loop thread only
   TimePoint reconnect_at_{};
+  TimePoint last_break_{};           // when the last stream was dropped; loop thread only
   bool shutting_down_ = false;       // loop thread only
   std::chrono::milliseconds backoff_{kMinBackoff};
 

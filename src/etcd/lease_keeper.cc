@@ -6,21 +6,6 @@
 
 namespace efdl::etcd {
 
-namespace {
-
-// etcd's own cadence: a third of the TTL, so two renewals may fail before the lease expires.
-std::chrono::milliseconds RenewInterval(int64_t ttl_seconds) {
-  return std::chrono::milliseconds(ttl_seconds * 1000 / 3);
-}
-
-// While a renewal is unanswered, send another this often (a stream may have been re-opened, or
-// a request lost with a member that went away).
-std::chrono::milliseconds ResendInterval(int64_t ttl_seconds) {
-  return std::min(RenewInterval(ttl_seconds), std::chrono::milliseconds(500));
-}
-
-}  // namespace
-
 KeepAliveEngine::KeepAliveEngine(std::shared_ptr<ChannelSet> channels)
     : BidiStreamLoop(std::move(channels), "keep-alive") {
   StartThread();
@@ -37,13 +22,10 @@ int64_t KeepAliveEngine::Add(int64_t lease_id, int64_t ttl_seconds, TimePoint ex
   {
     std::lock_guard<std::mutex> lock(mu_);
     token = next_token_++;
-    Entry& e = entries_[token];
-    e.lease_id = lease_id;
-    e.ttl_seconds = std::max<int64_t>(ttl_seconds, 1);
-    e.expires_at = expires_at;
-    e.next_renewal = SteadyClock::now();  // renew at once: the lease may be old already
-    e.on_lost = std::make_shared<std::function<void()>>(std::move(on_lost));
-    e.lost = std::move(lost);
+    entries_.emplace(token,
+                     Entry{lease_id, LeaseClock(ttl_seconds, expires_at, SteadyClock::now()),
+                           std::make_shared<std::function<void()>>(std::move(on_lost)),
+                           std::move(lost)});
   }
   Wake();
   return token;
@@ -56,6 +38,13 @@ void KeepAliveEngine::Remove(int64_t token) {
 }
 
 bool KeepAliveEngine::WantStream() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !entries_.empty();
+}
+
+bool KeepAliveEngine::ReconnectUrgently() {
+  // Every kept lease is at stake while the stream is down: its local expiry only moves with an
+  // answer. To a dead local port or an unreachable member, a try every 100 ms costs little.
   std::lock_guard<std::mutex> lock(mu_);
   return !entries_.empty();
 }
@@ -93,19 +82,22 @@ TimePoint KeepAliveEngine::OnTick(TimePoint now) {
   const bool up = stream_up();
   std::vector<int64_t> expired;
   for (auto& [token, e] : entries_) {
-    if (now >= e.expires_at) {
+    const LeaseClock::Tick tick = e.clock.Advance(now, up);
+    if (tick.lost) {
       expired.push_back(token);
       continue;
     }
-    if (up && now >= e.next_renewal) {
+    if (tick.grace_started) {
+      EFDL_LOG_INFO("etcd lease {:x}: its local expiry passed with no renewal answered; waiting up "
+                    "to {} ms more for etcd's answer",
+                    e.lease_id, ExpiryGrace(e.clock.ttl_seconds()).count());
+    }
+    if (tick.send_renewal) {
       etcdserverpb::LeaseKeepAliveRequest request;
       request.set_id(e.lease_id);
       Send(std::move(request));
-      if (!e.unanswered_since) e.unanswered_since = now;
-      e.next_renewal = now + ResendInterval(e.ttl_seconds);
     }
-    wake = std::min(wake, e.expires_at);
-    if (up) wake = std::min(wake, e.next_renewal);
+    wake = std::min(wake, tick.wake);
   }
   for (int64_t token : expired) MarkLost(token, lost);
   NotifyLost(lock, lost);
@@ -119,16 +111,19 @@ void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& res
   std::vector<int64_t> gone;
   for (auto& [token, e] : entries_) {
     if (e.lease_id != response.id()) continue;
-    if (response.ttl() <= 0) {
-      gone.push_back(token);
-      continue;
+    switch (e.clock.OnAnswer(now, response.ttl())) {
+      case LeaseClock::Answer::kLost:
+        gone.push_back(token);
+        break;
+      case LeaseClock::Answer::kRenewedInGrace:
+        EFDL_LOG_INFO("etcd lease {:x}: etcd answered after the local expiry and still has the "
+                      "lease ({} s left)",
+                      e.lease_id, response.ttl());
+        break;
+      case LeaseClock::Answer::kRenewed:
+      case LeaseClock::Answer::kIgnored:
+        break;
     }
-    if (!e.unanswered_since) continue;  // an answer to a renewal we already counted
-    const TimePoint sent = *e.unanswered_since;
-    e.unanswered_since.reset();
-    e.ttl_seconds = response.ttl();
-    e.expires_at = std::max(e.expires_at, sent + std::chrono::seconds(response.ttl()));
-    e.next_renewal = std::max(now, sent + RenewInterval(response.ttl()));
   }
   for (int64_t token : gone) MarkLost(token, lost);
   NotifyLost(lock, lost);
@@ -137,12 +132,7 @@ void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& res
 void KeepAliveEngine::OnStreamDown() {
   std::lock_guard<std::mutex> lock(mu_);
   const TimePoint now = SteadyClock::now();
-  for (auto& [token, e] : entries_) {
-    // Renewals on the dead stream will never be answered; ask again on the next one. The
-    // local expiry stays: only an answer extends it.
-    e.unanswered_since.reset();
-    e.next_renewal = now;
-  }
+  for (auto& [token, e] : entries_) e.clock.OnStreamDown(now);
 }
 
 }  // namespace efdl::etcd

@@ -1,11 +1,11 @@
 // The keep-alive engine: every lease kept alive by one client, renewed over one LeaseKeepAlive
 // stream by one thread (never a caller's or a Python thread).
 //
-// Each kept lease has a local expiry: the send time of the oldest unanswered renewal plus the
-// TTL the server granted in its last answer, so it is never later than the server's own expiry.
-// A lease is lost — and its owner told, once — when a renewal is answered with TTL <= 0 (the
-// server no longer has it) or when the local expiry passes without a successful renewal (the
-// cluster could not be reached in time).
+// When to renew and when a lease is lost is decided by its LeaseClock (lease_clock.h): lost —
+// and its owner told, once — when etcd answers a renewal with TTL <= 0, or when etcd has not
+// answered one by a short grace after the local expiry. While leases are kept, a broken stream is
+// re-opened every 100 ms (and gRPC's own connect backoff skipped), so a restarted etcd is reached
+// about 100 ms after it serves again.
 #pragma once
 
 #include <atomic>
@@ -15,10 +15,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 
 #include "efdl/etcd.h"
 #include "etcd/bidi_stream_loop.h"
+#include "etcd/lease_clock.h"
 #include "rpc.grpc.pb.h"
 
 namespace efdl::etcd {
@@ -43,10 +43,7 @@ class KeepAliveEngine final
  private:
   struct Entry {
     int64_t lease_id = 0;
-    int64_t ttl_seconds = 0;
-    TimePoint expires_at;
-    TimePoint next_renewal;
-    std::optional<TimePoint> unanswered_since;  // send time of the oldest unanswered renewal
+    LeaseClock clock;
     std::shared_ptr<std::function<void()>> on_lost;
     std::shared_ptr<std::atomic<bool>> lost;
   };
@@ -58,6 +55,7 @@ class KeepAliveEngine final
   void OnResponse(const etcdserverpb::LeaseKeepAliveResponse& response) override;
   void OnStreamDown() override;
   TimePoint OnTick(TimePoint now) override;
+  bool ReconnectUrgently() override;
 
   // Moves `token` out of the table as lost; its callback is then run by NotifyLost.
   void MarkLost(int64_t token, std::vector<std::pair<int64_t, Entry>>& out);

@@ -560,6 +560,31 @@ class EtcdCluster:
         for endpoint in self.endpoints:
             assert etcd_healthy(endpoint, 60), "etcd member %s not healthy" % endpoint
 
+    def leader(self, timeout=30):
+        """The index of the raft leader, as the members report it (etcd's JSON gateway,
+        /v3/maintenance/status: each member's id and the leader's id)."""
+        import json
+        import urllib.request
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ids, leader = {}, None
+            for i, endpoint in enumerate(self.endpoints):
+                if self.procs[i].poll() is not None:
+                    continue
+                try:
+                    req = urllib.request.Request("http://%s/v3/maintenance/status" % endpoint,
+                                                 data=b"{}", method="POST")
+                    with urllib.request.urlopen(req, timeout=2) as r:
+                        status = json.loads(r.read())
+                except OSError:
+                    continue
+                ids[status["header"]["member_id"]] = i
+                leader = status.get("leader", leader)
+            if leader in ids:
+                return ids[leader]
+            time.sleep(0.1)
+        raise AssertionError("no etcd member reported a leader within %s s" % timeout)
+
     def kill(self, i):
         if self.procs[i].poll() is None:
             os.killpg(self.procs[i].pid, signal.SIGKILL)

@@ -364,33 +364,61 @@ def test_worker_hanging_in_a_collective_and_ignoring_sigterm_is_killed(make_job)
 # -- etcd ------------------------------------------------------------------------------------
 
 def test_etcd_restart_shorter_than_the_ttl_does_not_interrupt_training(make_job):
-    """etcd SIGKILLed and restarted (same data) while training; leases are 10 s here so the
-    outage stays inside the TTL on loaded cores: no new round, the agents reconnect. The
-    client side: tests/etcd/recovery_test.cc."""
-    job = make_job("etcd-restart", steps=40, nnodes="2:2")
-    two_nodes(job, ttl=10)
+    """etcd SIGKILLed and restarted 2.5 s later (same data) while training under --ttl 5: the
+    outage spans a renewal (due every TTL/3), and etcd extends the leases when it is back. No
+    lease is lost, no new round forms, no step gap above 1 s, and training goes on for more than
+    one full TTL after etcd is back. The client side, 20 outages per case:
+    tests/etcd/lease_outage_test.cc."""
+    ttl = 5
+    job = make_job("etcd-restart", steps=400, nnodes="2:2")
+    two_nodes(job, ttl=ttl)
     job.wait_step(8, world=2)
     os.killpg(job.c.etcd.pid, signal.SIGKILL)
     job.c.etcd.wait()
-    time.sleep(1.0)   # the outage itself
+    time.sleep(2.5)   # the outage itself, longer than a renewal period (TTL/3)
     faultlib.restart_etcd(job)
+    back = time.time()
+    job.wait_for(lambda: any(e["t"] > back + ttl + 1 for e in job.events({"STEP"})),
+                 60, "steps more than one TTL after etcd came back")
     job.check_all(["node-a", "node-b"])
-    rounds = {e["round"] for e in job.events({"STEP"})}
+    steps = job.events({"STEP"})
+    rounds = {e["round"] for e in steps}
     assert len(rounds) == 1, "training was interrupted: rounds %s\n%s" % (rounds, job.dump())
+    for rank in {e["rank"] for e in steps}:
+        times = sorted(e["t"] for e in steps if e["rank"] == rank)
+        gap = max(b - a for a, b in zip(times, times[1:]))
+        assert gap < 1.0, "rank %d paused %.2f s during the etcd restart\n%s" % (
+            rank, gap, job.dump())
+    lost = [line for a in job.all_agents for line in a.output().splitlines()
+            if "lease" in line and "lost" in line]
+    assert not lost, "a lease was lost:\n%s" % "\n".join(lost)
     job.check_no_leftovers()
 
 
-def test_one_member_of_a_three_member_etcd_cluster_killed(make_job, tmp_path):
-    job = make_job("etcd-member", steps=40, nnodes="2:2")
+@pytest.mark.parametrize("role", ["leader", "follower"])
+def test_one_member_of_a_three_member_etcd_cluster_killed(make_job, tmp_path, role):
+    """3 etcd members, agents given all three, --ttl 5; the raft leader (asked of etcd) or a
+    follower SIGKILLed. A new leader extends every lease; no lease is lost, no new round, and
+    training goes on for more than one full TTL after the kill."""
+    ttl = 5
+    job = make_job("etcd-member", steps=300, nnodes="2:2")
     members = faultlib.EtcdCluster(str(tmp_path), 3)
     try:
         job.c.endpoint = ",".join(members.endpoints)
-        two_nodes(job)
+        two_nodes(job, ttl=ttl)
         job.wait_step(8, world=2)
-        members.kill(0)
+        leader = members.leader()
+        victim = leader if role == "leader" else (leader + 1) % 3
+        members.kill(victim)
+        killed = time.time()
+        job.wait_for(lambda: any(e["t"] > killed + ttl + 1 for e in job.events({"STEP"})),
+                     60, "steps more than one TTL after the %s was killed" % role)
         job.check_all(["node-a", "node-b"])
         rounds = {e["round"] for e in job.events({"STEP"})}
         assert len(rounds) == 1, "training was interrupted: rounds %s\n%s" % (rounds, job.dump())
+        lost = [line for a in job.all_agents for line in a.output().splitlines()
+                if "lease" in line and "lost" in line]
+        assert not lost, "a lease was lost:\n%s" % "\n".join(lost)
         job.check_no_leftovers()
     finally:
         members.close()
