@@ -1,6 +1,6 @@
 """A job of several EFDL nodes on this one machine, for the one-command examples.
 
-Used by fragmented.py and launcher_torchrun.py: starts a private `efdl etcd` on a free loopback
+Used by fragmented.py: starts a private `efdl etcd` on a free loopback
 port and `efdl run` agents ("nodes"), prints their output live (prefixed with the node's name),
 lets the example wait for a line, kill a node without warning, and stops every process it
 started (by process group, never by name) on exit, Ctrl-C or SIGTERM. Each process is a

@@ -25,7 +25,8 @@ struct RunArgs {
   std::string etcd;
   EtcdSecurityFlags etcd_security;
   agent::RunFlags flags;
-  bool prestart_flag = false;  // --prestart / --no-prestart as given; read only when given
+  bool prestart_flag = false;     // --prestart or EFDL_PRESTART as given; read only when given
+  bool no_prestart_flag = false;  // --no-prestart
 };
 
 int Fail(int code, const std::string& message) {
@@ -85,9 +86,9 @@ int RunAgent(const RunArgs& args) {
   }
   auto client = etcd::Connect(client_options);
   if (!client.ok()) {
-    return Fail(2, fmt::format("cannot reach etcd at {}: {}; check --etcd (or "
-                               "EFDL_ETCD_ENDPOINTS) and that etcd is running",
-                               fmt::join(endpoints, ","), client.status().message()));
+    // The client's message names the endpoints and says to check that etcd runs there.
+    return Fail(2, fmt::format("{}; the endpoints come from --etcd (or EFDL_ETCD_ENDPOINTS)",
+                               client.status().message()));
   }
   auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
   if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
@@ -114,7 +115,10 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "etcd endpoints HOST:PORT[,HOST:PORT...]; none: a private etcd, single node",
                 "EFDL_ETCD_ENDPOINTS");
   AddEtcdSecurityFlags(run, args->etcd_security);
-  OptionWithEnv(run, "--job", f.job_id, "job id shared by all nodes of the job", "EFDL_JOB_ID");
+  OptionWithEnv(run, "--job", f.job_id,
+                "job id shared by all nodes of the job (required with --etcd; without it: "
+                "'default')",
+                "EFDL_JOB_ID");
   OptionWithEnv(run, "--nnodes", f.nnodes,
                 "nodes in the job: N or MIN:MAX (default 1:1; with --world-size N: 1:N)",
                 "EFDL_NNODES");
@@ -153,19 +157,32 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "EFDL_LOG_DIR");
   OptionWithEnv(run, "--snapshot-dir", f.snapshot_dir,
                 "snapshot storage given to workers as EFDL_SNAPSHOT_DIR", "EFDL_SNAPSHOT_DIR");
+  // Two flags rather than CLI11's "--prestart,!--no-prestart", whose help reads
+  // "--no-prestart{false}" as if the feature were off by default.
   CLI::Option* prestart =
-      run->add_flag("--prestart,!--no-prestart", args->prestart_flag,
+      run->add_flag("--prestart", args->prestart_flag,
                     "keep one pre-started interpreter per local rank (torch imported) and use "
-                    "it for the next round's worker (faster re-rounds); default: on for "
-                    "'python3 SCRIPT'/'python3 -m MODULE' commands, off for others; --prestart "
-                    "refuses other commands")
+                    "it for the next round's worker (faster re-rounds); default (neither flag): "
+                    "on for 'python3 SCRIPT'/'python3 -m MODULE' commands, off for others; "
+                    "--prestart refuses other commands")
           ->envname("EFDL_PRESTART");
+  CLI::Option* no_prestart =
+      run->add_flag("--no-prestart", args->no_prestart_flag,
+                    "always spawn each round's workers (no pre-started interpreters)");
+  prestart->excludes(no_prestart);
+  // The defaults as the flags hold them, shown in --help as [VALUE] (docs/agent.md lists them;
+  // tests/python/test_e2e_cli.py checks that the two agree).
+  for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",
+                           "--stop-grace", "--snapshot-dir"}) {
+    run->get_option(name)->capture_default_str();
+  }
   run->add_option("command", f.command, "the training command, after --")->expected(-1);
-  run->callback([args, prestart, &runner] {
+  run->callback([args, prestart, no_prestart, &runner] {
     // Neither flag nor EFDL_PRESTART (CLI11 counts an environment value as a use): auto.
-    args->flags.prestart = prestart->count() == 0 ? agent::PrestartMode::kAuto
-                           : args->prestart_flag  ? agent::PrestartMode::kOn
-                                                  : agent::PrestartMode::kOff;
+    args->flags.prestart = no_prestart->count() > 0 ? agent::PrestartMode::kOff
+                           : prestart->count() == 0 ? agent::PrestartMode::kAuto
+                           : args->prestart_flag    ? agent::PrestartMode::kOn
+                                                    : agent::PrestartMode::kOff;
     runner.Set([args] { return RunAgent(*args); });
   });
 }

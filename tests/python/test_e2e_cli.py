@@ -146,3 +146,63 @@ def test_completed_job_removes_its_shared_memory_arenas(tmp_path):
     assert "[rank 0] arena exists during training: True" in proc.stdout
     assert sorted(p.name for p in shm.iterdir()) == [other.name]
     assert list((tmp_path / "snap" / "arenas").iterdir()), "the final snapshot was persisted"
+
+
+# -- the command line as a new user types it (issue #22) -------------------------------------
+
+@pytest.mark.parametrize("args, expected", [
+    (["run", "--nnode", "2", "--", "/usr/bin/python3", "x.py", "--epochs", "1"],
+     ["unknown option '--nnode'", "did you mean '--nnodes'?"]),
+    (["run", "--nproc_per_nod", "2", "--", "true"],
+     ["unknown option '--nproc_per_nod'", "did you mean '--nproc-per-node'?"]),
+    (["stauts"], ["unknown command 'stauts'", "did you mean 'status'?"]),
+    ([], ["no command given", "run, status"]),
+    (["run", "--nnodes", "2", "/usr/bin/python3", "x.py", "--epochs", "1"],
+     ["put `--` between efdl's options and the training command", "'--epochs'"]),
+    (["run", "--rdzv_endpoint", "h:29400", "--", "true"], ["torchrun's", "--etcd HOST:PORT"]),
+    (["run", "--node_rank", "1", "--", "true"], ["torchrun's", "drop it"]),
+])
+def test_a_mistyped_command_line_names_the_word_and_what_to_use(args, expected):
+    proc, _ = run(args)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    for word in expected:
+        assert word in lines[0], proc.stderr
+    assert "x.py" not in lines[0] and "not expected" not in lines[0], proc.stderr
+
+
+def test_torchrun_spellings_of_efdl_flags_are_accepted():
+    # --nproc_per_node and --rdzv_id mean --nproc-per-node and --job: the run gets as far as
+    # checking the job id (an invalid one), past the command line.
+    proc, _ = run(["run", "--nproc_per_node", "1", "--rdzv_id", "bad/id", "--", "true"])
+    assert proc.returncode == 2
+    assert "job id 'bad/id'" in proc.stderr, proc.stderr
+
+
+def test_run_help_and_the_flags_table_of_docs_agent_md_agree():
+    """Every flag of `efdl run --help` has a row in docs/agent.md's flags table and the other way
+    round; a default the help shows (FLAG TYPE=VALUE) is the one the table gives."""
+    import re
+    proc, _ = run(["run", "--help"])
+    assert proc.returncode == 0
+    help_flags = {}
+    for m in re.finditer(r"^\s+(--[a-z-]+)(?: [A-Z]+(?:=(\S+))?)?", proc.stdout, re.M):
+        help_flags[m.group(1)] = m.group(2)
+    help_flags.pop("--help", None)
+    with open(os.path.join(cluster.REPO, "docs", "agent.md")) as f:
+        doc = f.read()
+    table = doc[doc.index("| flag | default |"):]
+    table = table[:table.index("\n\n")]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for flag in re.findall(r"`(--[a-z-]+)`", cells[0]):
+            rows[flag] = cells[1]
+    assert set(help_flags) == set(rows), (
+        "only in --help: %s; only in docs/agent.md: %s"
+        % (sorted(set(help_flags) - set(rows)), sorted(set(rows) - set(help_flags))))
+    for flag, default in help_flags.items():
+        if default is not None:
+            assert re.search(r"(^|[ `])%s([ `]|$)" % re.escape(default), rows[flag]), (
+                "%s: --help says %s, docs/agent.md says %r" % (flag, default, rows[flag]))
