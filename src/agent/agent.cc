@@ -319,6 +319,9 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       return std::nullopt;
     case Type::kSuspended:
       return Suspend(event);
+    case Type::kPeerGaveUp:
+      EFDL_LOG_WARN("{}", event.message);
+      return std::nullopt;
     case Type::kFailed:
       spares_.reset();
       StopWorkers(/*graceful=*/false, event.message);
@@ -343,9 +346,12 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
       EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
                     f.round, detail);
     } else if (++restarts_ > options_.max_restarts) {
-      EFDL_LOG_ERROR(
-          "giving up: {} in round {}; worker failures on this node: {} (--max-restarts {})",
-          detail, f.round, restarts_, options_.max_restarts);
+      const std::string reason =
+          fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
+                      detail, f.round, restarts_, options_.max_restarts);
+      EFDL_LOG_ERROR("giving up: {}", reason);
+      // The other nodes print it at once, `efdl status` shows it.
+      if (Status st = rdzv_.RecordGiveUp(reason); !st.ok()) EFDL_LOG_WARN("{}", st.message());
       rdzv_.Leave();
       return 1;
     } else {

@@ -30,7 +30,7 @@ efdl::cli::CommandSpec SpecOf(CLI::App& app, const std::string& path) {
     efdl::cli::OptionSpec option;
     for (const std::string& n : o->get_lnames()) option.names.push_back("--" + n);
     for (const std::string& n : o->get_snames()) option.names.push_back("-" + n);
-    option.takes_value = o->get_type_size_max() > 0;
+    option.takes_value = o->get_items_expected_max() > 0;  // a flag expects 0 items
     spec.options.push_back(std::move(option));
   }
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {

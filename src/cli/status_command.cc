@@ -48,12 +48,14 @@ int ShowStatus(const StatusArgs& args) {
   }
   auto status = rdzv::ReadJobStatus(**client, args.job);
   if (!status.ok()) return Fail(1, status.status().message());
+  if (!status->exists && !args.json) {  // one line, not a table saying the same first
+    return Fail(1, fmt::format("no job '{}' in etcd at {}: no node has registered it; check "
+                               "--job and --etcd",
+                               args.job, args.etcd));
+  }
   std::string text = args.json ? status->ToJson() + "\n" : status->ToText();
   std::fwrite(text.data(), 1, text.size(), stdout);
-  if (!status->exists) {
-    return Fail(1, fmt::format("no job '{}' in etcd at {}: check --job and --etcd", args.job,
-                               args.etcd));
-  }
+  if (!status->exists) return 1;  // --json: the object says exists=false
   return 0;
 }
 

@@ -144,7 +144,8 @@ Result<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(
   }
   std::unique_ptr<RendezvousServer> server(
       new RendezvousServer(std::move(options), fd, wake, port, round));
-  EFDL_LOG_INFO("Horovod rendezvous listening on {}:{} ({} workers in the round)",
+  // Served for every round (the agent cannot tell a Horovod program from another): a detail.
+  EFDL_LOG_DEBUG("Horovod rendezvous listening on {}:{} ({} workers in the round)",
                 server->address(), port, round.size());
   return server;
 }

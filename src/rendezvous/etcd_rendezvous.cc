@@ -31,11 +31,13 @@ using nlohmann::json;
 constexpr size_t kAssignBatch = 127;   // puts per txn, under etcd's default --max-txn-ops 128
 constexpr size_t kMaxDeputies = 3;
 constexpr size_t kMaxStatusEvents = 32;
+// While a node waits for a round, how often it says what it waits for (issue #22).
+constexpr std::chrono::seconds kWaitNoticeInterval{15};
 
 struct Input {
   enum class Type {
     kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
-    kResync
+    kResync, kGaveUp
   };
   Type type = Type::kRound;
   uint64_t generation = 0;              // watch inputs: the registration/watch set they belong to
@@ -102,6 +104,7 @@ class EtcdRendezvous final : public Rendezvous {
   void ReportWorkersSucceeded(int64_t round) override;
   void Leave() override;
   Status ReportSuspended(std::optional<int64_t> persisted_step) override;
+  Status RecordGiveUp(const std::string& reason) override;
 
  private:
   // --- plumbing ---
@@ -111,6 +114,11 @@ class EtcdRendezvous final : public Rendezvous {
   void Handle(Input& in);
   std::optional<TimePoint> NextDeadline() const;
   void OnTimers();
+  // While this node waits for a round: a line every kWaitNoticeInterval saying for what.
+  void WaitNotice(TimePoint now);
+  // A peer gave up and this node's own workers failed too: end the job here as well when fewer
+  // than MIN nodes remain (no round can form), instead of waiting out the join timeout.
+  void CheckEveryNodeFailed(TimePoint now);
   etcd::WatchCallback WatchInto(Input::Type type, uint64_t generation);
 
   // --- node side ---
@@ -177,6 +185,12 @@ class EtcdRendezvous final : public Rendezvous {
   int64_t lease_ = 0;
   std::unique_ptr<etcd::LeaseKeeper> keeper_;
   std::unique_ptr<etcd::Watch> round_watch_, assign_watch_, deputy_watch_;
+  // gaveup/ of the job from the first registration on; lives as long as the rendezvous.
+  std::unique_ptr<etcd::Watch> gaveup_watch_;
+  std::optional<std::string> peer_gave_up_;     // "node X gave up: why", the newest
+  std::optional<std::string> own_failure_;      // this node's last worker failure, until a success
+  TimePoint last_wait_notice_{};
+  TimePoint next_failed_check_{};
   std::string deputy_target_;
   std::optional<TimePoint> takeover_at_;
   RoundRecord round_;
@@ -312,7 +326,11 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
   if (finished_) return d;
   take(takeover_at_);
   take(rejoin_at_);
-  if (unplaced_since_) take(*unplaced_since_ + opt_.join_timeout);
+  if (unplaced_since_) {
+    take(*unplaced_since_ + opt_.join_timeout);
+    take(std::max(*unplaced_since_, last_wait_notice_) + kWaitNoticeInterval);
+    if (peer_gave_up_ && own_failure_) take(next_failed_check_);
+  }
   if (coordinating_) {
     if (round_.phase == Phase::kGathering && min_reached_at_) take(*min_reached_at_ + opt_.last_call);
     if (round_.phase == Phase::kProposed) take(last_progress_ + window_);
@@ -322,6 +340,16 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
 
 void EtcdRendezvous::OnTimers() {
   auto now = Clock::now();
+  if (unplaced_since_ && now >= std::max(*unplaced_since_, last_wait_notice_) +
+                                    kWaitNoticeInterval) {
+    last_wait_notice_ = now;
+    WaitNotice(now);
+  }
+  if (unplaced_since_ && peer_gave_up_ && own_failure_ && now >= next_failed_check_) {
+    next_failed_check_ = now + std::chrono::seconds(1);
+    CheckEveryNodeFailed(now);
+    if (finished_) return;
+  }
   if (takeover_at_ && now >= *takeover_at_) {
     takeover_at_.reset();
     TakeOver();
@@ -358,6 +386,49 @@ void EtcdRendezvous::OnTimers() {
         opt_.job_id, std::chrono::duration_cast<std::chrono::seconds>(opt_.join_timeout).count(),
         opt_.min_nodes));
   }
+}
+
+void EtcdRendezvous::WaitNotice(TimePoint now) {
+  const auto left = std::chrono::duration_cast<std::chrono::seconds>(
+      *unplaced_since_ + opt_.join_timeout - now);
+  auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
+  if (!count.ok()) {
+    EFDL_LOG_INFO("rdzv {}: waiting for a round of job {} (etcd not answering: {}); giving up in "
+                  "{} s",
+                  opt_.node_id, opt_.job_id, count.status().message(), left.count());
+    return;
+  }
+  const int64_t n = count->count;
+  if (opt_.world_size > 0) {
+    EFDL_LOG_INFO("rdzv {}: waiting for nodes whose processes add up to --world-size {}: {} "
+                  "node(s) registered; giving up in {} s",
+                  opt_.node_id, opt_.world_size, n, left.count());
+  } else if (n < opt_.min_nodes) {
+    EFDL_LOG_INFO("rdzv {}: waiting for {} more node(s): {} of at least {} registered; giving up "
+                  "in {} s",
+                  opt_.node_id, opt_.min_nodes - n, n, opt_.min_nodes, left.count());
+  } else {
+    EFDL_LOG_INFO("rdzv {}: waiting for round {} to form ({}): {} nodes registered; giving up "
+                  "in {} s",
+                  opt_.node_id, round_.round, PhaseName(round_.phase), n, left.count());
+  }
+}
+
+void EtcdRendezvous::CheckEveryNodeFailed(TimePoint now) {
+  (void)now;
+  auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
+  if (!count.ok() || count->count >= opt_.min_nodes) return;
+  Fail(fmt::format(
+      "job {} cannot go on: {}; this node's workers failed too ({}), and {} of at least {} nodes "
+      "remain. Fix the program, then start the job again",
+      opt_.job_id, *peer_gave_up_, *own_failure_, count->count, opt_.min_nodes));
+}
+
+Status EtcdRendezvous::RecordGiveUp(const std::string& reason) {
+  GaveUpRecord rec{reason, WallClockTimestamp()};
+  auto put = client_.Put(keys_.GaveUp(opt_.node_id), rec.Encode());
+  if (!put.ok()) return put.status().WithContext("cannot record in etcd why this node gave up");
+  return Status::OK();
 }
 
 void EtcdRendezvous::Handle(Input& in) {
@@ -415,7 +486,20 @@ void EtcdRendezvous::Handle(Input& in) {
     case Input::Type::kLeaseLost:
       if (in.lease == lease_) Fence("its lease expired or was revoked");
       break;
+    case Input::Type::kGaveUp:
+      for (const auto& e : in.events) {
+        if (e.type == etcd::WatchEvent::Type::kDelete) continue;
+        const std::string id = e.kv.key.substr(keys_.gaveup.size());
+        if (id == opt_.node_id) continue;
+        auto rec = GaveUpRecord::Decode(e.kv.value);
+        const std::string why = rec.ok() ? rec->reason : "(unreadable record)";
+        peer_gave_up_ = fmt::format("node {} gave up: {}", id, why);
+        Emit(MakeEvent(Event::Type::kPeerGaveUp, CurrentRoundForEvents(), false, *peer_gave_up_));
+      }
+      next_failed_check_ = Clock::now();
+      break;
     case Input::Type::kWorkerFailure: {
+      own_failure_ = in.detail;
       ++restarts_;
       // The ack key holds one record: a report about a round older than the one already
       // acked must not overwrite that ack (the coordinator would leave this node out).
@@ -435,6 +519,7 @@ void EtcdRendezvous::Handle(Input& in) {
       break;
     }
     case Input::Type::kWorkersSucceeded:
+      own_failure_.reset();
       if (in.round >= acked_round_) SendAck(AckState::kDone, in.round);
       break;
     case Input::Type::kResync:
@@ -626,6 +711,18 @@ Status EtcdRendezvous::Register() {
   keeper_ = std::move(*keeper);
   round_watch_ = std::move(*w1);
   assign_watch_ = std::move(*w2);
+  if (!gaveup_watch_) {
+    // Records written after this node joined; one that cannot be watched is only information.
+    auto w3 = client_.StartWatch(keys_.gaveup, {true, join_rev + 1, false},
+                                 [this](const etcd::WatchUpdate& u) {
+                                   if (!u.error.ok() || u.compacted) return;
+                                   Input in;
+                                   in.type = Input::Type::kGaveUp;
+                                   in.events = u.events;
+                                   Push(std::move(in));
+                                 });
+    if (w3.ok()) gaveup_watch_ = std::move(*w3);
+  }
   acked_round_ = 0;
   round_mod_rev_ = 0;
   unplaced_since_ = Clock::now();

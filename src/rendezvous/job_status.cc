@@ -19,9 +19,10 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
   auto snap = client.Txn({}, {etcd::TxnOp::Get(keys.round), etcd::TxnOp::Get(keys.status),
                               etcd::TxnOp::Get(keys.nodes, true), etcd::TxnOp::Get(keys.ack, true),
                               etcd::TxnOp::Get(keys.complete),
-                              etcd::TxnOp::Get(keys.suspended, true)});
+                              etcd::TxnOp::Get(keys.suspended, true),
+                              etcd::TxnOp::Get(keys.gaveup, true)});
   if (!snap.ok()) return snap.status().WithContext(fmt::format("cannot read job {}", job_id));
-  if (snap->gets.size() != 6) return Status::Internal("etcd answered a short transaction");
+  if (snap->gets.size() != 7) return Status::Internal("etcd answered a short transaction");
   JobStatus out;
   out.job_id = job_id;
   out.complete = !snap->gets[4].kvs.empty();
@@ -37,6 +38,11 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
   out.master_addr = round->master_addr;
   out.master_port = round->master_port;
   out.message = round->message;
+  for (const auto& kv : snap->gets[6].kvs) {
+    auto rec = GaveUpRecord::Decode(kv.value);
+    out.gave_up[kv.key.substr(keys.gaveup.size())] =
+        rec.ok() ? JobEvent{rec->time, rec->reason} : JobEvent{"", "(unreadable record)"};
+  }
   out.suspended = round->phase == Phase::kSuspended;
   if (out.suspended) {
     std::map<std::string, SuspendReport> reports;
@@ -128,6 +134,9 @@ std::string JobStatus::ToJson() const {
   json ev = json::array();
   for (const auto& e : events) ev.push_back({{"time", e.time}, {"message", e.message}});
   j["events"] = ev;
+  json gave = json::object();
+  for (const auto& [node, e] : gave_up) gave[node] = {{"time", e.time}, {"reason", e.message}};
+  j["gave_up"] = gave;
   return j.dump(2);
 }
 
@@ -157,6 +166,10 @@ std::string JobStatus::ToText() const {
                              : fmt::format("{} r{}", n.last_report, n.last_report_round),
                          n.restarts);
     }
+  }
+  for (const auto& [node, e] : gave_up) {
+    out += fmt::format("  {} GAVE UP at {}: {}\n", node, e.time.empty() ? "?" : e.time,
+                       e.message);
   }
   if (!events.empty()) out += "recent events:\n";
   for (const auto& e : events) out += fmt::format("  {} {}\n", e.time, e.message);

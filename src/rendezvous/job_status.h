@@ -49,6 +49,8 @@ struct JobStatus {
   std::vector<NodeStatus> standbys;
   std::vector<NodeStatus> waiting;
   std::vector<JobEvent> events;       // recent membership and round events, oldest first
+  // Nodes that left for good because their workers kept failing: node -> when and why.
+  std::map<std::string, JobEvent> gave_up;
 
   std::string ToJson() const;         // one JSON object, stable field names
   std::string ToText() const;         // a human-readable multi-line table

@@ -22,7 +22,8 @@ JobKeys::JobKeys(const std::string& job_id)
       round(prefix + "round"),
       status(prefix + "status"),
       complete(prefix + "complete"),
-      suspended(prefix + "suspended/") {}
+      suspended(prefix + "suspended/"),
+      gaveup(prefix + "gaveup/") {}
 
 Status ValidateId(const std::string& what, const std::string& id) {
   if (id.empty() || id.size() > 128) {
@@ -159,6 +160,18 @@ Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
       s.step = value;
     }
     return true;
+  });
+}
+
+std::string GaveUpRecord::Encode() const {
+  json j = {{"reason", reason}};
+  if (!time.empty()) j["t"] = time;
+  return j.dump();
+}
+
+Result<GaveUpRecord> GaveUpRecord::Decode(const std::string& text) {
+  return ParseWith<GaveUpRecord>("gave-up record", text, [](const json& j, GaveUpRecord& g) {
+    return j.contains("reason") && Field(j, "reason", g.reason) && Field(j, "t", g.time);
   });
 }
 

@@ -75,7 +75,11 @@ struct JobKeys {
   std::string status;
   std::string complete;
   std::string suspended;       // prefix + "suspended/"
+  // prefix + "gaveup/": one record per node that left the job for good after its workers kept
+  // failing (GaveUpRecord); no lease, so `efdl status` shows it after the node is gone.
+  std::string gaveup;
   std::string Node(const std::string& id) const { return nodes + id; }
+  std::string GaveUp(const std::string& id) const { return gaveup + id; }
   std::string Suspended(const std::string& id) const { return suspended + id; }
   std::string Assign(const std::string& id) const { return assign + id; }
   std::string Ack(const std::string& id) const { return ack + id; }
@@ -149,6 +153,14 @@ struct SuspendReport {
   std::string time;              // ISO-8601 UTC
   std::string Encode() const;
   static Result<SuspendReport> Decode(const std::string& text);
+};
+
+// P gaveup/<node>: a node that left the job for good because its workers kept failing.
+struct GaveUpRecord {
+  std::string reason;            // e.g. "rank 1 exited with status 1 in round 4; 4 failures ..."
+  std::string time;              // ISO-8601 UTC
+  std::string Encode() const;
+  static Result<GaveUpRecord> Decode(const std::string& text);
 };
 
 // P status: what the coordinator wrote for `efdl status` (members, standbys, recent events).

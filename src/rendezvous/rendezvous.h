@@ -75,6 +75,8 @@ struct Event {
     kFailed,         // unrecoverable (below MIN past join timeout, ...): `message` says why
     kSuspended,      // `efdl suspend`: stop workers gracefully (snapshot first), then call
                      // ReportSuspended() and Leave(); no more events follow
+    kPeerGaveUp,     // another node left the job for good after its workers kept failing;
+                     // `message` says which and why (informational)
   };
   Type type = Type::kRoundStarted;
   int64_t round = 0;
@@ -98,6 +100,13 @@ class Rendezvous {
   virtual void ReportWorkersSucceeded(int64_t round) = 0;
   // Leaves the job at once: revokes the lease so the others re-round without waiting.
   virtual void Leave() = 0;
+  // This node leaves the job for good because its workers kept failing: records `reason` in
+  // etcd for the other nodes (told at once) and `efdl status`. Blocking (one etcd write); call
+  // before Leave(). Doubles need not override it.
+  virtual Status RecordGiveUp(const std::string& reason) {
+    (void)reason;
+    return Status::OK();
+  }
   // After kSuspended, once this node's workers stopped: records the newest snapshot step this
   // node found persisted (nullopt: none) for `efdl suspend` / `efdl status`. Blocking (one etcd
   // write); call before Leave(). Doubles that never emit kSuspended need not override it.

@@ -350,6 +350,7 @@ class Harness {
             break;
           case Event::Type::kJobComplete:
           case Event::Type::kSuspended:
+          case Event::Type::kPeerGaveUp:
             break;
         }
       }

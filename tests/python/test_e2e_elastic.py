@@ -6,6 +6,7 @@ kills every process it started (by pid / process group) when it ends.
 """
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -158,3 +159,61 @@ def test_frozen_node_is_fenced_and_rejoins_as_a_new_member(job):
     job.wait_for_world(3, since=thawed_at, timeout=60)
     late_old = [s for s in c.steps(thawed_at + 1.0) if s[2] <= frozen_round]
     assert not late_old, late_old
+
+
+# -- waits that say what they wait for, failures that reach every node (issue #22) -----------
+
+def test_a_node_below_min_says_what_it_waits_for_every_15_s(job):
+    a = job.start_agent("node-a", nnodes="2:3", extra=["--join-timeout", "17"])
+    started = time.monotonic()
+    code = a.wait(60)
+    took = time.monotonic() - started
+    out = a.output()
+    assert code != 0
+    assert "waiting for 1 more node(s): 1 of at least 2 registered; giving up in" in out, out
+    assert "join timeout of 17 s" in out, out
+    assert took < 45, took
+
+
+def test_a_node_that_gives_up_is_told_to_the_others_and_a_job_that_failed_everywhere_ends(job):
+    """The program raises at once on every node. The node that spends its --max-restarts first
+    records why in etcd; the other prints it at once and, its own workers having failed the same
+    way and fewer than MIN nodes being left, ends too, long before its 300 s join timeout.
+    `efdl status` shows the record."""
+    command = [cluster.PYTHON, "-c",
+               "import sys; print('boom: the program cannot start', file=sys.stderr); "
+               "sys.exit(3)"]
+    extra = ["--max-restarts", "1", "--join-timeout", "300", "--no-prestart"]
+    a = job.start_agent("node-a", nnodes="2:2", extra=extra, command=command)
+    b = job.start_agent("node-b", nnodes="2:2", extra=extra, command=command)
+    started = time.monotonic()
+    codes = [a.wait(120), b.wait(120)]
+    took = time.monotonic() - started
+    outs = a.output() + b.output()
+    assert all(code not in (0, None) for code in codes), (codes, outs[-3000:])
+    assert took < 90, (took, outs[-3000:])
+    gave_up = [x for x in (a, b)
+               if re.search(r"giving up: rank \d+ exited with status 3", x.output())]
+    assert gave_up, outs[-3000:]
+    others = [x for x in (a, b) if x not in gave_up]
+    for other in others:
+        out = other.output()
+        assert re.search(r"node %s gave up: rank \d+ exited with status 3" % gave_up[0].name,
+                         out), out
+        assert "cannot go on" in out and "this node's workers failed too" in out, out
+    proc = subprocess.run([cluster.efdl_bin(), "status", "--etcd", job.endpoint, "--job",
+                           job.job], env=cluster.base_env(), capture_output=True, text=True,
+                          timeout=30)
+    assert "GAVE UP" in proc.stdout and "exited with status 3" in proc.stdout, proc.stdout
+    st = status(job)
+    assert gave_up[0].name in st["gave_up"], st
+
+
+def test_status_of_a_job_nobody_registered_is_one_line(job):
+    proc = subprocess.run([cluster.efdl_bin(), "status", "--etcd", job.endpoint, "--job",
+                           "nobody-here"], env=cluster.base_env(), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no node has registered it" in lines[0], proc.stderr
