@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
 #include "rendezvous/rendezvous.h"
@@ -54,6 +55,12 @@ int RunAgent(const RunArgs& args) {
   }
   auto plan = agent::PlanRun(flags);
   if (!plan.ok()) return Fail(2, plan.status().message());
+  const NetworkChoice& net = plan->network;
+  EFDL_LOG_INFO("advertising {} on interface {} ({}){}", net.address,
+                net.iface.empty() ? "(none found)" : net.iface, net.how,
+                net.iface.empty() ? "" : "; workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
+                                         "unless set");
+  if (!net.warning.empty()) EFDL_LOG_WARN("{}", net.warning);
 
   // Before any thread exists (gRPC's, ours): every thread inherits the mask.
   sigset_t shutdown_signals;
@@ -134,8 +141,14 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "this node's unique id (default: host name plus a unique suffix)",
                 "EFDL_NODE_ID");
   OptionWithEnv(run, "--advertise-addr", f.advertise_addr,
-                "address other nodes reach this one at (MASTER_ADDR when rank 0)",
+                "address of this host other nodes reach this one at (MASTER_ADDR when rank 0); "
+                "default: the address this host reaches etcd from (127.0.0.1 for loopback etcd)",
                 "EFDL_ADVERTISE_ADDR");
+  OptionWithEnv(run, "--iface", f.iface,
+                "network interface the nodes reach each other on: its address is advertised "
+                "and workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; default: the "
+                "interface of the advertise address",
+                "EFDL_IFACE");
   OptionWithEnv(run, "--ttl", f.ttl_s, "seconds before a silent node is declared dead",
                 "EFDL_TTL");
   OptionWithEnv(run, "--last-call", f.last_call_s,
