@@ -55,12 +55,6 @@ int RunAgent(const RunArgs& args) {
   }
   auto plan = agent::PlanRun(flags);
   if (!plan.ok()) return Fail(2, plan.status().message());
-  const NetworkChoice& net = plan->network;
-  EFDL_LOG_INFO("advertising {} on interface {} ({}){}", net.address,
-                net.iface.empty() ? "(none found)" : net.iface, net.how,
-                net.iface.empty() ? "" : "; workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
-                                         "unless set");
-  if (!net.warning.empty()) EFDL_LOG_WARN("{}", net.warning);
 
   // Before any thread exists (gRPC's, ours): every thread inherits the mask.
   sigset_t shutdown_signals;
@@ -96,6 +90,13 @@ int RunAgent(const RunArgs& args) {
                                "EFDL_ETCD_ENDPOINTS) and that etcd is running",
                                fmt::join(endpoints, ","), client.status().message()));
   }
+  // Said once etcd answered: an agent that cannot start prints its one error line only.
+  const NetworkChoice& net = plan->network;
+  EFDL_LOG_INFO("advertising {} on interface {} ({}){}", net.address,
+                net.iface.empty() ? "(none found)" : net.iface, net.how,
+                net.iface.empty() ? "" : "; workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
+                                         "unless set");
+  if (!net.warning.empty()) EFDL_LOG_WARN("{}", net.warning);
   auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
   if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
   plan->agent.job_secret = std::move(secret).value();
