@@ -153,6 +153,15 @@ def test_three_hosts_with_default_flags_train_lose_a_host_and_get_it_back(world)
     wait_world(survivors, 3, back_at, timeout=300, live=survivors)
     for a in survivors:
         assert "could not connect to a peer" not in a.output(), a.output()[-3000:]
+    # Every worker, pre-started (the first round at least) or spawned (a round soon after
+    # another, before the spare is refilled), had the interface of its host's address and a
+    # numeric MASTER_ADDR on the bridge.
+    assert any("1 of 1 worker(s) taken from pre-started spares" in a.output() for a in agents)
+    nets = [l for a in agents for l in a.output().splitlines() if "] NET rank=" in l]
+    assert len(nets) >= 8, outputs(agents)
+    for line in nets:
+        assert "GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in line, line
+        assert "MASTER_ADDR=%s." % w.prefix in line, line
 
 
 def test_a_wrong_interface_is_explained_once_with_the_address_tried(world):
@@ -187,3 +196,20 @@ def test_a_wrong_interface_is_explained_once_with_the_address_tried(world):
     assert explained >= 1, outputs(agents)
     # The node that gave up failed more than one round, and said it only once.
     assert gave_up.output().count("restart 1 of 1") == 1, outputs(agents)
+
+
+def test_a_host_cut_off_is_replaced_and_rejoins_when_its_link_is_back(world):
+    """A host's link goes down (no FIN, no RST: as a switch port or a cable): the others go on
+    as world 2 once its lease ends (default --ttl 10 s), and when the link is back the same
+    agent rejoins and the world is 3 again."""
+    w, etcd, agents = world
+    job = "hosts-cut"
+    agents += [start_agent(w, etcd, h, job) for h in w.hosts]
+    wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    cut = w.hosts[2]
+    cut_at = time.monotonic()
+    cut.link_down()
+    wait_world(agents[:2], 2, cut_at, timeout=120, live=agents[:2])
+    healed_at = time.monotonic()
+    cut.link_up()
+    wait_world(agents, 3, healed_at, timeout=180, live=agents)

@@ -5,7 +5,8 @@ launcher), a small model in DistributedDataParallel, SGD on random data; one lin
 
     STEP round=R rank=r world=W step=S
 
-(R is EFDL_ROUND, for the tests' bookkeeping only.) WORKER_STEP_TIME: seconds per step
+(R is EFDL_ROUND, for the tests' bookkeeping only), after one line with what the network setup
+came from: NET rank=r MASTER_ADDR=... GLOO_SOCKET_IFNAME=... NCCL_SOCKET_IFNAME=... WORKER_STEP_TIME: seconds per step
 (default 0.2); WORKER_STEPS: steps before exiting 0 (default 0: until stopped).
 """
 
@@ -23,6 +24,9 @@ def main():
     round_ = int(os.environ.get("EFDL_ROUND", "0"))
     step_time = float(os.environ.get("WORKER_STEP_TIME", "0.2"))
     steps = int(os.environ.get("WORKER_STEPS", "0"))
+    print("NET rank=%d MASTER_ADDR=%s GLOO_SOCKET_IFNAME=%s NCCL_SOCKET_IFNAME=%s" % (
+        rank, os.environ.get("MASTER_ADDR"), os.environ.get("GLOO_SOCKET_IFNAME"),
+        os.environ.get("NCCL_SOCKET_IFNAME")), flush=True)
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
