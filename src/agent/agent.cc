@@ -294,7 +294,7 @@ std::optional<int> Agent::PollWorkers() {
   // The round is broken for every node: peers wait in collectives that cannot complete.
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
   rdzv_.ReportWorkerFailure(round, detail);
-  pending_failure_ = PendingFailure{round, assignment_.nnodes, failure};
+  pending_failure_ = PendingFailure{round, assignment_.nnodes, failure, last_connect_error_};
   return std::nullopt;
 }
 
@@ -356,13 +356,15 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
       // A peer left with the failure: its loss broke our workers; not our failure.
       EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
                     f.round, detail);
-    } else if (++restarts_ > options_.max_restarts) {
-      EFDL_LOG_ERROR(
-          "giving up: {} in round {}; worker failures on this node: {} (--max-restarts {})",
-          detail, f.round, restarts_, options_.max_restarts);
-      rdzv_.Leave();
-      return 1;
     } else {
+      ExplainPeerConnectError(f.round, f.connect_error);
+      if (++restarts_ > options_.max_restarts) {
+        EFDL_LOG_ERROR(
+            "giving up: {} in round {}; worker failures on this node: {} (--max-restarts {})",
+            detail, f.round, restarts_, options_.max_restarts);
+        rdzv_.Leave();
+        return 1;
+      }
       EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
                     detail, f.round);
     }
@@ -454,8 +456,8 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
                   graceful ? "graceful" : "not graceful", reason);
   }
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
-  group_->Close();   // every line of their output read: the connect check below sees them all
-  ExplainPeerConnectError(round, group_->peer_connect_error());
+  group_->Close();   // every line of their output read: the connect error below is complete
+  last_connect_error_ = group_->peer_connect_error();
   group_.reset();
 }
 

@@ -105,6 +105,7 @@ class Agent {
     int64_t round = 0;
     int nnodes = 0;
     WorkerExit exit;
+    std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
   };
 
   // Each returns an exit code when the agent must end.
@@ -116,8 +117,10 @@ class Agent {
   int Suspend(const rdzv::Event& event);
   void StartSparePool();
   void StopWorkers(bool graceful, const std::string& reason);
-  // The first time a round's workers could not connect to a peer: says which address was tried,
-  // what this node gave its workers and what to set (once per agent).
+  // The first time a failure counted against --max-restarts came with a worker that could not
+  // connect to a peer: says which address was tried, what this node gave its workers and what
+  // to set (once per agent). Failures that came with a node leaving are not explained: a peer
+  // that died is refused too, and that needs no setting.
   void ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& error);
   // Writes the newest snapshot in this node's arenas to storage now (docs/snapshots.md), before
   // `why` (a stop, the job's end) is acted on; a failure is logged, the previous one is kept.
@@ -144,6 +147,7 @@ class Agent {
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;
   bool peer_connect_explained_ = false;
+  std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last
 };
 
 }  // namespace efdl::agent
