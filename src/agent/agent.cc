@@ -105,8 +105,20 @@ void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& 
   horovod::WorkerEnvOptions o;
   o.rendezvous_addr = a.master_addr;
   o.rendezvous_port = a.horovod_port;
-  o.gloo_iface = options.gloo_iface;
+  // A value the user set in the agent's environment reaches the worker unchanged.
+  if (std::getenv("HOROVOD_GLOO_IFACE") == nullptr) o.gloo_iface = options.gloo_iface;
   env.merge(horovod::WorkerEnv(slot, o));
+}
+
+// gloo and NCCL find their own address by resolving the host name unless told an interface,
+// and a Debian/Ubuntu host maps its own name to 127.0.1.1: the peers would be told to connect
+// there. Name the interface of the advertise address instead (docs/operations.md,
+// "Networking"), unless the user set the variable in the agent's environment.
+void AddSocketInterface(const AgentOptions& options, std::map<std::string, std::string>& env) {
+  if (options.gloo_iface.empty()) return;
+  for (const char* name : {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}) {
+    if (std::getenv(name) == nullptr) env[name] = options.gloo_iface;
+  }
 }
 
 }  // namespace
@@ -148,6 +160,7 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
   if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
   // As torchrun does: several processes per node must not each spawn a thread per core.
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  AddSocketInterface(options, env);
   AddHorovodEnvironment(options, a, local_rank, env);
   return env;
 }
@@ -175,6 +188,7 @@ std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& optio
       {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
   };
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  AddSocketInterface(options, env);
   return env;
 }
 
@@ -280,7 +294,7 @@ std::optional<int> Agent::PollWorkers() {
   // The round is broken for every node: peers wait in collectives that cannot complete.
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
   rdzv_.ReportWorkerFailure(round, detail);
-  pending_failure_ = PendingFailure{round, assignment_.nnodes, failure};
+  pending_failure_ = PendingFailure{round, assignment_.nnodes, failure, last_connect_error_};
   return std::nullopt;
 }
 
@@ -345,16 +359,18 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
       // A peer left with the failure: its loss broke our workers; not our failure.
       EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
                     f.round, detail);
-    } else if (++restarts_ > options_.max_restarts) {
-      const std::string reason =
-          fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
-                      detail, f.round, restarts_, options_.max_restarts);
-      EFDL_LOG_ERROR("giving up: {}", reason);
-      // The other nodes print it at once, `efdl status` shows it.
-      if (Status st = rdzv_.RecordGiveUp(reason); !st.ok()) EFDL_LOG_WARN("{}", st.message());
-      rdzv_.Leave();
-      return 1;
     } else {
+      ExplainPeerConnectError(f.round, f.connect_error);
+      if (++restarts_ > options_.max_restarts) {
+        const std::string reason =
+            fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
+                        detail, f.round, restarts_, options_.max_restarts);
+        EFDL_LOG_ERROR("giving up: {}", reason);
+        // The other nodes print it at once, `efdl status` shows it.
+        if (Status st = rdzv_.RecordGiveUp(reason); !st.ok()) EFDL_LOG_WARN("{}", st.message());
+        rdzv_.Leave();
+        return 1;
+      }
       EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
                     detail, f.round);
     }
@@ -446,7 +462,29 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
                   graceful ? "graceful" : "not graceful", reason);
   }
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
+  group_->Close();   // every line of their output read: the connect error below is complete
+  last_connect_error_ = group_->peer_connect_error();
   group_.reset();
+}
+
+void Agent::ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& e) {
+  if (!e || peer_connect_explained_) return;
+  peer_connect_explained_ = true;   // once: the next rounds would only repeat it
+  auto setting = [](const char* name, const std::string& ours) {
+    const char* user = std::getenv(name);
+    if (user != nullptr) return fmt::format("{}={} (set by you)", name, user);
+    return ours.empty() ? fmt::format("no {}", name) : fmt::format("{}={}", name, ours);
+  };
+  EFDL_LOG_WARN(
+      "round {}: rank {} could not connect to a peer at {}:{} ({}). The nodes must "
+      "reach each other's workers at the address each advertises; this node advertises {} and "
+      "gives its workers {} and {}. If {} is not an address the nodes reach each other at, "
+      "start every node with --iface NAME (the interface of the nodes' network; or set "
+      "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME) or --advertise-addr ADDR, and check that no "
+      "firewall blocks the ports between the nodes (docs/troubleshooting.md)",
+      round, e->rank, e->address, e->port, e->line, options_.advertise_addr,
+      setting("GLOO_SOCKET_IFNAME", options_.gloo_iface),
+      setting("NCCL_SOCKET_IFNAME", options_.gloo_iface), e->address);
 }
 
 void Agent::ServeFlushRequests() {

@@ -43,8 +43,11 @@ struct AgentOptions {
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
   std::string job_secret;                  // passed to workers as EFDL_JOB_SECRET; never logged
   std::string control_socket_path;         // empty: control.sock in a private temp directory
-  // HOROVOD_GLOO_IFACE for the workers: the interface of this node's advertise address (empty:
-  // not set; PlanRun finds it with InterfaceOfAddress).
+  // This node's advertise address (numeric; MASTER_ADDR when it is rank 0), for messages.
+  std::string advertise_addr;
+  // The interface that holds it (PlanRun: ChooseNetwork). Workers and --launcher processes get
+  // it as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the agent's own environment sets
+  // those, and as HOROVOD_GLOO_IFACE; empty: none of them is set.
   std::string gloo_iface;
   // One process per node (a third-party launcher such as torchrun) with LauncherEnvironment()
   // instead of `nproc` workers with WorkerEnvironment().
@@ -102,6 +105,7 @@ class Agent {
     int64_t round = 0;
     int nnodes = 0;
     WorkerExit exit;
+    std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
   };
 
   // Each returns an exit code when the agent must end.
@@ -113,6 +117,11 @@ class Agent {
   int Suspend(const rdzv::Event& event);
   void StartSparePool();
   void StopWorkers(bool graceful, const std::string& reason);
+  // The first time a failure counted against --max-restarts came with a worker that could not
+  // connect to a peer: says which address was tried, what this node gave its workers and what
+  // to set (once per agent). Failures that came with a node leaving are not explained: a peer
+  // that died is refused too, and that needs no setting.
+  void ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& error);
   // Writes the newest snapshot in this node's arenas to storage now (docs/snapshots.md), before
   // `why` (a stop, the job's end) is acted on; a failure is logged, the previous one is kept.
   void PersistNewestSnapshot(const std::string& why);
@@ -137,6 +146,8 @@ class Agent {
   int rounds_started_ = 0;
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;
+  bool peer_connect_explained_ = false;
+  std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last
 };
 
 }  // namespace efdl::agent

@@ -32,11 +32,6 @@ std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000.0)));
 }
 
-bool IsLoopback(const std::string& endpoint) {
-  std::string host = endpoint.substr(0, endpoint.rfind(':'));
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1";
-}
-
 // Fragmented jobs (--world-size N): the range of N; the node-level checks need the resolved
 // process count and node range and are made in PlanRun.
 Status CheckWorldSize(const RunFlags& f) {
@@ -259,17 +254,15 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   rdzv::RendezvousOptions& r = plan.rendezvous;
   r.job_id = job;
   r.node_id = node_id;
-  bool loopback = plan.embedded_etcd;
-  if (!loopback) {
-    loopback = true;
-    for (const auto& e : f.etcd_endpoints) loopback = loopback && IsLoopback(e);
-  }
-  r.advertise_addr = !f.advertise_addr.empty() ? f.advertise_addr
-                     : loopback                ? "127.0.0.1"
-                                               : HostName();
-  // Horovod's gloo listens on the interface of that address (none found here, e.g. behind NAT:
-  // HOROVOD_GLOO_IFACE stays unset and gloo picks by host name).
-  a.gloo_iface = InterfaceOfAddress(r.advertise_addr).value_or("");
+  // Where the peers reach this node, and the interface the workers' gloo/NCCL use for it
+  // (docs/operations.md, "Networking").
+  EFDL_ASSIGN_OR_RETURN(NetworkInputs net,
+                        SystemNetworkInputs(f.etcd_endpoints, f.advertise_addr, f.iface));
+  EFDL_ASSIGN_OR_RETURN(NetworkChoice choice, ChooseNetwork(net));
+  r.advertise_addr = choice.address;
+  a.advertise_addr = choice.address;
+  a.gloo_iface = choice.iface;
+  plan.network = std::move(choice);
   r.nproc = a.nproc;
   r.min_nodes = nodes.min;
   r.max_nodes = nodes.max;

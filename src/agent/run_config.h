@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "common/net.h"
 #include "efdl/status.h"
 #include "rendezvous/rendezvous.h"
 
@@ -28,7 +29,8 @@ struct RunFlags {
   bool launcher = false;                     // one process per node (an inner launcher)
   int nproc_per_node = 0;                    // 0: visible GPUs, else 1
   std::string node_id;                       // empty: host name plus a unique suffix
-  std::string advertise_addr;                // empty: 127.0.0.1 for loopback etcd, else host
+  std::string advertise_addr;                // empty: chosen by ChooseNetwork (common/net.h)
+  std::string iface;                         // empty: the interface of the advertise address
   double ttl_s = 10;
   double last_call_s = 3;
   double join_timeout_s = 600;
@@ -44,6 +46,7 @@ struct RunPlan {
   AgentOptions agent;
   rdzv::RendezvousOptions rendezvous;
   bool embedded_etcd = false;
+  NetworkChoice network;                     // the advertise address and interface, and why
 };
 
 struct NodeRange {

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -35,6 +36,25 @@ void WriteAll(int fd, const char* p, size_t n) {
 }
 
 }  // namespace
+
+std::optional<PeerConnectError> ParsePeerConnectError(std::string_view line) {
+  // Cheap filter first: this runs on every output line of every worker.
+  if (line.find("onnect") == std::string_view::npos) return std::nullopt;
+  static const std::regex kPatterns[] = {
+      std::regex(R"(connect \[([^\]]+)\]:(\d+): )"),                 // gloo tcp pair
+      std::regex(R"(Connect to \[?([^<\s\]]+)\]?<(\d+)> failed)"),     // NCCL socket
+      std::regex(R"(failed to connect to \[([^\]]+)\]:(\d+))"),        // torch store client
+      std::regex(R"(trying to connect to \(([^,\s]+), (\d+)\))"),      // its timeout
+  };
+  const std::string text(line);
+  std::smatch m;
+  for (const auto& re : kPatterns) {
+    if (std::regex_search(text, m, re)) {
+      return PeerConnectError{0, m[1].str(), m[2].str(), text};
+    }
+  }
+  return std::nullopt;
+}
 
 Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions options) {
   if (options.argv.empty()) return Status::InvalidArgument("no worker command given");
@@ -84,8 +104,8 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
     int out = proc->ReleaseStdout();
     int err = proc->ReleaseStderr();
     for (int fd : {out, err}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-    group->streams_.push_back(Stream{out, opts.out_fd, log_fd, prefix, {}});
-    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, prefix, {}});
+    group->streams_.push_back(Stream{out, opts.out_fd, log_fd, spec.rank, prefix, {}});
+    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, spec.rank, prefix, {}});
     group->workers_.push_back(Worker{spec, std::move(proc).value(), false});
   }
   if (opts.spares != nullptr) {
@@ -97,16 +117,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
 }
 
 WorkerGroup::~WorkerGroup() {
-  for (Worker& w : workers_) {
-    if (!w.reaped) (void)w.proc.Signal(SIGKILL);
-    (void)w.proc.Stop(std::chrono::milliseconds(0));  // reaps; SIGKILLs group stragglers
-  }
-  if (pump_.joinable()) {
-    char byte = 0;
-    ssize_t ignored = ::write(wake_write_, &byte, 1);
-    (void)ignored;
-    pump_.join();
-  }
+  Close();
   for (Stream& s : streams_) {
     if (s.fd >= 0) ::close(s.fd);
   }
@@ -114,6 +125,25 @@ WorkerGroup::~WorkerGroup() {
   for (int fd : {wake_read_, wake_write_}) {
     if (fd >= 0) ::close(fd);
   }
+}
+
+void WorkerGroup::Close() {
+  for (Worker& w : workers_) {
+    if (!w.reaped) (void)w.proc.Signal(SIGKILL);
+    (void)w.proc.Stop(std::chrono::milliseconds(0));  // reaps; SIGKILLs group stragglers
+    w.reaped = true;
+  }
+  if (pump_.joinable()) {
+    char byte = 0;
+    ssize_t ignored = ::write(wake_write_, &byte, 1);
+    (void)ignored;
+    pump_.join();
+  }
+}
+
+std::optional<PeerConnectError> WorkerGroup::peer_connect_error() const {
+  std::lock_guard<std::mutex> lock(connect_error_mu_);
+  return connect_error_;
 }
 
 bool WorkerGroup::ReapOne(Worker& w) {
@@ -207,6 +237,13 @@ void WorkerGroup::EmitLine(Stream& s, std::string_view line) {
   out.append(s.prefix).append(line).push_back('\n');
   WriteAll(s.dest_fd, out.data(), out.size());  // one write per line: lines never interleave
   if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + s.prefix.size(), line.size() + 1);
+  if (auto err = ParsePeerConnectError(line)) {
+    std::lock_guard<std::mutex> lock(connect_error_mu_);
+    if (!connect_error_) {
+      err->rank = s.rank;
+      connect_error_ = std::move(err);
+    }
+  }
 }
 
 void WorkerGroup::DrainStream(Stream& s, bool final) {

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -50,6 +51,18 @@ struct WorkerExit {
   int wait_status = 0;
 };
 
+// A worker's output line saying that it could not connect to a peer: gloo's "connect
+// [ADDR]:PORT: Connection refused", NCCL's "Connect to ADDR<PORT> failed : ...", the torch
+// store client's "failed to connect to [ADDR]:PORT" / "trying to connect to (ADDR, PORT)".
+struct PeerConnectError {
+  int rank = 0;
+  std::string address;   // as the line gives it
+  std::string port;
+  std::string line;      // the whole line, without the "[rank N] " prefix
+};
+// The address and port a line like those names; nullopt for any other line (rank left 0).
+std::optional<PeerConnectError> ParsePeerConnectError(std::string_view line);
+
 struct StopPolicy {
   bool graceful = true;        // ask connected workers over the control socket first
   std::string reason;
@@ -78,6 +91,12 @@ class WorkerGroup {
   // The stop sequence of docs/control-protocol.md; returns when every worker has exited. A
   // `control` of nullptr means no worker is reachable that way (all get SIGTERM at once).
   void Stop(const StopPolicy& policy, ControlServer* control);
+  // SIGKILLs the process groups still running, reaps them and waits until their output has
+  // been copied; the destructor does the same. Idempotent.
+  void Close();
+  // The first line any worker wrote saying it could not connect to a peer (complete once the
+  // group is Close()d: the output thread may still be copying until then).
+  std::optional<PeerConnectError> peer_connect_error() const;
 
  private:
   struct Worker {
@@ -89,6 +108,7 @@ class WorkerGroup {
     int fd = -1;            // read end, non-blocking
     int dest_fd = -1;       // agent's stdout or stderr
     int log_fd = -1;        // shared by a worker's two streams; owned by log_fds_
+    int rank = 0;
     std::string prefix;     // "[rank N] "
     std::string partial;    // bytes after the last newline
   };
@@ -104,6 +124,8 @@ class WorkerGroup {
   std::vector<Stream> streams_;     // touched only by the output thread once it runs
   std::vector<int> log_fds_;
   std::optional<WorkerExit> first_failure_;
+  mutable std::mutex connect_error_mu_;
+  std::optional<PeerConnectError> connect_error_;   // written by the output thread
   int wake_read_ = -1;
   int wake_write_ = -1;
   std::thread pump_;

@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
 #include "rendezvous/rendezvous.h"
@@ -90,6 +91,13 @@ int RunAgent(const RunArgs& args) {
     return Fail(2, fmt::format("{}; the endpoints come from --etcd (or EFDL_ETCD_ENDPOINTS)",
                                client.status().message()));
   }
+  // Said once etcd answered: an agent that cannot start prints its one error line only.
+  const NetworkChoice& net = plan->network;
+  EFDL_LOG_INFO("advertising {} on interface {} ({}){}", net.address,
+                net.iface.empty() ? "(none found)" : net.iface, net.how,
+                net.iface.empty() ? "" : "; workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
+                                         "unless set");
+  if (!net.warning.empty()) EFDL_LOG_WARN("{}", net.warning);
   auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
   if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
   plan->agent.job_secret = std::move(secret).value();
@@ -138,8 +146,14 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "this node's unique id (default: host name plus a unique suffix)",
                 "EFDL_NODE_ID");
   OptionWithEnv(run, "--advertise-addr", f.advertise_addr,
-                "address other nodes reach this one at (MASTER_ADDR when rank 0)",
+                "address of this host other nodes reach this one at (MASTER_ADDR when rank 0); "
+                "default: the address this host reaches etcd from (127.0.0.1 for loopback etcd)",
                 "EFDL_ADVERTISE_ADDR");
+  OptionWithEnv(run, "--iface", f.iface,
+                "network interface the nodes reach each other on: its address is advertised "
+                "and workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; default: the "
+                "interface of the advertise address",
+                "EFDL_IFACE");
   OptionWithEnv(run, "--ttl", f.ttl_s, "seconds before a silent node is declared dead",
                 "EFDL_TTL");
   OptionWithEnv(run, "--last-call", f.last_call_s,

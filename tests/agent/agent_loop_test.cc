@@ -186,6 +186,58 @@ TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
   EXPECT_NE(text.find("giving up: rank 1 exited with status 7"), std::string::npos) << text;
 }
 
+// Workers that fail at every round as gloo does when a peer's address is wrong: the agent says
+// once which address was tried and what to set, however many rounds fail.
+TEST_F(AgentLoopTest, PeerConnectFailuresAreExplainedOnceAcrossRestarts) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 2;
+  opts_.advertise_addr = "10.0.0.7";
+  opts_.gloo_iface = "eth0";
+  opts_.command = {"sh", "-c",
+                   "echo 'RuntimeError: [pair.cc:799] connect [127.0.1.1]:4321: Connection "
+                   "refused' >&2; exit 1"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 2, 0, 1, 2)));
+  };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 1);
+  const std::string text = log.Text();
+  EXPECT_EQ(rdzv_.failures().size(), 3u);
+  const std::string said = "rank 0 could not connect to a peer at 127.0.1.1:4321";
+  const size_t at = text.find(said);
+  ASSERT_NE(at, std::string::npos) << text;
+  EXPECT_EQ(text.find(said, at + 1), std::string::npos) << text;   // once
+  const std::string line = text.substr(at, text.find('\n', at) - at);
+  EXPECT_NE(line.find("advertises 10.0.0.7"), std::string::npos) << line;
+  EXPECT_NE(line.find("--iface NAME"), std::string::npos) << line;
+  if (std::getenv("GLOO_SOCKET_IFNAME") == nullptr) {
+    EXPECT_NE(line.find("GLOO_SOCKET_IFNAME=eth0"), std::string::npos) << line;
+  }
+  EXPECT_LT(at, text.find("giving up")) << text;
+}
+
+// A peer that died is refused too: a failure that came with a node leaving is not explained.
+TEST_F(AgentLoopTest, PeerConnectFailureThatCameWithANodeLeavingIsNotExplained) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 0;
+  opts_.command = {"sh", "-c",
+                   "if [ $EFDL_ROUND = 1 ]; then echo 'connect [10.0.0.9]:4321: Connection "
+                   "refused' >&2; exit 1; fi; exit 0"};
+  rdzv_.on_failure = [&](int64_t, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(2, 0, 2, 0, 1, 2)));  // 3 nodes -> 2
+  };
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0);
+  const std::string text = log.Text();
+  EXPECT_NE(text.find("came with a node leaving"), std::string::npos) << text;
+  EXPECT_EQ(text.find("could not connect to a peer"), std::string::npos) << text;
+}
+
 TEST_F(AgentLoopTest, FailureThatCameWithANodeLeavingIsNotCounted) {
   opts_.nproc = 1;
   opts_.max_restarts = 0;

@@ -60,6 +60,34 @@ TEST(RunConfigTest, ValidFlagsBecomeAgentAndRendezvousOptions) {
   EXPECT_EQ(plan->agent.snapshot_dir.front(), '/');          // made absolute for the workers
 }
 
+TEST(RunConfigTest, NetworkOverridesThisHostDoesNotHaveAreOneClearLine) {
+  RunFlags f = Valid();
+  f.advertise_addr = "203.0.113.7";   // documentation range: never an address of this host
+  auto addr = PlanRun(f);
+  ASSERT_FALSE(addr.ok());
+  EXPECT_NE(addr.status().message().find("--advertise-addr 203.0.113.7 is not an address of "
+                                         "this host"), std::string::npos)
+      << addr.status().message();
+  f.advertise_addr.clear();
+  f.iface = "efdl-no-such-if0";
+  auto iface = PlanRun(f);
+  ASSERT_FALSE(iface.ok());
+  EXPECT_NE(iface.status().message().find("--iface efdl-no-such-if0"), std::string::npos)
+      << iface.status().message();
+  f.iface = "lo";
+  auto lo = PlanRun(f);
+  ASSERT_TRUE(lo.ok()) << lo.status().ToString();
+  EXPECT_EQ(lo->agent.gloo_iface, "lo");
+  EXPECT_EQ(lo->rendezvous.advertise_addr, "127.0.0.1");
+  f.iface.clear();
+  f.advertise_addr = "localhost";   // a name becomes its numeric address (MASTER_ADDR)
+  auto named = PlanRun(f);
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  EXPECT_TRUE(named->rendezvous.advertise_addr == "127.0.0.1" ||
+              named->rendezvous.advertise_addr == "::1")
+      << named->rendezvous.advertise_addr;
+}
+
 TEST(RunConfigTest, MissingCommandIsAClearError) {
   RunFlags f = Valid();
   f.command = {"efdl-surely-not-a-command"};

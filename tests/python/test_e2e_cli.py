@@ -40,6 +40,10 @@ def error_lines(proc):
     (["--nnodes", "2:3", "--", "true"], "--etcd"),
     (["--etcd", "127.0.0.1:notaport", "--job", "j", "--", "true"], "--etcd"),
     (["--ttl", "0", "--", "true"], "--ttl"),
+    # Network overrides this host does not have (203.0.113.0/24 is for documentation only).
+    (["--iface", "efdl-no-such-if0", "--", "true"], "--iface efdl-no-such-if0: this host has no"),
+    (["--advertise-addr", "203.0.113.7", "--", "true"],
+     "--advertise-addr 203.0.113.7 is not an address of this host"),
 ])
 def test_bad_input_gets_one_clear_line(args, expected):
     proc, took = run(["run"] + args)

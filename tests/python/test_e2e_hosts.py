@@ -1,0 +1,215 @@
+"""End to end on hosts that look like real ones (tests/python/workers/hosts.py): each `efdl run`
+in its own network, UTS, mount and PID namespace, with a Debian-style /etc/hosts (its own name
+-> 127.0.1.1), etcd on the bridge, and default flags only (--etcd --job --nnodes). The program
+is a plain init_process_group("gloo") + DDP one (workers/ddp_plain_worker.py).
+
+Every wait is bounded; each test removes its hosts, etcd and directories whatever happens.
+"""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+
+import cluster  # noqa: E402
+import hosts  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                      "ddp_plain_worker.py")
+
+_why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
+pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
+
+
+class Etcd:
+    """A real etcd listening on the world's bridge (the root namespace side)."""
+
+    def __init__(self, world):
+        client, peer = cluster.free_port(), cluster.free_port()
+        self.endpoint = "%s:%d" % (world.bridge_addr, client)
+        data = os.path.join(world.dir, "etcd")
+        self.log = os.path.join(world.dir, "etcd.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                ["etcd", "--name", "hosts", "--data-dir", data,
+                 "--listen-client-urls", "http://" + self.endpoint,
+                 "--advertise-client-urls", "http://" + self.endpoint,
+                 "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
+                 "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
+                 "--initial-cluster", "hosts=http://127.0.0.1:%d" % peer],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cluster.wait_for(self._healthy, 30, "etcd on the bridge to become healthy")
+
+    def _healthy(self):
+        try:
+            with urllib.request.urlopen("http://%s/health" % self.endpoint, timeout=1) as r:
+                return b"true" in r.read()
+        except OSError:
+            return False
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def host_env(extra=None):
+    env = cluster.base_env()
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE", "TMPDIR"):
+        env.pop(name, None)
+    env["WORKER_STEP_TIME"] = "0.2"
+    env.update(extra or {})
+    return env
+
+
+def start_agent(world, etcd, host, job, extra=(), env=None):
+    """`efdl run` with default flags on `host`, its working directory on the shared disk."""
+    cwd = os.path.join(world.shared, host.name)
+    os.makedirs(cwd, exist_ok=True)
+    argv = host.enter_prefix(cwd) + [cluster.efdl_bin(), "run", "--etcd", etcd.endpoint,
+                                     "--job", job, "--nnodes", "2:3"] + list(extra) + [
+        "--", cluster.PYTHON, WORKER]
+    return cluster.Agent(host.name, argv, host_env(env))
+
+
+def outputs(agents):
+    return "\n----\n".join("%s (exit %s):\n%s" % (a.name, a.proc.poll(), a.output()[-4000:])
+                           for a in agents)
+
+
+def wait_world(agents, world_size, since, timeout, live):
+    """Waits until one round of `world_size` ran a step on each of its ranks after `since`;
+    fails at once when an agent of `live` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rounds = {}
+        for a in agents:
+            for _, rank, round_, w, _step in a.steps(since):
+                if w == world_size:
+                    rounds.setdefault(round_, set()).add(rank)
+        if any(len(r) == world_size for r in rounds.values()):
+            return
+        for a in live:
+            if a.proc.poll() is not None:
+                raise AssertionError("agent %s exited (%s) before world %d formed:\n%s" % (
+                    a.name, a.proc.poll(), world_size, outputs(agents)))
+        time.sleep(0.1)
+    raise AssertionError("no round of world %d within %ss:\n%s" % (world_size, timeout,
+                                                                 outputs(agents)))
+
+
+@pytest.fixture
+def world():
+    w = hosts.HostWorld(3)
+    agents = []
+    etcd = None
+    try:
+        etcd = Etcd(w)
+        yield w, etcd, agents
+    finally:
+        try:
+            for h in w.hosts:
+                h.kill()
+            for a in agents:
+                a.kill()
+            if etcd is not None:
+                etcd.close()
+        finally:
+            w.close()
+        assert w.leftovers() == [], w.leftovers()
+
+
+def test_three_hosts_with_default_flags_train_lose_a_host_and_get_it_back(world):
+    w, etcd, agents = world
+    job = "hosts-ddp"
+    agents += [start_agent(w, etcd, h, job) for h in w.hosts]   # all at once, as pods start
+    wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    for a, h in zip(agents, w.hosts):
+        out = a.output()
+        # The default: the address this host reaches etcd from, on its eth0; not 127.0.1.1.
+        assert "advertising %s on interface eth0" % h.addr in out, out[-3000:]
+        assert "127.0.1.1" not in out, out[-3000:]
+
+    # The third host dies as a whole: its agent and every worker with it.
+    lost = w.hosts[2]
+    workers_before = [p for p in lost.pids()]
+    assert len(workers_before) >= 2, workers_before   # the agent and at least its worker
+    killed_at = time.monotonic()
+    lost.kill()
+    assert agents[2].proc.wait(timeout=30) != 0
+    assert lost.pids() == []
+    wait_world(agents[:2], 2, killed_at, timeout=120, live=agents[:2])
+
+    # The same host back (same name, address and /dev/shm): the world is 3 again.
+    lost.start()
+    back_at = time.monotonic()
+    agents.append(start_agent(w, etcd, lost, job))
+    survivors = agents[:2] + agents[3:]
+    wait_world(survivors, 3, back_at, timeout=300, live=survivors)
+    for a in survivors:
+        assert "could not connect to a peer" not in a.output(), a.output()[-3000:]
+    # Every worker, pre-started (the first round at least) or spawned (a round soon after
+    # another, before the spare is refilled), had the interface of its host's address and a
+    # numeric MASTER_ADDR on the bridge.
+    assert any("1 of 1 worker(s) taken from pre-started spares" in a.output() for a in agents)
+    nets = [l for a in agents for l in a.output().splitlines() if "] NET rank=" in l]
+    assert len(nets) >= 8, outputs(agents)
+    for line in nets:
+        assert "GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in line, line
+        assert "MASTER_ADDR=%s." % w.prefix in line, line
+
+
+def test_a_wrong_interface_is_explained_once_with_the_address_tried(world):
+    """GLOO_SOCKET_IFNAME=lo set by the user on every host: gloo's peers are told 127.0.0.1, on
+    their own host, and every round fails. The agent keeps the user's setting, and says once
+    which address was tried and what to set."""
+    w, etcd, agents = world
+    job = "hosts-wrong-iface"
+    agents += [start_agent(w, etcd, h, job, extra=["--max-restarts", "1"],
+                           env={"GLOO_SOCKET_IFNAME": "lo"}) for h in w.hosts[:2]]
+    # With --max-restarts 1 a node gives up after its second failed round; the other one then
+    # waits for nodes (until --join-timeout) and is killed at the end.
+    deadline = time.monotonic() + 240
+    while all(a.proc.poll() is None for a in agents):
+        if time.monotonic() > deadline:
+            raise AssertionError("no agent gave up within 240 s:\n" + outputs(agents))
+        time.sleep(0.2)
+    gave_up = next(a for a in agents if a.proc.poll() is not None)
+    assert gave_up.proc.returncode == 1, outputs(agents)
+    assert "giving up" in gave_up.output(), outputs(agents)
+    explained = 0
+    for a in agents:
+        out = a.output()
+        n = out.count("could not connect to a peer at")
+        assert n <= 1, out[-4000:]   # once, however many rounds failed
+        explained += n
+        if n:
+            line = next(l for l in out.splitlines() if "could not connect to a peer at" in l)
+            assert "127.0.0.1" in line and "--iface" in line, line
+            assert "GLOO_SOCKET_IFNAME=lo (set by you)" in line, line
+            assert "advertises %s" % next(h.addr for h in w.hosts if h.name == a.name) in line
+    assert explained >= 1, outputs(agents)
+    # The node that gave up failed more than one round, and said it only once.
+    assert gave_up.output().count("restart 1 of 1") == 1, outputs(agents)
+
+
+def test_a_host_cut_off_is_replaced_and_rejoins_when_its_link_is_back(world):
+    """A host's link goes down (no FIN, no RST: as a switch port or a cable): the others go on
+    as world 2 once its lease ends (default --ttl 10 s), and when the link is back the same
+    agent rejoins and the world is 3 again."""
+    w, etcd, agents = world
+    job = "hosts-cut"
+    agents += [start_agent(w, etcd, h, job) for h in w.hosts]
+    wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    cut = w.hosts[2]
+    cut_at = time.monotonic()
+    cut.link_down()
+    wait_world(agents[:2], 2, cut_at, timeout=120, live=agents[:2])
+    healed_at = time.monotonic()
+    cut.link_up()
+    wait_world(agents, 3, healed_at, timeout=180, live=agents)

@@ -1,0 +1,107 @@
+"""The multi-host test world (tests/python/workers/hosts.py) does what the e2e and fault tests rely
+on: names, /etc/hosts, private /dev/shm and /tmp, traffic between hosts and to the bridge, a
+whole-host SIGKILL (also of processes that left their session), restarts with and without the
+old /dev/shm, a cut link, and nothing left behind."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+
+import hosts  # noqa: E402
+
+PYTHON = "/usr/bin/python3"
+_why = hosts.HostWorld.unavailable()
+pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
+
+SERVE = ("import socket, sys\n"
+         "s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()\n"
+         "print('listening', flush=True)\n"
+         "c, a = s.accept(); print(a[0], flush=True)\n")
+CONNECT = ("import socket, sys\n"
+           "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)\n"
+           "print(s.getsockname()[0])\n")
+
+
+def test_hosts_look_like_separate_debian_machines():
+    with hosts.HostWorld(2) as w:
+        h1, h2 = w.hosts
+        out = h1.run(["sh", "-c", "hostname; getent hosts $(hostname); getent hosts %s; "
+                      "getent hosts localhost" % h2.name])
+        lines = out.stdout.split("\n")
+        assert lines[0] == h1.name, out
+        assert lines[1].split() == ["127.0.1.1", h1.name], out
+        assert lines[2].split() == [h2.addr, h2.name], out
+        assert "127.0.0.1" in lines[3] or "::1" in lines[3], out
+        # Own /dev/shm and /tmp: a file made in one host is not in the other, nor outside.
+        assert h1.run(["sh", "-c", "echo one > /dev/shm/efdl-probe && echo t > /tmp/probe"]
+                      ).returncode == 0
+        assert h2.run(["ls", "/dev/shm", "/tmp"]).stdout.split() == ["/dev/shm:", "/tmp:"]
+        assert not os.path.exists("/dev/shm/efdl-probe")
+        assert os.path.exists(os.path.join(h1.shm_dir, "efdl-probe"))
+        # Traffic from host to host by name, and to the bridge side.
+        srv = h2.popen([PYTHON, "-c", SERVE, "4567"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "listening"
+            c = h1.run([PYTHON, "-c", CONNECT, h2.name, "4567"])
+            assert c.stdout.strip() == h1.addr, c
+            assert srv.stdout.readline().strip() == h1.addr
+        finally:
+            srv.kill()
+            srv.wait(10)
+        with socket.socket() as s:
+            s.bind((w.bridge_addr, 0))
+            s.listen()
+            port = s.getsockname()[1]
+            c = h1.run([PYTHON, "-c", CONNECT, w.bridge_addr, str(port)])
+            assert c.stdout.strip() == h1.addr, c
+    assert w.leftovers() == []
+
+
+def test_kill_restart_and_link_cut():
+    with hosts.HostWorld(2) as w:
+        h1, h2 = w.hosts
+        # A process that left the host's session and process group still dies with the host.
+        p = h1.popen(["sh", "-c", "setsid sleep 600 & sleep 600"])
+        deadline = time.monotonic() + 10
+        while len(h1.pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victims = h1.pids()
+        assert len(victims) >= 3, victims
+        h1.run(["sh", "-c", "echo kept > /dev/shm/arena"])
+        h1.kill()
+        assert p.wait(10) != 0
+        assert h1.pids() == []
+        for pid in victims:
+            assert not os.path.exists("/proc/%d" % pid) or \
+                open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()[0] == "Z"
+        # Restarted as the same machine: same name and /dev/shm contents.
+        h1.start()
+        assert h1.run(["hostname"]).stdout.strip() == h1.name
+        assert h1.run(["cat", "/dev/shm/arena"]).stdout.strip() == "kept"
+        # A replaced machine: an empty /dev/shm.
+        h1.restart(empty_shm=True)
+        assert h1.run(["ls", "/dev/shm"]).stdout.strip() == ""
+        # Cut off: nothing reaches the other host; back up: it does again.
+        srv = h2.popen([PYTHON, "-c", SERVE, "4568"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "listening"
+            h1.link_down()
+            assert h1.run([PYTHON, "-c", CONNECT, h2.addr, "4568"]).returncode != 0
+            h1.link_up()
+            deadline = time.monotonic() + 10
+            while True:
+                c = h1.run([PYTHON, "-c", CONNECT, h2.addr, "4568"])
+                if c.returncode == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert c.stdout.strip() == h1.addr, c
+        finally:
+            srv.kill()
+            srv.wait(10)
+    assert w.leftovers() == []
