@@ -67,13 +67,13 @@ def host_env(extra=None):
     return env
 
 
-def start_agent(world, etcd, host, job, extra=(), env=None):
+def start_agent(world, etcd, host, job, extra=(), env=None, command=None, nnodes="2:3"):
     """`efdl run` with default flags on `host`, its working directory on the shared disk."""
     cwd = os.path.join(world.shared, host.name)
     os.makedirs(cwd, exist_ok=True)
     argv = host.enter_prefix(cwd) + [cluster.efdl_bin(), "run", "--etcd", etcd.endpoint,
-                                     "--job", job, "--nnodes", "2:3"] + list(extra) + [
-        "--", cluster.PYTHON, WORKER]
+                                     "--job", job, "--nnodes", nnodes] + list(extra) + [
+        "--"] + (command or [cluster.PYTHON, WORKER])
     return cluster.Agent(host.name, argv, host_env(env))
 
 
@@ -212,3 +212,35 @@ def test_a_host_cut_off_is_replaced_and_rejoins_when_its_link_is_back(world):
     healed_at = time.monotonic()
     cut.link_up()
     wait_world(agents, 3, healed_at, timeout=180, live=agents)
+
+
+EXAMPLES = os.path.join(cluster.REPO, "examples")
+
+
+@pytest.mark.parametrize("kind", ["horovod-layer", "torchrun-launcher"])
+def test_examples_train_across_hosts_with_default_flags(world, kind):
+    """The Horovod-layer example (examples/hvd_state.py: Horovod's API over torch.distributed,
+    gloo between hosts), and `efdl run --launcher` with torchrun inside starting 2 workers per
+    host (examples/launcher_torchrun.sh): 2 hosts, default network flags, one epoch each, every
+    agent exits 0."""
+    w, etcd, agents = world
+    if kind == "horovod-layer":
+        extra, command = [], [cluster.PYTHON, os.path.join(EXAMPLES, "hvd_state.py"),
+                              "--epochs", "1"]
+    else:
+        extra = ["--launcher", "--nproc-per-node", "2"]
+        command = [os.path.join(EXAMPLES, "launcher_torchrun.sh"), "--epochs", "1"]
+    job = "hosts-" + kind
+    agents += [start_agent(w, etcd, h, job, extra=extra, command=command, nnodes="2:2",
+                           env={"WORKER_STEP_TIME": ""}) for h in w.hosts[:2]]
+    for a in agents:
+        try:
+            code = a.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("%s did not finish within 300 s:\n%s" % (a.name,
+                                                                          outputs(agents)))
+        assert code == 0, outputs(agents)
+    out = "".join(a.output() for a in agents)
+    assert "training complete" in out, outputs(agents)
+    assert "could not connect to a peer" not in out, outputs(agents)
+    assert "127.0.1.1" not in out, outputs(agents)
