@@ -498,6 +498,13 @@ def parse_args(argv):
     return args
 
 
+def _shown(path):
+    """A path as the user can use it: relative when under the current directory, else absolute
+    (a relative path to /tmp from the repository reads ../../tmp/...)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def main(argv=None):
     args = parse_args(argv)
 
@@ -522,8 +529,8 @@ def main(argv=None):
                        "pids": {n: p.proc.pid for n, p in demo.procs.items()},
                        "elapsed_s": time.monotonic() - demo.t0}, f, indent=1)
         print("plot: %s   summary: %s   logs: %s" % (
-            os.path.relpath(png), os.path.relpath(os.path.join(demo.out, "summary.json")),
-            os.path.relpath(os.path.join(demo.out, "logs"))))
+            _shown(png), _shown(os.path.join(demo.out, "summary.json")),
+            _shown(os.path.join(demo.out, "logs"))))
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process the demo started", file=sys.stderr)

@@ -15,8 +15,10 @@ std::string FormatPlacementText(const Result<Placement>& result) {
   for (const auto& part : p.parts) width = std::max(width, part.host.size());
   for (const auto& part : p.parts) {
     std::string note = part.procs == part.free
-                           ? fmt::format("fills its {} free GPUs", part.free)
-                           : fmt::format("of {} free GPUs, {} stay{} free", part.free,
+                           ? fmt::format("fills its {} free GPU{}", part.free,
+                                         part.free == 1 ? "" : "s")
+                           : fmt::format("of {} free GPU{}, {} stay{} free", part.free,
+                                         part.free == 1 ? "" : "s",
                                          part.free - part.procs,
                                          part.free - part.procs == 1 ? "s" : "");
     out += fmt::format("  {:<{}}  {} process{}  ({})\n", part.host, width, part.procs,

@@ -73,6 +73,9 @@ TEST(PlanCliTest, PrintsThePlacement) {
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("  a  4 processes  (of 6 free GPUs, 2 stay free)\n"), std::string::npos)
       << r.out;
+  r = Plan({"--procs", "3", "--free", "a:1,b:2", "--max-parts", "2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("(fills its 1 free GPU)\n"), std::string::npos) << r.out;
 }
 
 TEST(PlanCliTest, JsonForSchedulers) {
