@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "agent/stale_dirs.h"
 #include "common/log.h"
@@ -59,30 +60,39 @@ void RemoveJobArenas(const std::string& job_id, const std::string& node_id) {
   }
 }
 
-// The step of the newest snapshot of the job in storage (python/efdl/state.py writes them to
-// <snapshot dir>/<job>/, or rank-<N>/ below it for per-rank snapshots, where the job's step is
-// the oldest rank's newest), read from the file's checked header and manifest; nullopt when
-// there is none (or the directory is not visible from this node).
-std::optional<int64_t> NewestStoredStep(const std::string& snapshot_dir, const std::string& job_id) {
+// The newest snapshot of the job in storage (python/efdl/state.py writes them to
+// <snapshot dir>/<job>/, or rank-<N>/ below it for per-rank snapshots, where the job's point is
+// the oldest rank's newest), read from the file's checked header and manifest: its sequence
+// number, step and "epoch" keyword argument; nullopt when there is none (or the directory is not
+// visible from this node).
+std::optional<rdzv::PersistedPoint> NewestStoredPoint(const std::string& snapshot_dir,
+                                                      const std::string& job_id) {
   if (snapshot_dir.empty()) return std::nullopt;
-  auto newest_in = [](const std::string& dir) -> std::optional<int64_t> {
+  auto newest_in = [](const std::string& dir) -> std::optional<rdzv::PersistedPoint> {
     snapshot::SnapshotStore store(snapshot::Env::Posix(), dir, /*keep=*/1);
     for (const auto& entry : store.List()) {
       auto info = store.ReadInfo(entry.path);
-      if (info.ok()) return info->manifest.step;
+      if (info.ok()) {
+        rdzv::PersistedPoint p{info->manifest.seq, info->manifest.step, std::nullopt};
+        auto meta = nlohmann::json::parse(info->manifest.meta_json, nullptr, false);
+        if (meta.is_object() && meta.contains("epoch") && meta["epoch"].is_number_integer()) {
+          p.epoch = meta["epoch"].get<int64_t>();
+        }
+        return p;
+      }
       EFDL_LOG_WARN("skipping snapshot {}: {}", entry.path, info.status().message());
     }
     return std::nullopt;
   };
   const std::filesystem::path job_dir = std::filesystem::path(snapshot_dir) / job_id;
-  if (auto step = newest_in(job_dir.string())) return step;
-  std::optional<int64_t> oldest_rank;
+  if (auto point = newest_in(job_dir.string())) return point;
+  std::optional<rdzv::PersistedPoint> oldest_rank;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(job_dir, ec)) {
     if (!entry.path().filename().string().starts_with("rank-")) continue;
-    auto step = newest_in(entry.path().string());
-    if (!step) return std::nullopt;  // a rank without a snapshot: the job has none complete
-    if (!oldest_rank || *step < *oldest_rank) oldest_rank = step;
+    auto point = newest_in(entry.path().string());
+    if (!point) return std::nullopt;  // a rank without a snapshot: the job has none complete
+    if (!oldest_rank || point->seq < oldest_rank->seq) oldest_rank = point;
   }
   return oldest_rank;
 }
@@ -522,17 +532,20 @@ int Agent::Suspend(const rdzv::Event& event) {
   PersistNewestSnapshot("the suspend report");
   const std::optional<int64_t> reported = control_->newest_persisted_step();
   const std::optional<int64_t> committed = control_->newest_step();
-  const std::optional<int64_t> stored = NewestStoredStep(options_.snapshot_dir, options_.job_id);
+  const std::optional<rdzv::PersistedPoint> stored =
+      NewestStoredPoint(options_.snapshot_dir, options_.job_id);
   // Storage is the truth for a resume; the workers' reports only tell whether it is behind.
-  const std::optional<int64_t> step = stored ? stored : reported;
-  if (reported && (!stored || *stored < *reported)) {
-    EFDL_LOG_WARN("a worker reported step {} persisted, but {} holds {}", *reported,
-                  options_.snapshot_dir, stored ? fmt::format("step {}", *stored) : "no snapshot");
+  std::optional<rdzv::PersistedPoint> point = stored;
+  if (!point && reported) point = rdzv::PersistedPoint{0, *reported, std::nullopt};
+  const std::optional<int64_t> step = point ? std::optional<int64_t>(point->step) : std::nullopt;
+  if (reported && !stored) {
+    EFDL_LOG_WARN("a worker reported step {} persisted, but {} holds no snapshot", *reported,
+                  options_.snapshot_dir);
   } else if (reported && committed && *committed > *reported) {
     EFDL_LOG_WARN("the newest snapshot (step {}) is only in this node's memory; storage has "
                   "step {}", *committed, *reported);
   }
-  if (Status st = rdzv_.ReportSuspended(step); !st.ok()) EFDL_LOG_WARN("{}", st.message());
+  if (Status st = rdzv_.ReportSuspended(point); !st.ok()) EFDL_LOG_WARN("{}", st.message());
   rdzv_.Leave();
   if (step) {
     EFDL_LOG_INFO("job '{}': suspended at step {}", options_.job_id, *step);

@@ -62,9 +62,6 @@ std::unique_ptr<etcd::Client> ConnectOrFail(const char* command, const SuspendAr
   return std::move(client).value();
 }
 
-std::string StepText(std::optional<int64_t> step) {
-  return step ? std::to_string(*step) : std::string("-");
-}
 
 int RunSuspend(const SuspendArgs& args) {
   if (!(args.timeout_s > 0)) {
@@ -109,11 +106,14 @@ int RunSuspend(const SuspendArgs& args) {
     info = rdzv::ReadSuspension(*client, args.job);
   }
   for (const auto& [node, report] : info->reports) {
-    std::printf("  node %-24s persisted step %s\n", node.c_str(), StepText(report.step).c_str());
+    std::printf("  node %-24s persisted %s\n", node.c_str(),
+                report.step ? rdzv::DescribeSuspendPoint(report).c_str() : "nothing");
   }
-  if (info->step) {
-    std::printf("job %s suspended at step %lld; `efdl resume --job %s` continues it\n",
-                args.job.c_str(), static_cast<long long>(*info->step), args.job.c_str());
+  if (info->point) {
+    // The snapshot the job resumes from: the newest by commit sequence, not the largest step.
+    std::printf("job %s suspended at %s; `efdl resume --job %s` continues from there\n",
+                args.job.c_str(), rdzv::DescribeSuspendPoint(*info->point).c_str(),
+                args.job.c_str());
   } else {
     std::printf("job %s suspended; no agent found a persisted snapshot of it (it had not "
                 "committed one yet, or no agent was running): when resumed it starts from the "

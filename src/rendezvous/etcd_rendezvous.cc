@@ -103,7 +103,7 @@ class EtcdRendezvous final : public Rendezvous {
   void ReportWorkerFailure(int64_t round, const std::string& detail) override;
   void ReportWorkersSucceeded(int64_t round) override;
   void Leave() override;
-  Status ReportSuspended(std::optional<int64_t> persisted_step) override;
+  Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
   Status RecordGiveUp(const std::string& reason) override;
 
  private:
@@ -695,7 +695,7 @@ Status EtcdRendezvous::Register() {
       drop_lease();
       auto info = ReadSuspension(client_, opt_.job_id);
       return Status::FailedPrecondition(
-          SuspendedJobMessage(opt_.job_id, info.ok() ? info->step : std::nullopt));
+          SuspendedJobMessage(opt_.job_id, info.ok() ? info->point : std::nullopt));
     }
   }
   auto w1 = client_.StartWatch(keys_.round, {false, read_rev + 1, false},
@@ -1061,8 +1061,14 @@ void EtcdRendezvous::Leave() {
   }
 }
 
-Status EtcdRendezvous::ReportSuspended(std::optional<int64_t> persisted_step) {
-  SuspendReport report{persisted_step, WallClockTimestamp()};
+Status EtcdRendezvous::ReportSuspended(const std::optional<PersistedPoint>& persisted) {
+  SuspendReport report;
+  report.time = WallClockTimestamp();
+  if (persisted) {
+    report.step = persisted->step;
+    if (persisted->seq > 0) report.seq = persisted->seq;
+    report.epoch = persisted->epoch;
+  }
   auto put = client_.Put(keys_.Suspended(opt_.node_id), report.Encode());
   if (!put.ok()) {
     return put.status().WithContext(

@@ -52,7 +52,11 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
       reports[node] = report.ok() ? *report : SuspendReport{};
       out.suspend_reports[node] = reports[node].step;
     }
-    out.suspended_step = JobSuspendStep(reports);
+    if (auto point = JobSuspendPoint(reports)) {
+      out.suspended_step = point->step;
+      out.suspended_seq = point->seq;
+      out.suspended_epoch = point->epoch;
+    }
   }
 
   std::map<std::string, NodeStatus> live;
@@ -123,6 +127,8 @@ std::string JobStatus::ToJson() const {
             {"master_port", master_port}, {"complete", complete}, {"message", message}};
   j["suspended"] = suspended;
   j["suspended_step"] = suspended_step ? json(*suspended_step) : json(nullptr);
+  j["suspended_seq"] = suspended_seq ? json(*suspended_seq) : json(nullptr);
+  j["suspended_epoch"] = suspended_epoch ? json(*suspended_epoch) : json(nullptr);
   json reports = json::object();
   for (const auto& [node, step] : suspend_reports) reports[node] = step ? json(*step) : json(nullptr);
   j["suspend_reports"] = reports;
@@ -147,7 +153,9 @@ std::string JobStatus::ToText() const {
       complete ? ", COMPLETE" : "", world_size, nnodes, master_addr, master_port);
   if (suspended) {
     out += fmt::format("  SUSPENDED {}; `efdl resume --job {}` continues it\n",
-                       suspended_step ? fmt::format("at step {}", *suspended_step)
+                       suspended_step
+                           ? "at " + DescribeSuspendPoint(SuspendReport{
+                                         suspended_step, "", suspended_seq, suspended_epoch})
                                       : std::string("(no persisted step reported yet)"),
                        job_id);
     for (const auto& [node, step] : suspend_reports) {

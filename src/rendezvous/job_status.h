@@ -42,7 +42,9 @@ struct JobStatus {
   int master_port = 0;
   bool complete = false;
   bool suspended = false;      // `efdl suspend` ran and `efdl resume` did not yet
-  std::optional<int64_t> suspended_step;   // the last persisted step the agents reported
+  std::optional<int64_t> suspended_step;   // the step of the snapshot the job resumes from
+  std::optional<uint64_t> suspended_seq;   // that snapshot's commit sequence number, if known
+  std::optional<int64_t> suspended_epoch;  // its "epoch" keyword argument, if any
   std::map<std::string, std::optional<int64_t>> suspend_reports;  // node -> its reported step
   std::string message;         // why the round last changed
   std::vector<NodeStatus> members;    // in rank order (including "gone" ones)

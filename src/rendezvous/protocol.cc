@@ -148,17 +148,26 @@ Result<RoundRecord> RoundRecord::Decode(const std::string& text) {
 std::string SuspendReport::Encode() const {
   json j = {{"step", step ? json(*step) : json(nullptr)}};
   if (!time.empty()) j["t"] = time;
+  if (seq) j["seq"] = *seq;
+  if (epoch) j["epoch"] = *epoch;
   return j.dump();
 }
 
 Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
   return ParseWith<SuspendReport>("suspend report", text, [](const json& j, SuspendReport& s) {
     int64_t value = -1;
-    if (!(Field(j, "step", value) && Field(j, "t", s.time))) return false;
+    uint64_t seq = 0;
+    int64_t epoch = 0;
+    if (!(Field(j, "step", value) && Field(j, "t", s.time) && Field(j, "seq", seq) &&
+          Field(j, "epoch", epoch))) {
+      return false;
+    }
     if (j.contains("step") && !j["step"].is_null()) {
       if (value < 0) return false;
       s.step = value;
     }
+    if (j.contains("seq") && !j["seq"].is_null()) s.seq = seq;
+    if (j.contains("epoch") && !j["epoch"].is_null()) s.epoch = epoch;
     return true;
   });
 }

@@ -151,6 +151,11 @@ struct AckRecord {
 struct SuspendReport {
   std::optional<int64_t> step;   // newest snapshot step found persisted; nullopt: none
   std::string time;              // ISO-8601 UTC
+  // That snapshot's commit sequence number (orders snapshots across epochs, where "step" may
+  // restart at 0) and its "epoch" keyword argument, when known (agents before 2026-12-03 sent
+  // neither).
+  std::optional<uint64_t> seq;
+  std::optional<int64_t> epoch;
   std::string Encode() const;
   static Result<SuspendReport> Decode(const std::string& text);
 };

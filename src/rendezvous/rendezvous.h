@@ -65,6 +65,14 @@ struct Assignment {
   std::vector<std::string> horovod_clients{};   // the members' addresses (rank-0 node only)
 };
 
+// The newest snapshot a node found persisted (ReportSuspended): its commit sequence number
+// (0: unknown), the caller's step and, when the snapshot has one, its "epoch" keyword argument.
+struct PersistedPoint {
+  uint64_t seq = 0;
+  int64_t step = 0;
+  std::optional<int64_t> epoch;
+};
+
 struct Event {
   enum class Type {
     kRoundStarted,   // start workers with `assignment`
@@ -110,8 +118,8 @@ class Rendezvous {
   // After kSuspended, once this node's workers stopped: records the newest snapshot step this
   // node found persisted (nullopt: none) for `efdl suspend` / `efdl status`. Blocking (one etcd
   // write); call before Leave(). Doubles that never emit kSuspended need not override it.
-  virtual Status ReportSuspended(std::optional<int64_t> persisted_step) {
-    (void)persisted_step;
+  virtual Status ReportSuspended(const std::optional<PersistedPoint>& persisted) {
+    (void)persisted;
     return Status::OK();
   }
 };

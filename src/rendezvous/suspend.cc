@@ -37,18 +37,37 @@ Status NoSuchJob(const std::string& job_id) {
 
 }  // namespace
 
-std::optional<int64_t> JobSuspendStep(const std::map<std::string, SuspendReport>& reports) {
-  std::optional<int64_t> step;
+std::optional<SuspendReport> JobSuspendPoint(const std::map<std::string, SuspendReport>& reports) {
+  std::optional<SuspendReport> best;
   for (const auto& [node, report] : reports) {
-    if (report.step && (!step || *report.step > *step)) step = report.step;
+    if (!report.step) continue;
+    const bool newer = !best ||
+                       (report.seq && (!best->seq || *report.seq > *best->seq)) ||
+                       (!report.seq && !best->seq && *report.step > *best->step);
+    if (newer) best = report;
   }
-  return step;
+  return best;
 }
 
-std::string SuspendedJobMessage(const std::string& job_id, std::optional<int64_t> step) {
-  if (step) {
-    return fmt::format("job {} is suspended at step {}; run `efdl resume --job {}` to continue",
-                       job_id, *step, job_id);
+std::optional<int64_t> JobSuspendStep(const std::map<std::string, SuspendReport>& reports) {
+  auto point = JobSuspendPoint(reports);
+  return point ? point->step : std::nullopt;
+}
+
+std::string DescribeSuspendPoint(const SuspendReport& point) {
+  std::string out = point.step ? fmt::format("step {}", *point.step) : "no step";
+  std::vector<std::string> more;
+  if (point.epoch) more.push_back(fmt::format("epoch {}", *point.epoch));
+  if (point.seq) more.push_back(fmt::format("snapshot {}", *point.seq));
+  if (!more.empty()) out += fmt::format(" ({})", fmt::join(more, ", "));
+  return out;
+}
+
+std::string SuspendedJobMessage(const std::string& job_id,
+                                const std::optional<SuspendReport>& point) {
+  if (point) {
+    return fmt::format("job {} is suspended at {}; run `efdl resume --job {}` to continue",
+                       job_id, DescribeSuspendPoint(*point), job_id);
   }
   return fmt::format(
       "job {} is suspended (no persisted snapshot was reported); run `efdl resume --job {}` to "
@@ -80,7 +99,8 @@ Result<SuspensionInfo> ReadSuspension(etcd::Client& client, const std::string& j
     // A damaged report counts as "no step" rather than hiding the others.
     out.reports[kv.key.substr(keys.suspended.size())] = report.ok() ? *report : SuspendReport{};
   }
-  out.step = JobSuspendStep(out.reports);
+  out.point = JobSuspendPoint(out.reports);
+  out.step = out.point ? out.point->step : std::nullopt;
   return out;
 }
 
@@ -141,7 +161,8 @@ Result<std::optional<int64_t>> ResumeJob(etcd::Client& client, const std::string
   RoundRecord next;
   next.round = (*read)->record.round + 1;
   next.phase = Phase::kGathering;
-  next.message = info->step ? fmt::format("resumed (suspended at step {})", *info->step)
+  next.message = info->point ? fmt::format("resumed (suspended at {})",
+                                           DescribeSuspendPoint(*info->point))
                             : std::string("resumed (no persisted step was reported)");
   // Guarded by P round only: an agent that starts between the read and this txn is refused by
   // the suspended record, and one that starts after it joins the resumed job.

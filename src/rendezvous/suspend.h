@@ -27,15 +27,23 @@ struct SuspensionInfo {
   std::vector<std::string> live_nodes;          // agents still registered (lease alive)
   std::map<std::string, SuspendReport> reports; // P suspended/<node>, by node id
   std::optional<int64_t> step;                  // JobSuspendStep(reports)
+  std::optional<SuspendReport> point;           // JobSuspendPoint(reports)
   bool suspended() const { return phase == Phase::kSuspended; }
 };
 
-// The job's persisted step: the largest step any node reported (in a data-parallel job only
-// global rank 0 writes storage, so the other nodes may report none); nullopt when none did.
+// The snapshot the job will resume from, among the nodes' reports: the one with the highest
+// commit sequence number (a step count may start again at 0 each epoch, so the largest step can
+// be an older snapshot); reports without one (older agents) by their step. In a data-parallel
+// job only global rank 0 writes storage, so other nodes may report none. nullopt: none did.
+std::optional<SuspendReport> JobSuspendPoint(const std::map<std::string, SuspendReport>& reports);
+// JobSuspendPoint's step.
 std::optional<int64_t> JobSuspendStep(const std::map<std::string, SuspendReport>& reports);
+// "step 0 (epoch 5, snapshot 57)", or "step 25" when sequence and epoch are unknown.
+std::string DescribeSuspendPoint(const SuspendReport& point);
 
 // The one line an agent of a suspended job exits with.
-std::string SuspendedJobMessage(const std::string& job_id, std::optional<int64_t> step);
+std::string SuspendedJobMessage(const std::string& job_id,
+                                const std::optional<SuspendReport>& point);
 
 Result<SuspensionInfo> ReadSuspension(etcd::Client& client, const std::string& job_id);
 

@@ -49,9 +49,9 @@ class ScriptedRendezvous : public rdzv::Rendezvous {
   }
   void ReportWorkersSucceeded(int64_t) override {}
   void Leave() override {}
-  Status ReportSuspended(std::optional<int64_t> step) override {
+  Status ReportSuspended(const std::optional<rdzv::PersistedPoint>& point) override {
     std::lock_guard lock(mu_);
-    suspended_.push_back(step);
+    suspended_.push_back(point ? std::optional<int64_t>(point->step) : std::nullopt);
     return Status::OK();
   }
   void Push(Event e) {

@@ -28,13 +28,15 @@ class SuspendingRendezvous : public testing::QueuedRendezvous {
     std::lock_guard lock(mu_);
     ++leaves;
   }
-  Status ReportSuspended(std::optional<int64_t> step) override {
+  Status ReportSuspended(const std::optional<rdzv::PersistedPoint>& point) override {
     std::lock_guard lock(mu_);
-    reported.push_back(step);
+    reported.push_back(point ? std::optional<int64_t>(point->step) : std::nullopt);
+    points.push_back(point);
     return Status::OK();
   }
 
-  std::vector<std::optional<int64_t>> reported;   // read after Run() returned
+  std::vector<std::optional<int64_t>> reported;
+  std::vector<std::optional<rdzv::PersistedPoint>> points;   // read after Run() returned
   int leaves = 0;
 
  private:

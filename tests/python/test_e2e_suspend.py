@@ -102,8 +102,11 @@ def test_suspended_two_node_job_resumes_at_the_next_step_and_sample(cluster):
 
     late = cluster.start_agent("c", env=cluster.test_env, nnodes="2:2", command=cmd)
     assert late.wait(30) != 0
-    assert ("job %s is suspended at step %d; run `efdl resume --job %s` to continue"
-            % (cluster.job, step, cluster.job)) in late.output(), late.output()[-2000:]
+    # The snapshot the job resumes from, named by step and commit sequence (and epoch, when
+    # the program commits one).
+    assert re.search(r"job %s is suspended at step %d \((epoch \d+, )?snapshot \d+\); run "
+                     r"`efdl resume --job %s` to continue" % (cluster.job, step, cluster.job),
+                     late.output()), late.output()[-2000:]
 
     rc, out = efdl(cluster, "resume")
     assert rc == 0 and "resumed" in out, out

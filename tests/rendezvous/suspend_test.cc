@@ -44,7 +44,7 @@ TEST(SuspendRecords, SuspendedPhaseRoundTrips) {
   EXPECT_EQ(back->round, 7);
 }
 
-TEST(SuspendRecords, JobStepIsTheLargestReportedAndMessagesSayWhatToDo) {
+TEST(SuspendRecords, WithoutSequenceNumbersTheJobStepIsTheLargestReported) {
   std::map<std::string, SuspendReport> reports;
   EXPECT_FALSE(JobSuspendStep(reports).has_value());
   reports["b"] = SuspendReport{};  // a node whose workers do not write storage
@@ -52,10 +52,35 @@ TEST(SuspendRecords, JobStepIsTheLargestReportedAndMessagesSayWhatToDo) {
   reports["a"] = SuspendReport{int64_t{12}, ""};
   reports["c"] = SuspendReport{int64_t{9}, ""};
   EXPECT_EQ(JobSuspendStep(reports), std::optional<int64_t>(12));
-  EXPECT_EQ(SuspendedJobMessage("j1", 12),
+  EXPECT_EQ(SuspendedJobMessage("j1", JobSuspendPoint(reports)),
             "job j1 is suspended at step 12; run `efdl resume --job j1` to continue");
   EXPECT_NE(SuspendedJobMessage("j1", std::nullopt).find("efdl resume --job j1"),
             std::string::npos);
+}
+
+TEST(SuspendRecords, TheJobResumesFromTheNewestSnapshotBySequenceNotTheLargestStep) {
+  // Three nodes at the last epoch (issue #22): one persisted the end of epoch 5 (step 0, the
+  // newest snapshot), one an older snapshot of epoch 4 at step 25, one nothing.
+  std::map<std::string, SuspendReport> reports;
+  reports["a"] = SuspendReport{int64_t{0}, "", uint64_t{57}, int64_t{5}};
+  reports["b"] = SuspendReport{int64_t{25}, "", uint64_t{41}, int64_t{4}};
+  reports["c"] = SuspendReport{};
+  auto point = JobSuspendPoint(reports);
+  ASSERT_TRUE(point);
+  EXPECT_EQ(point->seq, std::optional<uint64_t>(57));
+  EXPECT_EQ(JobSuspendStep(reports), std::optional<int64_t>(0));
+  EXPECT_EQ(DescribeSuspendPoint(*point), "step 0 (epoch 5, snapshot 57)");
+  EXPECT_EQ(SuspendedJobMessage("j", point),
+            "job j is suspended at step 0 (epoch 5, snapshot 57); run `efdl resume --job j` to "
+            "continue");
+  // The report survives etcd (the new fields are optional for older agents' reports).
+  auto back = SuspendReport::Decode(reports["a"].Encode());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->seq, std::optional<uint64_t>(57));
+  EXPECT_EQ(back->epoch, std::optional<int64_t>(5));
+  auto old = SuspendReport::Decode(R"({"step":25,"t":"x"})");
+  ASSERT_TRUE(old.ok());
+  EXPECT_FALSE(old->seq.has_value());
 }
 
 class SuspendEtcdTest : public testing::RealEtcdRendezvousTest {
@@ -108,7 +133,7 @@ TEST_F(SuspendEtcdTest, RunningNodesStopReportAndLeaveNewNodesAreRefusedUntilRes
   EXPECT_EQ(info->live_nodes.size(), 2u);
   EXPECT_TRUE(ResumeJob(*client_, "sjob").status().IsFailedPrecondition());
 
-  ASSERT_TRUE(a->ReportSuspended(int64_t{37}).ok());
+  ASSERT_TRUE(a->ReportSuspended(PersistedPoint{9, 37, int64_t{2}}).ok());
   ASSERT_TRUE(b->ReportSuspended(std::nullopt).ok());
   a->Leave();
   b->Leave();
@@ -127,14 +152,16 @@ TEST_F(SuspendEtcdTest, RunningNodesStopReportAndLeaveNewNodesAreRefusedUntilRes
   EXPECT_TRUE(status->suspended);
   EXPECT_EQ(status->phase, "suspended");
   EXPECT_EQ(status->suspended_step, std::optional<int64_t>(37));
-  EXPECT_NE(status->ToText().find("SUSPENDED at step 37"), std::string::npos) << status->ToText();
+  EXPECT_NE(status->ToText().find("SUSPENDED at step 37 (epoch 2, snapshot 9)"), std::string::npos)
+      << status->ToText();
   EXPECT_NE(status->ToJson().find("\"suspended_step\": 37"), std::string::npos);
 
   auto late = NewEtcdRendezvous(*client_, Opts("c", 1, 2));
   Status refused = late->Join();
   EXPECT_TRUE(refused.IsFailedPrecondition()) << refused.ToString();
   EXPECT_EQ(refused.message(),
-            "job sjob is suspended at step 37; run `efdl resume --job sjob` to continue");
+            "job sjob is suspended at step 37 (epoch 2, snapshot 9); run `efdl resume --job "
+            "sjob` to continue");
   info = ReadSuspension(*client_, "sjob");
   ASSERT_TRUE(info.ok());
   EXPECT_TRUE(info->live_nodes.empty()) << "a refused node must not stay registered";
