@@ -82,6 +82,10 @@ struct EngineOptions {
   // Non-empty (the job's secret): stored snapshots carry an HMAC-SHA256 with this key, and a
   // storage snapshot restores only when its HMAC verifies (snapshot/hmac.h).
   std::string hmac_key;
+  // Commit() computes the data checksum of each snapshot (from the source, right after the
+  // copy) and stores it in the slot, so a restore from memory always verifies it. false
+  // (EFDL_COMMIT_CHECKSUM=0): only slots a persister has hashed are verified.
+  bool commit_checksum = true;
 };
 
 // Where a commit's tensor bytes come from. `data` non-null: copied by the engine's threads.
