@@ -169,6 +169,11 @@ Agent::~Agent() {
   spares_.reset();
   persister_.reset();  // its flusher answers through the control socket
   control_.reset();
+  if (holder_lock_) {
+    // The lock file stays only while arenas of this holder do (for the next agent to adopt).
+    holder_lock_.reset();
+    snapshot::RemoveOrphanLocks(shm_dir_);
+  }
 }
 
 int Agent::Run() {
@@ -519,6 +524,7 @@ bool Agent::TakeArenaHolder() {
     EFDL_LOG_INFO("removed {} snapshot arena(s) of dead processes from {}: {}", removed.size(),
                   shm_dir_, fmt::join(removed, ", "));
   }
+  snapshot::RemoveOrphanLocks(shm_dir_);
   // This job's arenas whose holder died (this node's predecessor on this host): adopt the
   // newest, so the workers restore from memory.
   snapshot::ApplyAdoption(

@@ -268,3 +268,70 @@ def test_a_full_shm_dir_is_one_clear_line(tmp_path, small_tmpfs):
     assert "needs 27.2 MiB" in line and "has 4.0 MiB free" in line and "MiB free" in line, line
     assert "EFDL_SHM_DIR=%s" % small_tmpfs in line, line
     assert [f for f in os.listdir(small_tmpfs) if f.endswith(".arena")] == []
+
+
+STATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                            "state_worker.py")
+RESTORED_RE = re.compile(r"^\[rank \d+\] RESTORED round=(\d+) rank=(\d+) world=(\d+) "
+                         r"source=(\w+) seq=(\d+) step=(\d+)")
+
+
+def restored(agent):
+    return [tuple(m.groups()) for m in map(RESTORED_RE.match, agent.output().splitlines()) if m]
+
+
+def newest_arena_step(shm):
+    out = efdl_cli("snapshots", "list", "--json", env={"EFDL_SHM_DIR": str(shm)})
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert len(rows) == 1 and not rows[0]["live"], rows
+    return rows[0]["step"]
+
+
+def test_restarted_hosts_of_a_two_host_job_agree_on_their_memory_snapshots(cluster, tmp_path):
+    """Two hosts (own EFDL_SHM_DIR each), digits DDP over gloo, default flags: both SIGKILLed
+    whole and started again with the same command. Their arenas take part in the agreement like
+    any memory snapshot: the round restores the newest step either arena holds, each host whose
+    own arena holds it restores from memory (not from a peer or storage, which is held back)."""
+    storage = str(tmp_path / "storage")
+    env = {"EFDL_PERSIST_MIN_INTERVAL_MS": "600000", "WORKER_COMMIT_INTERVAL": "4",
+           "WORKER_STEP_TIME": "0.05", "WORKER_EPOCHS": "50"}
+    argv = cluster.agent_argv("unused", nnodes="2:2", command=[PYTHON, STATE_WORKER],
+                              snapshot_dir=storage)
+    i = argv.index("--node-id")
+    argv = argv[:i] + argv[i + 2:]
+    shm = {n: tmp_path / ("shm-" + n) for n in "ab"}
+    for d in shm.values():
+        d.mkdir()
+    first = {n: start(cluster, n, argv, dict(env, EFDL_SHM_DIR=str(shm[n]))) for n in "ab"}
+    wait_for(lambda: all(any(s[4] >= 40 for s in x.steps()) for x in first.values()), 240,
+             "step 40 on both hosts")
+    for x in first.values():
+        x.signal_group(signal.SIGKILL)
+    for x in first.values():
+        x.proc.wait(timeout=30)
+        wait_for(lambda: not x.worker_pids(), 10, "the workers to die")
+    last = max(s[4] for x in first.values() for s in x.steps())
+    held = {n: newest_arena_step(shm[n]) for n in "ab"}
+    newest = max(held.values())
+    assert last - 4 <= newest <= last, (last, held)
+    again = {n: start(cluster, n + "2", argv, dict(env, EFDL_SHM_DIR=str(shm[n])))
+             for n in "ab"}
+    wait_for(lambda: all(restored(x) for x in again.values()), 240, "both hosts restored")
+    for n, x in again.items():
+        (_, _, world, source, _, step) = restored(x)[0]
+        assert world == "2" and int(step) == newest, (held, x.output()[-3000:])
+        assert source == ("memory" if held[n] == newest else "peer"), (held, x.output()[-3000:])
+
+
+def test_an_agent_that_leaves_without_arenas_leaves_no_lock_file(cluster, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    argv = cluster.agent_argv("unused", nnodes="1:1", command=["sleep", "60"])
+    i = argv.index("--node-id")
+    agent = start(cluster, "a", argv[:i] + argv[i + 2:], {"EFDL_SHM_DIR": str(shm)})
+    wait_for(lambda: agent.worker_pids(), 60, "the worker")
+    assert [f for f in shm_files(shm) if f.endswith(".lock")], shm_files(shm)  # held meanwhile
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait(60) == 128 + signal.SIGTERM, agent.output()[-3000:]
+    assert shm_files(shm) == [], shm_files(shm)
