@@ -82,6 +82,12 @@ struct EngineOptions {
   // Non-empty (the job's secret): stored snapshots carry an HMAC-SHA256 with this key, and a
   // storage snapshot restores only when its HMAC verifies (snapshot/hmac.h).
   std::string hmac_key;
+  // true (EFDL_COMMIT_CHECKSUM=1): Commit() computes the data checksum of each snapshot (from the
+  // source, right after the copy) and stores it in the slot, so a restore from memory always
+  // verifies it. false, the default (commit() stays as fast as before, docs/snapshots.md): only
+  // slots a persister has hashed are verified; a newer one is restored after its manifest and
+  // the publish protocol are checked.
+  bool commit_checksum = false;
 };
 
 // Where a commit's tensor bytes come from. `data` non-null: copied by the engine's threads.

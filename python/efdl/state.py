@@ -16,15 +16,19 @@ Constructing a State restores the newest snapshot of the job: from shared memory
 holds it (it survives the death of the process that wrote it), else from storage. See
 docs/snapshots.md.
 
-Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_NODE_ID (default: host
-name), EFDL_SNAPSHOT_DIR, EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node,
+Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_SNAPSHOT_DIR, EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node,
 written by local rank 0, for data-parallel jobs where all ranks hold the same state; 1: one per
 rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
 EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is written at most once a second; exit,
 SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1, set by
 `efdl run`: the node agent persists, the worker never writes storage and flush() asks the
 agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
-secret EFDL_JOB_SECRET and restore only when it verifies).
+secret EFDL_JOB_SECRET and restore only when it verifies), EFDL_COMMIT_CHECKSUM (0; 1: every
+commit stores its data checksum, so a restore from memory always verifies it, at a cost per
+commit: docs/snapshots.md).
+The arena's name comes from efdl._efdl.arena_path (EFDL_ARENA_HOLDER, set by `efdl run`, or
+"<host>.0" without an agent); a standalone program removes its arena once its final snapshot is
+persisted at exit.
 """
 
 import atexit
@@ -83,6 +87,18 @@ def _snapshot_hmac_key():
                          "`efdl run` gives its workers: run under efdl run, or unset "
                          "EFDL_SNAPSHOT_HMAC")
     return secret
+
+
+def _remove_arena(path, shm_dir, box, key):
+    """Removes a standalone program's arena, then drops its shared holder lock box[key] (the
+    only reference to it); the lock file goes once no process holds it (any lock file nobody
+    holds and no arena belongs to)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    box[key] = None
+    _efdl.remove_orphan_locks(shm_dir)
 
 
 def default_job_id():
@@ -205,16 +221,25 @@ class State:
         per_rank = _env_int("EFDL_SNAPSHOT_PER_RANK", 0) != 0
         self._per_rank = per_rank
         self._job = default_job_id()
-        node = os.environ.get("EFDL_NODE_ID", "").strip() or socket.gethostname()
         scope = "rank%d" % rank if per_rank else "node"
         self._scope = scope
-        shm_dir = os.environ.get("EFDL_SHM_DIR", "/dev/shm")
+        shm_dir = _efdl.shm_dir()
+        self._shm_dir = shm_dir
+        # The arena's name comes from the C++ core (snapshot/arena_dir.h), which the agent, its
+        # persister and the cleanup use too. Under `efdl run` the agent holds the holder lock
+        # and names the holder (EFDL_ARENA_HOLDER); a standalone process shares "<host>.0" by
+        # a shared lock, so a live program's arena is never taken for a dead one's.
+        holder = os.environ.get("EFDL_ARENA_HOLDER", "").strip()
+        self._holder_lock = None
+        if not holder:
+            holder = _efdl.holder_name(socket.gethostname(), 0)
+            self._holder_lock = _efdl.HolderLock.lock_shared(
+                shm_dir, self._job, holder, "python State, job %s" % self._job)
         storage = os.path.join(os.environ.get("EFDL_SNAPSHOT_DIR", "efdl-snapshots"), self._job)
         if per_rank:
             storage = os.path.join(storage, "rank-%d" % rank)
         self._storage_dir = os.path.abspath(storage)
-        self._arena_path = os.path.join(
-            shm_dir, "efdl-%s-%s-%s.arena" % (_safe_name(self._job), _safe_name(node), scope))
+        self._arena_path = _efdl.arena_path(shm_dir, self._job, holder, scope)
         # One writer per arena: local rank 0 for a node copy, every rank for per-rank copies.
         # Storage gets one copy per job (global rank 0) or one per rank.
         self._writer = per_rank or local_rank == 0
@@ -228,7 +253,8 @@ class State:
             keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
             persist=persist and self._writer, copy_threads=_env_int("EFDL_SNAPSHOT_THREADS", 0),
             persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000),
-            hmac_key=_snapshot_hmac_key())
+            hmac_key=_snapshot_hmac_key(),
+            commit_checksum=_env_int("EFDL_COMMIT_CHECKSUM", 0) != 0)
         self._control = self._connect_control()
 
         world = _agreement.group_size()
@@ -913,11 +939,31 @@ class State:
             return
         try:
             self._flush_own()
+            # Persisted: the exit hook removes the arena when the process exits (not now: the
+            # program may go on and build a State of the same job, which restores from it).
+            release = d.get("_exit_release")
+            if release is not None and self._standalone_arena():
+                release["lock"] = d.get("_holder_lock")
+                release["ok"] = True
         except Exception as e:  # noqa: BLE001 - in a finalizer: report, do not raise
             try:
                 sys.stderr.write("efdl: persisting the last snapshot failed: %s\n" % e)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+    def _standalone_arena(self):
+        d = self.__dict__
+        return (not d.get("_agent_persists") and d.get("_writer")
+                and d.get("_holder_lock") is not None)
+
+    def _release_arena(self):
+        """At the exit of a standalone program, once its final snapshot is in storage (or, on a
+        node that does not persist, rank 0's storage holds the same step): the arena would only
+        hold memory until reboot, so it goes (docs/snapshots.md, "Arena lifecycle"). Under an
+        agent the agent decides (it removes a job's arenas when the job completes or is
+        suspended)."""
+        if self._standalone_arena():
+            _remove_arena(self._arena_path, self._shm_dir, self.__dict__, "_holder_lock")
 
     def _install_exit_hooks(self):
         if not self._writer:
@@ -931,9 +977,21 @@ class State:
             if state is not None and os.getpid() == owner:
                 try:
                     state._flush_own()
+                    state._release_arena()
                 except Exception as e:  # noqa: BLE001 - at exit: report, do not raise
                     sys.stderr.write("efdl: persisting the last snapshot at exit failed: %s\n" % e)
 
+        # Filled by __del__ when the State was freed after its final persist: the arena is then
+        # removed at exit all the same (the usual `state` local of a main() that returned).
+        release = {"ok": False, "lock": None}
+        self._exit_release = release
+        arena_path, shm_dir = self._arena_path, self._shm_dir
+
+        def release_at_exit():
+            if os.getpid() == owner and ref() is None and release["ok"]:
+                _remove_arena(arena_path, shm_dir, release, "lock")
+
+        atexit.register(release_at_exit)
         atexit.register(flush_at_exit)
         # SIGTERM (suspend, node shutdown): persist the newest snapshot, then exit. Only when the
         # program has not installed its own handler, and only from the main thread (Python's rule).

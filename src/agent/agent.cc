@@ -6,12 +6,14 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "agent/stale_dirs.h"
 #include "common/log.h"
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
+#include "snapshot/arena_dir.h"
 #include "snapshot/store.h"
 
 namespace efdl::agent {
@@ -38,26 +40,6 @@ std::vector<std::string> HorovodClientFilter(const rdzv::Assignment& a) {
 std::string SignalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
-}
-
-// Once the job is complete its snapshots live on in storage (State persists at exit), so the
-// node's shared-memory arenas of the job (python/efdl/state.py names them
-// efdl-<job>-<node>-<scope>.arena in EFDL_SHM_DIR) would only hold memory: remove them.
-void RemoveJobArenas(const std::string& job_id, const std::string& node_id) {
-  const char* dir = std::getenv("EFDL_SHM_DIR");
-  std::filesystem::path shm = dir != nullptr && *dir != '\0' ? dir : "/dev/shm";
-  // Ids are validated to [A-Za-z0-9._-]; State truncates each to 80 characters.
-  const std::string prefix =
-      fmt::format("efdl-{}-{}-", job_id.substr(0, 80), node_id.substr(0, 80));
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(shm, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.starts_with(prefix) && name.ends_with(".arena")) {
-      std::error_code rm;
-      std::filesystem::remove(entry.path(), rm);
-      if (rm) EFDL_LOG_WARN("cannot remove snapshot arena {}: {}", entry.path().string(), rm.message());
-    }
-  }
 }
 
 // The newest snapshot of the job in storage (python/efdl/state.py writes them to
@@ -211,6 +193,11 @@ Agent::~Agent() {
   spares_.reset();
   persister_.reset();  // its flusher answers through the control socket
   control_.reset();
+  if (holder_lock_) {
+    // The lock file stays only while arenas of this holder do (for the next agent to adopt).
+    holder_lock_.reset();
+    snapshot::RemoveOrphanLocks(shm_dir_);
+  }
 }
 
 int Agent::Run() {
@@ -232,10 +219,11 @@ int Agent::Run() {
     return 1;
   }
   control_ = std::move(control).value();
+  if (!TakeArenaHolder()) return 1;
   if (!options_.launcher) {
     // A launcher's workers persist themselves: their ranks are the inner launcher's business.
     auto persist = AgentPersisterOptionsFromEnvironment(
-        options_.job_id, options_.node_id, options_.snapshot_dir, options_.job_secret,
+        options_.job_id, holder_lock_->holder(), options_.snapshot_dir, options_.job_secret,
         [](const char* name) -> const char* { return std::getenv(name); });
     if (!persist.ok()) {
       EFDL_LOG_ERROR("{}", persist.status().message());
@@ -330,7 +318,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       StopWorkers(/*graceful=*/false, "the job is complete");
       PersistNewestSnapshot("the job's end");
       persister_.reset();
-      RemoveJobArenas(options_.job_id, options_.node_id);
+      RemoveJobArenas();
       EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
       return 0;
     case Type::kFenced:
@@ -417,6 +405,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     spec.env = options_.launcher
                    ? LauncherEnvironment(options_, a, restart_count)
                    : WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
+    spec.env["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
     if (!options_.log_dir.empty()) {
       spec.log_path = (std::filesystem::path(options_.log_dir) / options_.node_id /
                        fmt::format("round-{}.rank-{}.log", a.round, spec.rank))
@@ -450,6 +439,7 @@ void Agent::StartSparePool() {
   typical.nproc = options_.nproc;
   for (int lr = 0; lr < options_.nproc; ++lr) {
     so.start_env[lr] = WorkerEnvironment(options_, typical, lr, 0, socket_path_);
+    so.start_env[lr]["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
   }
   auto pool = SparePool::Create(std::move(so));
   if (!pool.ok()) {
@@ -547,6 +537,9 @@ int Agent::Suspend(const rdzv::Event& event) {
   }
   if (Status st = rdzv_.ReportSuspended(point); !st.ok()) EFDL_LOG_WARN("{}", st.message());
   rdzv_.Leave();
+  // A resume restores from storage (the step just reported); the arenas would only hold memory.
+  persister_.reset();
+  RemoveJobArenas();
   if (step) {
     EFDL_LOG_INFO("job '{}': suspended at step {}", options_.job_id, *step);
   } else {
@@ -567,6 +560,49 @@ int Agent::Shutdown(int signal) {
                                              SignalName(signal)));
   PersistNewestSnapshot("exiting");  // also when no workers ran (a crash between rounds)
   return 128 + signal;
+}
+
+bool Agent::TakeArenaHolder() {
+  shm_dir_ = snapshot::ShmDir(std::getenv("EFDL_SHM_DIR"));
+  auto lock = snapshot::HolderLock::Acquire(
+      shm_dir_, options_.job_id, HostName(),
+      fmt::format("efdl run, job {}, node {}", options_.job_id, options_.node_id));
+  if (!lock.ok()) {
+    EFDL_LOG_ERROR("{}", lock.status().message());
+    return false;
+  }
+  holder_lock_ = std::move(lock).value();
+  const std::string job = snapshot::SafeName(options_.job_id);
+  auto entries = snapshot::ScanArenaDir(shm_dir_, snapshot::HolderLockHeld);
+  // Other jobs' arenas whose holder died: nobody restores from them on this host any more.
+  auto removed = snapshot::RemoveArenas(shm_dir_, snapshot::PlanGc(entries, job),
+                                        holder_lock_->holder());
+  if (!removed.empty()) {
+    EFDL_LOG_INFO("removed {} snapshot arena(s) of dead processes from {}: {}", removed.size(),
+                  shm_dir_, fmt::join(removed, ", "));
+  }
+  snapshot::RemoveOrphanLocks(shm_dir_);
+  // This job's arenas whose holder died (this node's predecessor on this host): adopt the
+  // newest, so the workers restore from memory.
+  snapshot::ApplyAdoption(
+      shm_dir_, snapshot::PlanAdoption(entries, job, holder_lock_->holder(), shm_dir_),
+      holder_lock_->holder());
+  EFDL_LOG_DEBUG("snapshot arenas of this node: {}",
+                 snapshot::ArenaPath(shm_dir_, options_.job_id, holder_lock_->holder(), "*"));
+  return true;
+}
+
+void Agent::RemoveJobArenas() {
+  if (!holder_lock_) return;
+  auto entries = snapshot::ScanArenaDir(shm_dir_, snapshot::HolderLockHeld);
+  auto plan = snapshot::PlanJobRemoval(entries, snapshot::SafeName(options_.job_id),
+                                       holder_lock_->holder());
+  auto removed = snapshot::RemoveArenas(shm_dir_, plan, holder_lock_->holder());
+  holder_lock_->RemoveFile();  // the agent exits next; its lock goes with it
+  if (!removed.empty()) {
+    EFDL_LOG_INFO("removed {} snapshot arena(s) of job '{}' from {}", removed.size(),
+                  options_.job_id, shm_dir_);
+  }
 }
 
 void Agent::StartHorovodRendezvous(const rdzv::Assignment& a) {

@@ -23,6 +23,7 @@
 #include "agent/worker_group.h"
 #include "common/net.h"
 #include "rendezvous/rendezvous.h"
+#include "snapshot/arena_dir.h"
 
 namespace efdl::horovod {
 class RendezvousServer;
@@ -127,6 +128,12 @@ class Agent {
   void PersistNewestSnapshot(const std::string& why);
   // Hands the workers' flush requests (State.flush()) to the persister, which answers them.
   void ServeFlushRequests();
+  // This host's holder lock of the job's arenas (snapshot/arena_dir.h), taken first in Run():
+  // adopts the arenas of a dead predecessor of the job on this host and removes other jobs'
+  // dead arenas. Error line and false when no holder can be taken.
+  bool TakeArenaHolder();
+  // The job completed or was suspended: removes its arenas on this host (own and dead ones).
+  void RemoveJobArenas();
   // The rank-0 node serves Horovod's Gloo rendezvous for the round it starts (docs/horovod.md);
   // the server lives exactly as long as the round's workers.
   void StartHorovodRendezvous(const rdzv::Assignment& assignment);
@@ -136,6 +143,9 @@ class Agent {
   std::atomic<int> shutdown_signal_{0};
   TempDir socket_dir_;
   std::string socket_path_;
+  std::string shm_dir_;                    // EFDL_SHM_DIR
+  // Held for the agent's lifetime: the arenas named after it are this agent's (liveness for gc).
+  std::unique_ptr<snapshot::HolderLock> holder_lock_;
   std::unique_ptr<ControlServer> control_;
   std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
   std::unique_ptr<WorkerGroup> group_;

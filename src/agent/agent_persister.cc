@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "common/log.h"
+#include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
 #include "snapshot/persister.h"
 
@@ -39,29 +40,18 @@ Result<int64_t> EnvInt(const std::function<const char*(const char*)>& getenv, co
   return out;
 }
 
-// state.py's _safe_name: the arena file name's job and node parts.
-std::string SafeName(const std::string& text) {
-  std::string out = text.substr(0, 80);
-  for (char& c : out) {
-    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != '-') c = '_';
-  }
-  return out;
-}
-
 std::string ArenaPath(const AgentPersisterOptions& o, const std::string& scope) {
-  return (std::filesystem::path(o.shm_dir) /
-          fmt::format("efdl-{}-{}-{}.arena", SafeName(o.job_id), SafeName(o.node_id), scope))
-      .string();
+  return snapshot::ArenaPath(o.shm_dir, o.job_id, o.holder, scope);
 }
 
 }  // namespace
 
 Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
-    std::string job_id, std::string node_id, std::string snapshot_dir, std::string job_secret,
+    std::string job_id, std::string holder, std::string snapshot_dir, std::string job_secret,
     const std::function<const char*(const char*)>& getenv) {
   AgentPersisterOptions o;
   o.job_id = std::move(job_id);
-  o.node_id = std::move(node_id);
+  o.holder = std::move(holder);
   o.snapshot_dir = std::move(snapshot_dir);
   if (const char* shm = getenv("EFDL_SHM_DIR"); shm != nullptr && *shm != '\0') o.shm_dir = shm;
   auto per_rank = EnvInt(getenv, "EFDL_SNAPSHOT_PER_RANK", 0);

@@ -7,7 +7,8 @@
 //   <snapshot dir>/<job>/ — only that node writes, so a shared mount has one writer;
 // - per-rank states (EFDL_SNAPSHOT_PER_RANK=1): every local rank's arena "rank<R>", written to
 //   <snapshot dir>/<job>/rank-<R>/.
-// Arena paths follow python/efdl/state.py: <shm dir>/efdl-<job>-<node>-<scope>.arena.
+// Arena paths come from snapshot/arena_dir.h (the one owner of the naming, which state.py calls
+// too): <shm dir>/efdl-<job>-<holder>-<scope>.arena.
 //
 // New commits are found by polling the arena's header (a stat and one header page every
 // poll_interval): that also covers a worker that died right after its commit, a worker that never
@@ -48,7 +49,7 @@ namespace efdl::agent {
 
 struct AgentPersisterOptions {
   std::string job_id;
-  std::string node_id;
+  std::string holder;                 // this agent's arena holder (snapshot/arena_dir.h)
   std::string shm_dir = "/dev/shm";   // EFDL_SHM_DIR
   std::string snapshot_dir;           // the workers' EFDL_SNAPSHOT_DIR (absolute); empty: off
   bool per_rank = false;              // EFDL_SNAPSHOT_PER_RANK
@@ -62,7 +63,7 @@ struct AgentPersisterOptions {
 // both sides see the same values). `getenv` is injectable for tests. InvalidArgument with one
 // line naming the variable for a value State would refuse as well.
 Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
-    std::string job_id, std::string node_id, std::string snapshot_dir, std::string job_secret,
+    std::string job_id, std::string holder, std::string snapshot_dir, std::string job_secret,
     const std::function<const char*(const char*)>& getenv);
 
 // One arena and the storage directory it goes to.

@@ -1,6 +1,11 @@
 // `efdl snapshots list|show|verify|prune --job ID [--snapshot-dir DIR]`: inspect and tidy a job's
 // persisted snapshots (<snapshot-dir>/<job>/snap-*.efdl, and rank-<N>/ for per-rank snapshots).
+// `efdl snapshots list` without --job: this host's shared-memory arenas (EFDL_SHM_DIR), with
+// size, job and owner; `efdl snapshots gc`: removes the arenas no live process holds
+// (snapshot/arena_dir.h, docs/snapshots.md "Arena lifecycle").
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <iostream>
 #include <string>
@@ -10,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
 #include "snapshot/parallel.h"
 #include "snapshot/store.h"
@@ -26,6 +32,7 @@ struct SnapshotsArgs {
   bool json = false;
   int64_t seq = -1;
   int keep = 2;
+  bool dry_run = false;
 };
 
 // The job's directory and its per-rank subdirectories, each a store of its own.
@@ -54,7 +61,68 @@ int Fail(const std::string& line) {
   return 1;
 }
 
+std::string Mib(uint64_t bytes) { return fmt::format("{:.1f}", static_cast<double>(bytes) / (1 << 20)); }
+
+nlohmann::json ArenaRow(const snap::ArenaEntry& e) {
+  nlohmann::json row = {{"path", e.path},   {"bytes", e.bytes}, {"job", e.job},
+                        {"job_name", e.name.job}, {"holder", e.name.holder},
+                        {"scope", e.name.scope}, {"live", e.held}, {"owner", e.owner}};
+  if (e.newest_seq) row["seq"] = *e.newest_seq;
+  if (e.newest_step) row["step"] = *e.newest_step;
+  return row;
+}
+
+// This host's arenas (no --job), or `gc`.
+int RunArenas(const std::string& action, const SnapshotsArgs& a) {
+  const std::string dir = snap::ShmDir(std::getenv("EFDL_SHM_DIR"));
+  if (!snap::Env::Posix()->FileExists(dir)) {
+    return Fail(fmt::format("shared-memory directory {} does not exist (EFDL_SHM_DIR)", dir));
+  }
+  auto entries = snap::ScanArenaDir(dir, snap::HolderLockHeld);
+  if (action == "gc") {
+    auto plan = snap::PlanGc(entries, "");
+    uint64_t freed = 0;
+    std::vector<std::string> removed;
+    if (a.dry_run) {
+      removed = plan;
+    } else {
+      removed = snap::RemoveArenas(dir, plan, "");
+      snap::RemoveOrphanLocks(dir);
+    }
+    for (const auto& e : entries) {
+      if (std::find(removed.begin(), removed.end(), e.path) != removed.end()) freed += e.bytes;
+    }
+    if (a.json) {
+      std::cout << nlohmann::json({{"removed", removed}, {"bytes", freed},
+                                   {"dry_run", a.dry_run}}).dump(2) << "\n";
+    } else {
+      for (const auto& p : removed) std::cout << (a.dry_run ? "would remove " : "removed ") << p << "\n";
+      std::cout << fmt::format("{} {} arena(s), {} MiB, from {}; arenas a live process holds are "
+                               "kept\n", a.dry_run ? "would remove" : "removed", removed.size(),
+                               Mib(freed), dir);
+    }
+    return 0;
+  }
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& e : entries) out.push_back(ArenaRow(e));
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << fmt::format("{:>9} {:<6} {:>8} {:<24} {:<6} {:<30} {}\n", "MIB", "SCOPE", "STEP",
+                           "JOB", "LIVE", "OWNER", "PATH");
+  for (const auto& e : entries) {
+    std::cout << fmt::format("{:>9} {:<6} {:>8} {:<24} {:<6} {:<30} {}\n", Mib(e.bytes),
+                             e.name.scope, e.newest_step ? std::to_string(*e.newest_step) : "-",
+                             e.job.empty() ? e.name.job : e.job, e.held ? "yes" : "no",
+                             e.owner.empty() ? "-" : e.owner, e.path);
+  }
+  if (entries.empty()) std::cout << fmt::format("(no snapshot arenas in {})\n", dir);
+  return 0;
+}
+
 int Run(const std::string& action, const SnapshotsArgs& a) {
+  if (action == "gc" || (action == "list" && a.job.empty())) return RunArenas(action, a);
   if (a.job.empty() || a.job.find('/') != std::string::npos || a.job == "." || a.job == "..") {
     return Fail(fmt::format("--job '{}' is not a job id (no '/', not empty)", a.job));
   }
@@ -156,7 +224,8 @@ int Run(const std::string& action, const SnapshotsArgs& a) {
 }  // namespace
 
 void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner) {
-  auto* cmd = app.add_subcommand("snapshots", "List, show, verify or prune a job's snapshots");
+  auto* cmd = app.add_subcommand(
+      "snapshots", "List, show, verify or prune a job's snapshots; list or gc this host's arenas");
   cmd->require_subcommand(1);
   auto args = std::make_shared<SnapshotsArgs>();
   struct Action {
@@ -167,9 +236,22 @@ void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner) {
        {Action{"list", "List the job's snapshots, newest first (header checks only)"},
         Action{"show", "Show the newest snapshot (or --seq): values and tensors"},
         Action{"verify", "Verify every snapshot's checksums; exit 1 if any is damaged"},
-        Action{"prune", "Remove all but the newest --keep snapshots"}}) {
+        Action{"prune", "Remove all but the newest --keep snapshots"},
+        Action{"gc", "Remove this host's shared-memory arenas that no live process holds "
+                     "(EFDL_SHM_DIR)"}}) {
     auto* sub = cmd->add_subcommand(act.name, act.help);
-    sub->add_option("--job", args->job, "Job id")->required()->envname("EFDL_JOB_ID");
+    const std::string n = act.name;
+    if (n == "gc") {
+      sub->add_flag("--json", args->json, "Machine-readable output");
+      sub->add_flag("--dry-run", args->dry_run, "Only say what would be removed");
+      sub->callback([&runner, args] { runner.Set([args] { return Run("gc", *args); }); });
+      continue;
+    }
+    auto* job = sub->add_option("--job", args->job,
+                                n == "list" ? "Job id (without: this host's shared-memory arenas)"
+                                            : "Job id");
+    if (n != "list") job->required();
+    job->envname("EFDL_JOB_ID");
     OptionWithEnv(sub, "--snapshot-dir", args->dir, "Snapshot storage directory",
                   "EFDL_SNAPSHOT_DIR")
         ->capture_default_str();

@@ -7,12 +7,14 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "efdl/snapshot.h"
 #include "python/fast_commit.h"
+#include "snapshot/arena_dir.h"
 
 namespace py = pybind11;
 namespace snap = efdl::snapshot;
@@ -81,7 +83,8 @@ PYBIND11_MODULE(_efdl, m) {
   py::class_<snap::SnapshotEngine>(m, "SnapshotEngine")
       .def(py::init([](std::string job_id, std::string scope, std::string arena_path,
                        std::string storage_dir, int num_slots, int keep, bool persist,
-                       int copy_threads, int persist_min_interval_ms, std::string hmac_key) {
+                       int copy_threads, int persist_min_interval_ms, std::string hmac_key,
+                       bool commit_checksum) {
              snap::EngineOptions o;
              o.job_id = std::move(job_id);
              o.scope = std::move(scope);
@@ -93,12 +96,13 @@ PYBIND11_MODULE(_efdl, m) {
              o.copy_threads = copy_threads;
              o.persist_min_interval = std::chrono::milliseconds(persist_min_interval_ms);
              o.hmac_key = std::move(hmac_key);
+             o.commit_checksum = commit_checksum;
              return Unwrap(snap::SnapshotEngine::Open(std::move(o)));
            }),
            py::arg("job_id"), py::arg("scope"), py::arg("arena_path"), py::arg("storage_dir"),
            py::arg("num_slots") = snap::EngineOptions{}.num_slots, py::arg("keep") = 2, py::arg("persist") = true,
            py::arg("copy_threads") = 0, py::arg("persist_min_interval_ms") = 0,
-           py::arg("hmac_key") = "")
+           py::arg("hmac_key") = "", py::arg("commit_checksum") = false)
       .def(
           "set_layout",
           [](snap::SnapshotEngine& e, const std::vector<TensorTuple>& tensors) {
@@ -180,6 +184,43 @@ PYBIND11_MODULE(_efdl, m) {
       .def_property_readonly("next_seq", &snap::SnapshotEngine::next_seq)
       .def("advance_seq", &snap::SnapshotEngine::AdvanceSeq, py::arg("seq"),
            "Makes the next commit's seq at least `seq` (aligns the ranks of a round).");
+
+  // The arena naming contract (snapshot/arena_dir.h): one owner, used by state.py and the agent.
+  m.def("shm_dir", [] { return snap::ShmDir(std::getenv("EFDL_SHM_DIR")); },
+        "EFDL_SHM_DIR, or /dev/shm.");
+  m.def("arena_path", &snap::ArenaPath, py::arg("dir"), py::arg("job"), py::arg("holder"),
+        py::arg("scope"), "<dir>/efdl-<job>-<holder>-<scope>.arena");
+  m.def("holder_name", &snap::HolderName, py::arg("host"), py::arg("index"),
+        "The arena holder '<host>.<index>' (what an agent passes its workers as "
+        "EFDL_ARENA_HOLDER).");
+  py::class_<snap::HolderLock>(m, "HolderLock",
+                               "A held arena holder lock (flock); released when dropped.")
+      .def_static(
+          "acquire",
+          [](const std::string& dir, const std::string& job, const std::string& host,
+             const std::string& what) {
+            return Unwrap(snap::HolderLock::Acquire(dir, job, host, what));
+          },
+          py::arg("dir"), py::arg("job"), py::arg("host"), py::arg("what"))
+      .def_static(
+          "lock_shared",
+          [](const std::string& dir, const std::string& job, const std::string& holder,
+             const std::string& what) -> py::object {
+            auto lock = Unwrap(snap::HolderLock::TryLockPath(
+                snap::HolderLockPath(dir, job, holder), /*shared=*/true));
+            if (lock == nullptr) return py::none();
+            lock->SetOwner(what);
+            return py::cast(std::move(lock));
+          },
+          py::arg("dir"), py::arg("job"), py::arg("holder"), py::arg("what"),
+          "A shared lock on this holder (None when an agent holds it exclusively).")
+      .def_property_readonly("holder", &snap::HolderLock::holder)
+      .def_property_readonly("path", &snap::HolderLock::path)
+      .def("remove_file", &snap::HolderLock::RemoveFile,
+           "Unlinks the lock file (still held: nobody can take this one).");
+
+  m.def("remove_orphan_locks", &snap::RemoveOrphanLocks, py::arg("dir"),
+        "Removes lock files nobody holds and no arena belongs to; returns how many.");
 
   using efdl::python::FastCommit;
   py::class_<FastCommit>(m, "FastCommit",

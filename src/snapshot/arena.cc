@@ -9,10 +9,12 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "snapshot/arena_dir.h"
 #include "snapshot/layout.h"
 
 namespace efdl::snapshot {
@@ -86,6 +88,9 @@ Result<std::unique_ptr<SnapshotArena>> SnapshotArena::Create(const std::string& 
   data_capacity = AlignUp(std::max<uint64_t>(data_capacity, kPageBytes), kPageBytes);
   const uint64_t stride = manifest_capacity + data_capacity;
   const uint64_t total = kPageBytes + stride * static_cast<uint64_t>(num_slots);
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  // A full tmpfs makes posix_fallocate fail below as well, but this line says what is free.
+  EFDL_RETURN_IF_ERROR(CheckArenaRoom(dir.empty() ? "." : dir, total));
   std::string tmp = fmt::format("{}.new-{}", path, ::getpid());
   int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) {
@@ -96,10 +101,12 @@ Result<std::unique_ptr<SnapshotArena>> SnapshotArena::Create(const std::string& 
   if (err != 0) {
     ::close(fd);
     ::unlink(tmp.c_str());
+    Status room = CheckArenaRoom(dir.empty() ? "." : dir, total);
+    if (!room.ok()) return room;  // the one clear line, now with the space really free
     return Status::IOError(fmt::format(
-        "cannot reserve {} MiB of shared memory for snapshots at {}: {} (enlarge /dev/shm, e.g. "
-        "docker --shm-size, or lower the state size)",
-        total >> 20, tmp, std::strerror(err)));
+        "cannot reserve {} MiB of shared memory for snapshots at {}: {} (EFDL_SHM_DIR={}; "
+        "enlarge it, e.g. docker --shm-size, or lower the state size)",
+        total >> 20, tmp, std::strerror(err), dir));
   }
   void* base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   struct stat st {};

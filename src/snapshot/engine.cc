@@ -152,13 +152,22 @@ class Engine final : public SnapshotEngine {
         return s;
       }
     }
+    // The data checksum is taken here, from the source right after its copy (still in the
+    // cache), so every memory snapshot can be verified before a restore: also the newest one
+    // after a crash, which no persister has seen (docs/snapshots.md, "Arena lifecycle").
+    const bool hash = options_.commit_checksum;
+    if (hash) piece_hashes_.assign(pieces_.size(), 0);
     auto copy_piece = [&](size_t i) {
       const Piece& p = pieces_[i];
       const void* src = sources[p.tensor].data;
-      if (src == nullptr || p.length == 0) return;
-      StreamCopy(data + p.offset,
-                 static_cast<const uint8_t*>(src) + (p.offset - layout_[p.tensor].offset),
-                 p.length);
+      if (src == nullptr || p.length == 0) {  // filled in place (device tensors): hash what is in the slot
+        if (hash) piece_hashes_[i] = DataHash64(data + p.offset, p.length, p.Seed());
+        return;
+      }
+      const uint8_t* from =
+          static_cast<const uint8_t*>(src) + (p.offset - layout_[p.tensor].offset);
+      StreamCopy(data + p.offset, from, p.length);
+      if (hash) piece_hashes_[i] = DataHash64(from, p.length, p.Seed());
     };
     if (data_bytes_ >= kParallelCopyBytes) {
       runner_.Run(pieces_.size(), copy_piece);
@@ -166,6 +175,7 @@ class Engine final : public SnapshotEngine {
       for (size_t i = 0; i < pieces_.size(); ++i) copy_piece(i);
     }
     std::memcpy(arena->manifest_area(*slot), text.data(), text.size());
+    if (hash) arena->SetChecksum(*slot, seq, FoldPieceHashes(piece_hashes_));
     arena->Publish(*slot, seq, step, text.size(), data_bytes_);
     if (fresh) {
       EFDL_RETURN_IF_ERROR(fresh->Install());
@@ -347,6 +357,7 @@ class Engine final : public SnapshotEngine {
   std::unique_ptr<SnapshotArena> arena_;
   std::vector<TensorEntry> layout_;
   std::vector<Piece> pieces_;
+  std::vector<uint64_t> piece_hashes_;  // the commit's piece hashes (commit_checksum)
   uint64_t data_bytes_ = 0;
   std::string tensors_json_;
   std::string head_json_;  // "job":...,"scope":... (escaped once)

@@ -20,6 +20,7 @@
 #include "test_util.h"
 #include "common/net.h"
 #include "snapshot/arena.h"
+#include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
 #include "snapshot/store.h"
 
@@ -172,7 +173,9 @@ struct Node {
   }
   // The step of the newest complete snapshot in shared memory.
   std::optional<int64_t> MemoryStep(const std::string& scope = "node") const {
-    auto arena = snapshot::SnapshotArena::Open(shm + "/efdl-pj-n1-" + scope + ".arena");
+    // The agent is the only holder of the job in this node's shm dir: index 0.
+    auto arena = snapshot::SnapshotArena::Open(
+        snapshot::ArenaPath(shm, "pj", snapshot::HolderName(HostName(), 0), scope));
     if (!arena.ok()) return std::nullopt;
     auto slots = (*arena)->ReadySlots();
     if (slots.empty()) return std::nullopt;
@@ -314,10 +317,14 @@ TEST(AgentPersist, ASuspendReportsTheStepOfTheWorkersFinalCommit) {
   node.rdzv.Push(suspend);
   node.thread.join();
   EXPECT_EQ(node.exit_code, 0);
-  const auto memory = node.MemoryStep();
-  ASSERT_TRUE(memory.has_value());
+  // A suspended job's arenas are removed (a resume restores from storage): the final commit
+  // is known from storage only, which is what the report must say.
+  EXPECT_FALSE(node.MemoryStep().has_value()) << "the suspended job's arena was removed";
+  const auto stored = node.StoredStep();
+  ASSERT_TRUE(stored.has_value());
+  EXPECT_GE(*stored, 20);
   ASSERT_EQ(node.rdzv.suspended().size(), 1u);
-  EXPECT_EQ(node.rdzv.suspended()[0], memory) << "workers' final commit -> persisted -> report";
+  EXPECT_EQ(node.rdzv.suspended()[0], stored) << "workers' final commit -> persisted -> report";
   // EFDL_SNAPSHOT_HMAC=1: the agent signed it with the job's secret.
   snapshot::SnapshotStore store(snapshot::Env::Posix(), node.storage + "/pj", 2);
   auto entries = store.List();
@@ -426,18 +433,18 @@ TEST(AgentPersist, FlushOnANodeThatDoesNotStoreTheNodeCopyReturnsWithoutWriting)
 TEST(AgentPersistTargets, FollowStateArenaNamesAndTheRankZeroRule) {
   AgentPersisterOptions o;
   o.job_id = "job.1";
-  o.node_id = "host-a";
+  o.holder = "host_a.0";
   o.shm_dir = "/dev/shm";
   o.snapshot_dir = "/snap";
   EXPECT_EQ(PersistTargetsFor(o, 0, 2),
-            (std::vector<PersistTarget>{{"/dev/shm/efdl-job.1-host-a-node.arena", "/snap/job.1"}}));
+            (std::vector<PersistTarget>{{"/dev/shm/efdl-job.1-host_a.0-node.arena", "/snap/job.1"}}));
   EXPECT_TRUE(PersistTargetsFor(o, 2, 2).empty());
   EXPECT_TRUE(PersistTargetsFor(o, 0, 0).empty());  // standby
   o.per_rank = true;
   EXPECT_EQ(PersistTargetsFor(o, 2, 2),
             (std::vector<PersistTarget>{
-                {"/dev/shm/efdl-job.1-host-a-rank2.arena", "/snap/job.1/rank-2"},
-                {"/dev/shm/efdl-job.1-host-a-rank3.arena", "/snap/job.1/rank-3"}}));
+                {"/dev/shm/efdl-job.1-host_a.0-rank2.arena", "/snap/job.1/rank-2"},
+                {"/dev/shm/efdl-job.1-host_a.0-rank3.arena", "/snap/job.1/rank-3"}}));
   o.snapshot_dir.clear();
   EXPECT_TRUE(PersistTargetsFor(o, 0, 2).empty());
 }

@@ -85,7 +85,7 @@ CASES = [
     (["sim", "--nodes", "10", "--seed", "-1"], {}, "--seed"),
     (["etcd", "--port", "99999"], {}, "--port"),
     (["etcd", "--port", "-1"], {}, "--port"),
-    (["snapshots", "list"], {}, "--job"),
+    (["snapshots", "show"], {}, "--job"),   # `list` without --job lists this host's arenas
     (["snapshots", "list", "--job", "j", "--seq", "x"], {}, "--seq"),
     (["nosuchcommand"], {}, "subcommand"),
 ]

@@ -138,17 +138,28 @@ print("arena exists during training:", os.path.exists(state.arena_path))
 
 
 def test_completed_job_removes_its_shared_memory_arenas(tmp_path):
+    import fcntl
     shm = tmp_path / "shm"
     shm.mkdir()
-    other = shm / "efdl-another-job-solo-node.arena"   # not this job's: must stay
+    # Another job's arena whose holder lock a live process (this test) holds: must stay.
+    other = shm / "efdl-another-job-solo.0-node.arena"
     other.write_bytes(b"x")
-    proc, _ = run(["run", "--job", "arenas", "--node-id", "solo",
-                   "--snapshot-dir", str(tmp_path / "snap"), "--",
-                   sys.executable, "-c", STATE_WORKER],
-                  timeout=120, cwd=tmp_path, extra_env={"EFDL_SHM_DIR": str(shm)})
+    other_lock = open(shm / "efdl-another-job-solo.0.lock", "w")
+    fcntl.flock(other_lock, fcntl.LOCK_EX)
+    # A dead one (no live holder): the next `efdl run` on this host removes it.
+    dead = shm / "efdl-gone-job-solo.3-node.arena"
+    dead.write_bytes(b"x")
+    try:
+        proc, _ = run(["run", "--job", "arenas", "--node-id", "solo",
+                       "--snapshot-dir", str(tmp_path / "snap"), "--",
+                       sys.executable, "-c", STATE_WORKER],
+                      timeout=120, cwd=tmp_path, extra_env={"EFDL_SHM_DIR": str(shm)})
+    finally:
+        other_lock.close()
     assert proc.returncode == 0, proc.stderr
     assert "[rank 0] arena exists during training: True" in proc.stdout
-    assert sorted(p.name for p in shm.iterdir()) == [other.name]
+    assert sorted(p.name for p in shm.iterdir()) == sorted([other.name, other_lock.name.split(
+        "/")[-1]])
     assert list((tmp_path / "snap" / "arenas").iterdir()), "the final snapshot was persisted"
 
 
