@@ -7,6 +7,7 @@ Every wait is bounded; each test removes its hosts, etcd and directories whateve
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -244,3 +245,59 @@ def test_examples_train_across_hosts_with_default_flags(world, kind):
     assert "training complete" in out, outputs(agents)
     assert "could not connect to a peer" not in out, outputs(agents)
     assert "127.0.1.1" not in out, outputs(agents)
+
+
+STATE_WORKER = os.path.join(cluster.REPO, "tests", "faults", "worker.py")
+RESUME_RE = re.compile(r"RESUME round=(\d+) rank=(\d+) world=(\d+) step=(\d+) pid=\d+ src=(\d)")
+
+
+def resumes(agent):
+    """(round, rank, world, step, source) of each RESUME line of the fault suite's worker
+    (source: 0 none, 1 memory, 2 storage, 3 peer)."""
+    return [tuple(int(g) for g in m.groups())
+            for m in (RESUME_RE.search(line) for line in agent.output().splitlines()) if m]
+
+
+@pytest.mark.parametrize("shm", ["kept", "empty"])
+def test_a_state_job_whose_hosts_restart_resumes_from_their_memory(world, shm):
+    """The fault suite's digits + State program (commit every step) on 2 hosts with default
+    flags. Both hosts are SIGKILLed as a whole at once and started again: with their /dev/shm
+    kept (a process or container restart), every rank restores from its own host's memory at
+    the last acknowledged commit or the one after it; with an empty /dev/shm (machines
+    replaced), from storage or a peer, never from memory."""
+    w, etcd, agents = world
+    job = "hosts-state-" + shm
+    marks = os.path.join(w.shared, "marks")
+    os.makedirs(marks)
+    env = {"FAULT_STEPS": "100000", "FAULT_STEP_TIME": "0.1", "FAULT_MARK_DIR": marks,
+           "FAULT_ANNOUNCE": "1", "WORKER_STEP_TIME": ""}
+    pair = w.hosts[:2]
+    first = [start_agent(w, etcd, h, job, env=env, nnodes="2:2",
+                         command=[cluster.PYTHON, STATE_WORKER]) for h in pair]
+    agents += first
+    wait_world(first, 2, 0.0, timeout=300, live=first)
+    cluster.wait_for(lambda: max((s[4] for a in first for s in a.steps()), default=0) >= 15,
+                     120, "15 steps at world 2")
+    for h in pair:
+        h.kill()
+    # Commits acknowledged before the kill: ack-<pid>-<step> markers, written once commit()
+    # returned (they survive the kill; the agents' relayed lines may not).
+    acked = max(int(n.rsplit("-", 1)[1]) for n in os.listdir(marks) if n.startswith("ack-"))
+    for h in pair:
+        h.start(empty_shm=(shm == "empty"))
+    second = [start_agent(w, etcd, h, job, env=env, nnodes="2:2",
+                          command=[cluster.PYTHON, STATE_WORKER]) for h in pair]
+    agents += second
+    got = cluster.wait_for(lambda: len(resumes(second[0]) + resumes(second[1])) >= 2 and
+                           resumes(second[0]) + resumes(second[1]), 300,
+                           "both ranks of the restarted hosts resuming:\n" + outputs(second))
+    steps = {r[3] for r in got}
+    sources = {r[4] for r in got}
+    assert len(steps) == 1, got        # the ranks agreed on one snapshot
+    step = steps.pop()
+    if shm == "kept":
+        assert sources == {1}, (got, outputs(second))
+        assert acked <= step <= acked + 1, (acked, got)
+    else:
+        assert 1 not in sources and sources & {2, 3}, (got, outputs(second))
+        assert 0 < step <= acked + 1, (acked, got)
