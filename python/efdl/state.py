@@ -42,6 +42,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -262,6 +263,8 @@ class State:
             self._restore_agreed(world)
         else:
             self._restore_newest()
+        if self._restored is not None and rank == 0:
+            self._announce_restore()
         d["model"], d["optimizer"], d["scheduler"] = model, optimizer, scheduler
         given = [p for p in ("model", "optimizer", "scheduler") if d[p] is not None]
         if self._restored is not None and given:
@@ -699,6 +702,29 @@ class State:
         for name, t in tensors.items():
             values[name[len("kw/"):]] = t
         self._values.update(values)
+
+    def _announce_restore(self):
+        """One line on stderr (global rank 0): the snapshot this run continues from, its age and
+        place, and how to start over instead - a run never continues earlier work silently."""
+        ref = self._restored
+        where = {"memory": "this host's memory", "peer": "another rank's memory"}.get(
+            ref.source, os.path.dirname(ref.path) or ref.path)
+        age = max(0.0, time.time() - ref.wall_time)
+        for limit, unit, div in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+            if age < limit:
+                ago = "%d %s" % (age // div, unit)
+                break
+        else:
+            ago = "%d days" % (age // 86400)
+        epoch = self._values.get("epoch")
+        detail = "step %d%s" % (ref.step, ", epoch %s" % epoch if isinstance(epoch, int) else "")
+        agent = _env_int("EFDL_AGENT_PERSISTS", 0) != 0
+        sys.stderr.write(
+            "efdl: job '%s' continues from snapshot %d (%s) in %s, written %s ago; to start "
+            "over: `efdl reset --job %s%s` first, or use another job id\n"
+            % (self._job, ref.seq, detail, where, ago, self._job,
+               " --etcd ..." if agent else ""))
+        sys.stderr.flush()
 
     def _restore_newest(self):
         """Restores the user values from the newest usable snapshot and remembers it, so the

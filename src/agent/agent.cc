@@ -300,6 +300,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
   using Type = rdzv::Event::Type;
   switch (event.type) {
     case Type::kRoundStarted:
+      saw_round_ = true;
       return StartRound(event.assignment);
     case Type::kRoundClosing:
       EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
@@ -319,7 +320,19 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       PersistNewestSnapshot("the job's end");
       persister_.reset();
       RemoveJobArenas();
-      EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
+      if (!saw_round_) {
+        // A late agent: the job id ran to completion before; it still exits 0, but says so.
+        EFDL_LOG_WARN("job '{}' was already complete ({}); nothing ran on this node. To run it "
+                      "again from the beginning: `efdl reset --job {} --etcd ...` once no agent "
+                      "of it runs, or start it under a new --job",
+                      options_.job_id, event.message, options_.job_id);
+      } else if (rounds_started_ == 0) {
+        EFDL_LOG_WARN("job '{}' is complete; this node was a standby throughout (the job was at "
+                      "its --nnodes MAX or --world-size): its program never ran here",
+                      options_.job_id);
+      } else {
+        EFDL_LOG_INFO("job '{}' is complete", options_.job_id);
+      }
       return 0;
     case Type::kFenced:
       EFDL_LOG_WARN("node {} lost its lease: fenced out of round {}; stopping workers{}{}",

@@ -154,6 +154,7 @@ class Agent {
   std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;
+  bool saw_round_ = false;  // any round (standby included) reached this node
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;
   bool peer_connect_explained_ = false;

@@ -33,5 +33,6 @@ void RegisterStatusCommand(CLI::App& app, CommandRunner& runner);     // src/cli
 void RegisterSimCommand(CLI::App& app, CommandRunner& runner);        // src/cli/sim_command.cc
 void RegisterSuspendCommand(CLI::App& app, CommandRunner& runner);    // src/cli/suspend_command.cc
 void RegisterResumeCommand(CLI::App& app, CommandRunner& runner);     // src/cli/suspend_command.cc
+void RegisterResetCommand(CLI::App& app, CommandRunner& runner);      // src/cli/reset_command.cc
 
 }  // namespace efdl::cli

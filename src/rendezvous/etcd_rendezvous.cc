@@ -747,8 +747,15 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
     return;
   }
   if (rec.phase == Phase::kComplete) {
+    std::string when;
+    if (auto done = client_.Get(keys_.complete); done.ok() && done->has_value()) {
+      auto j = json::parse((*done)->value, nullptr, false);
+      if (j.is_object() && j.contains("time") && j["time"].is_string()) {
+        when = " at " + j["time"].get<std::string>();
+      }
+    }
     Emit(MakeEvent(Event::Type::kJobComplete, rec.round, false,
-                   "every worker of the job succeeded"));
+                   fmt::format("every worker of the job succeeded; completed{}", when)));
     StopCoordinating();
     ReleaseRegistration(false);
     return;

@@ -3,6 +3,7 @@ before anything starts; without --etcd a private etcd runs a single-node job tha
 restarts failed workers, up to --max-restarts."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -221,3 +222,52 @@ def test_run_help_and_the_flags_table_of_docs_agent_md_agree():
         if default is not None:
             assert re.search(r"(^|[ `])%s([ `]|$)" % re.escape(default), rows[flag]), (
                 "%s: --help says %s, docs/agent.md says %r" % (flag, default, rows[flag]))
+
+
+STATE_PROGRAM = r"""
+import torch, efdl.backend.torch as efdl
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = efdl.State(model, opt, epoch=0, step=0)
+for _ in range(3):
+    state.step += 1
+    state.commit()
+print("trained to step", state.step)
+"""
+
+
+def test_a_resumed_run_says_what_it_continues_and_efdl_reset_starts_over(tmp_path):
+    """A program using State without an agent: its second run announces the snapshot it
+    continues from (job, step, where, age) and how to start over; after `efdl reset` the next
+    run starts from the beginning without that line."""
+    script = tmp_path / "train.py"
+    script.write_text(STATE_PROGRAM)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = cluster.base_env()
+    env.update({"EFDL_SNAPSHOT_DIR": str(tmp_path / "snaps"), "EFDL_SHM_DIR": str(shm),
+                "EFDL_JOB_ID": "announce"})
+
+    def train():
+        return subprocess.run([cluster.PYTHON, str(script)], env=env, capture_output=True,
+                              text=True, timeout=120, cwd=str(tmp_path))
+    first = train()
+    assert first.returncode == 0, first.stderr
+    assert "trained to step 3" in first.stdout and "continues from" not in first.stderr
+    second = train()
+    assert second.returncode == 0, second.stderr
+    assert "trained to step 6" in second.stdout, second.stdout
+    line = [l for l in second.stderr.splitlines() if "continues from" in l]
+    assert len(line) == 1, second.stderr
+    assert re.search(r"efdl: job 'announce' continues from snapshot \d+ \(step 3, epoch 0\) in "
+                     r".*snaps.*, written \d+ s ago; to start over: `efdl reset --job announce` "
+                     r"first", line[0]), line[0]
+    reset = subprocess.run([EFDL, "reset", "--job", "announce", "--snapshot-dir",
+                            str(tmp_path / "snaps")], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert reset.returncode == 0, reset.stderr
+    assert "moved the job's snapshots" in reset.stdout, reset.stdout
+    assert any(p.name.startswith("announce.reset-") for p in (tmp_path / "snaps").iterdir())
+    third = train()
+    assert "trained to step 3" in third.stdout and "continues from" not in third.stderr, (
+        third.stdout + third.stderr)

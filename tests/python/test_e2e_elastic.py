@@ -217,3 +217,41 @@ def test_status_of_a_job_nobody_registered_is_one_line(job):
     assert proc.stdout == ""
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no node has registered it" in lines[0], proc.stderr
+
+
+def test_a_completed_job_id_used_again_says_so_and_efdl_reset_starts_it_over(job, tmp_path):
+    """A job that completed: a late agent of it exits 0 but says on stderr that the job was
+    already complete, when, and how to start it over; `efdl reset` refuses while an agent of
+    the job runs, then removes the job from etcd and the next run runs the program again."""
+    marker = "the program ran %d" % os.getpid()
+    command = [cluster.PYTHON, "-c", "print(%r)" % marker]
+    extra = ["--no-prestart"]
+    first = job.start_agent("node-a", nnodes="1:1", extra=extra, command=command)
+    assert first.wait(120) == 0, first.output()[-2000:]
+    assert marker in first.output()
+    late = job.start_agent("node-b", nnodes="1:1", extra=extra, command=command)
+    assert late.wait(120) == 0, late.output()[-2000:]
+    out = late.output()
+    assert marker not in out, out
+    assert re.search(r"job '%s' was already complete \(.*completed at 20\d\d-" % job.job, out), out
+    assert "efdl reset --job %s" % job.job in out, out
+
+    def reset():
+        return subprocess.run([cluster.efdl_bin(), "reset", "--etcd", job.endpoint, "--job",
+                               job.job, "--snapshot-dir", os.path.join(job.dir, "snapshots")],
+                              env=cluster.base_env(), capture_output=True, text=True, timeout=60)
+    done = reset()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "removed job '%s' from etcd" % job.job in done.stdout, done.stdout
+    # An agent of the job (waiting for a second node) is running: reset refuses.
+    busy = job.start_agent("node-c", nnodes="2:2", extra=extra,
+                           command=[cluster.PYTHON, "-c", "print(1)"])
+    job.wait_joined(busy)
+    refused = reset()
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "is running: 1 agent(s) registered (node-c)" in refused.stderr, refused.stderr
+    busy.kill()
+    cluster.wait_for(lambda: reset().returncode == 0, 30, "reset once node-c's lease expired")
+    again = job.start_agent("node-d", nnodes="1:1", extra=extra, command=command)
+    assert again.wait(120) == 0, again.output()[-2000:]
+    assert marker in again.output(), again.output()[-2000:]
