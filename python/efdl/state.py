@@ -826,17 +826,19 @@ class State:
             if ptrs:
                 self._read(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
         except SnapshotError as e:
-            raise SnapshotError("restoring the %s from snapshot seq %d (%s) failed: %s; remove "
-                                "%s or use a new EFDL_JOB_ID to start fresh"
-                                % (" and ".join(parts), ref.seq, ref.path, e, ref.path)) from None
+            raise SnapshotError("restoring the %s from snapshot seq %d (%s) failed: %s; start "
+                                "over with `efdl reset --job %s` or another job id"
+                                % (" and ".join(parts), ref.seq, ref.path, e, self._job)) from None
         for finish in finishes:
             finish()
 
     def _mismatch(self, ref, what):
         return SnapshotMismatchError(
-            "snapshot seq %d of job %r (%s) does not match: %s. Restore into the same "
-            "model/optimizer the snapshot was taken from, or start fresh with a new EFDL_JOB_ID "
-            "or an empty snapshot directory" % (ref.seq, self._job, ref.path, what))
+            "snapshot seq %d of job %r (%s) does not match: %s. It was written by another "
+            "program or model under the same job id; restore into the model/optimizer it was "
+            "taken from, or start over: `efdl reset --job %s` (it moves the snapshots aside), or "
+            "another job id (--job / EFDL_JOB_ID)" % (ref.seq, self._job, ref.path, what,
+                                                     self._job))
 
     def _prepare_model(self, ref, meta):
         saved = [(n[len("model/"):], d, s, b) for n, d, s, b in ref.tensors
