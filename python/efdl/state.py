@@ -33,7 +33,6 @@ persisted at exit.
 
 import atexit
 import base64
-import hashlib
 import json
 import os
 import pickle
@@ -108,12 +107,8 @@ def default_job_id():
     if job:
         return job
     script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
-    if script:
-        path = os.path.realpath(script)
-        stem = os.path.splitext(os.path.basename(path))[0]
-    else:
-        path, stem = os.getcwd(), "python"
-    return "local-%s-%s" % (_safe_name(stem), hashlib.sha1(path.encode()).hexdigest()[:8])
+    # One owner with `efdl run` without --etcd (snapshot/arena_dir.h LocalJobId).
+    return _efdl.local_job_id(os.path.realpath(script) if script else "")
 
 
 def _dtype_name(dtype):

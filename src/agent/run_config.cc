@@ -13,6 +13,7 @@
 
 #include "common/net.h"
 #include "common/subprocess.h"
+#include "snapshot/arena_dir.h"
 
 namespace efdl::agent {
 
@@ -129,6 +130,27 @@ std::string DefaultNodeId() {
   return fmt::format("{}-{}-{:04x}", host, ::getpid(), rd() & 0xffff);
 }
 
+// The program a command runs, for the job id of a run without one (the same id the program's
+// State derives when run without an agent): the SCRIPT of `python3 [OPTIONS] SCRIPT ...`, ""
+// for `python3 -c ...` (the current directory then), the module of `-m MODULE`, else the
+// executable.
+std::string JobProgram(const std::vector<std::string>& command) {
+  if (command.empty()) return "";
+  const std::string exe = std::filesystem::path(command[0]).filename().string();
+  if (!exe.starts_with("python")) return command[0];
+  for (size_t i = 1; i < command.size(); ++i) {
+    const std::string& a = command[i];
+    if (a == "-c") return "";
+    if (a == "-m") return i + 1 < command.size() ? command[i + 1] : "";
+    if (a == "-W" || a == "-X") {  // options that take the next word
+      ++i;
+      continue;
+    }
+    if (!a.starts_with("-")) return a;
+  }
+  return "";
+}
+
 Result<RunPlan> PlanRun(const RunFlags& f) {
   RunPlan plan;
   if (f.command.empty()) {
@@ -160,7 +182,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
           "--job is required with --etcd: every node of a job passes the same --job ID (or "
           "sets EFDL_JOB_ID)");
     }
-    job = "default";
+    job = snapshot::LocalJobId(JobProgram(f.command));
   }
   EFDL_RETURN_IF_ERROR(ValidateId("job id", job));
   if (plan.embedded_etcd && nodes.max > 1) {

@@ -63,6 +63,9 @@ Status ValidateId(std::string_view what, std::string_view id);
 int DefaultNprocPerNode();
 // "<host>-<pid>-<4 random hex>": unique among agents on one machine and across restarts.
 std::string DefaultNodeId();
+// The program of a training command whose job id is derived (no --job, no --etcd): the SCRIPT
+// of `python3 [OPTIONS] SCRIPT`, the MODULE of `-m MODULE`, "" for `-c`, else the executable.
+std::string JobProgram(const std::vector<std::string>& command);
 // Validates everything and resolves defaults; looks the command up in PATH.
 Result<RunPlan> PlanRun(const RunFlags& flags);
 

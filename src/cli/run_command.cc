@@ -125,7 +125,7 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   AddEtcdSecurityFlags(run, args->etcd_security);
   OptionWithEnv(run, "--job", f.job_id,
                 "job id shared by all nodes of the job (required with --etcd; without it: "
-                "'default')",
+                "local-<script name>-<8 hex>, the program's own)",
                 "EFDL_JOB_ID");
   OptionWithEnv(run, "--nnodes", f.nnodes,
                 "nodes in the job: N or MIN:MAX (default 1:1; with --world-size N: 1:N)",

@@ -188,6 +188,8 @@ PYBIND11_MODULE(_efdl, m) {
   // The arena naming contract (snapshot/arena_dir.h): one owner, used by state.py and the agent.
   m.def("shm_dir", [] { return snap::ShmDir(std::getenv("EFDL_SHM_DIR")); },
         "EFDL_SHM_DIR, or /dev/shm.");
+  m.def("local_job_id", &snap::LocalJobId, py::arg("program"),
+        "The job id of a program run without one: local-<stem>-<8 hex of its real path's SHA-1>");
   m.def("arena_path", &snap::ArenaPath, py::arg("dir"), py::arg("job"), py::arg("holder"),
         py::arg("scope"), "<dir>/efdl-<job>-<holder>-<scope>.arena");
   m.def("holder_name", &snap::HolderName, py::arg("host"), py::arg("index"),

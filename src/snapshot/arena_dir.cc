@@ -1,5 +1,7 @@
 #include "snapshot/arena_dir.h"
 
+#include <openssl/evp.h>
+
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -60,6 +62,26 @@ std::string SafeName(std::string_view text) {
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != '-') c = '_';
   }
   return out;
+}
+
+std::string LocalJobId(const std::string& program) {
+  std::error_code ec;
+  std::filesystem::path path;
+  std::string stem = "python";
+  if (program.empty()) {
+    path = std::filesystem::current_path(ec);
+  } else {
+    path = std::filesystem::weakly_canonical(std::filesystem::absolute(program, ec), ec);
+    stem = path.stem().string();
+  }
+  const std::string text = path.string();
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  std::string hex = "00000000";
+  if (EVP_Digest(text.data(), text.size(), digest, &len, EVP_sha1(), nullptr) == 1 && len >= 4) {
+    hex = fmt::format("{:02x}{:02x}{:02x}{:02x}", digest[0], digest[1], digest[2], digest[3]);
+  }
+  return fmt::format("local-{}-{}", SafeName(stem), hex);
 }
 
 std::string HolderName(std::string_view host, int index) {

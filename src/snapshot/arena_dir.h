@@ -39,6 +39,12 @@ std::string ShmDir(const char* env_value);
 // The job part of file names (state.py's old _safe_name): [A-Za-z0-9_.-] kept, others '_',
 // at most 80 characters.
 std::string SafeName(std::string_view text);
+// The job id of a job run without one (no --job, no EFDL_JOB_ID; state.py's default_job_id for a
+// program without an agent, `efdl run` without --etcd): "local-<stem>-<8 hex>", the program's
+// file name without extension and the start of the SHA-1 of its real path, so each program (and
+// each copy of it) has its own snapshots and re-running it continues them. `program` empty: the
+// current directory, stem "python" (a `python3 -c` program).
+std::string LocalJobId(const std::string& program);
 // "<host>.<index>" with the host reduced to [A-Za-z0-9_.] (at most 64 characters).
 std::string HolderName(std::string_view host, int index);
 std::string ArenaFileName(std::string_view job, std::string_view holder, std::string_view scope);

@@ -1,4 +1,5 @@
 #include "agent/run_config.h"
+#include "snapshot/arena_dir.h"
 
 #include <cstdlib>
 
@@ -98,19 +99,35 @@ TEST(RunConfigTest, MissingCommandIsAClearError) {
   EXPECT_FALSE(PlanRun(f).ok());
 }
 
-TEST(RunConfigTest, WithoutEtcdTheJobIsSingleNodeWithADefaultId) {
+TEST(RunConfigTest, WithoutEtcdTheJobIsSingleNodeWithAnIdOfItsProgram) {
   RunFlags f = Valid();
   f.etcd_endpoints.clear();
   f.job_id.clear();
   f.nnodes = "1";
+  f.command = {"/usr/bin/python3", "-u", "examples/train.py", "--epochs", "1"};
   auto plan = PlanRun(f);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   EXPECT_TRUE(plan->embedded_etcd);
-  EXPECT_EQ(plan->agent.job_id, "default");
+  // The id the program's State derives when run without an agent: per program, not one word.
+  EXPECT_EQ(plan->agent.job_id, snapshot::LocalJobId("examples/train.py"));
+  EXPECT_TRUE(plan->agent.job_id.starts_with("local-train-")) << plan->agent.job_id;
+  f.command = {"/usr/bin/python3", "examples/other.py"};
+  auto other = PlanRun(f);
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->agent.job_id, plan->agent.job_id);
   f.nnodes = "2:3";
   auto multi = PlanRun(f);
   ASSERT_FALSE(multi.ok());
   EXPECT_NE(multi.status().message().find("--etcd"), std::string::npos);
+}
+
+TEST(RunConfigTest, JobProgramIsTheScriptModuleOrExecutable) {
+  EXPECT_EQ(JobProgram({"python3", "-u", "-W", "ignore", "t.py", "--x"}), "t.py");
+  EXPECT_EQ(JobProgram({"/usr/bin/python3", "-m", "pkg.train", "--x"}), "pkg.train");
+  EXPECT_EQ(JobProgram({"python3", "-c", "print(1)"}), "");
+  EXPECT_EQ(JobProgram({"examples/launcher_torchrun.sh", "--epochs", "1"}),
+            "examples/launcher_torchrun.sh");
+  EXPECT_EQ(JobProgram({}), "");
 }
 
 TEST(RunConfigTest, JobIdIsRequiredWithASharedEtcd) {

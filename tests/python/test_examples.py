@@ -226,3 +226,28 @@ def test_cpp_snapshot_example_resumes_after_sigkill_with_identical_weights(tmp_p
     rc, out = sgd(*crash)
     assert rc == 0 and "restored step 299 from storage" in out, out
     assert weights(out) == weights(clean)
+
+
+def test_examples_run_in_the_listed_order_in_one_directory_do_not_resume_each_other(tmp_path):
+    """examples/README.md's commands as listed (no --job): each program has its own job id, so
+    hvd_state.py does not continue train_ddp_state.py's snapshot and the torchrun launcher
+    example trains its own epoch (before, all three shared job 'default')."""
+    (tmp_path / "shm").mkdir()
+    env = {"EFDL_SHM_DIR": str(tmp_path / "shm")}
+    runs = [
+        [EFDL, "run", "--", PYTHON, os.path.join(EXAMPLES, "train_ddp_state.py"), "--epochs",
+         "1"],
+        [EFDL, "run", "--nproc-per-node", "2", "--", PYTHON,
+         os.path.join(EXAMPLES, "hvd_state.py"), "--epochs", "1"],
+        [EFDL, "run", "--launcher", "--nproc-per-node", "2", "--",
+         os.path.join(EXAMPLES, "launcher_torchrun.sh"), "--epochs", "1"],
+    ]
+    for argv in runs:
+        rc, out = run(argv, timeout=180, cwd=str(tmp_path), **env)
+        assert rc == 0, out[-4000:]
+        assert "continues from snapshot" not in out, out[-4000:]
+        assert re.search(r"resuming at epoch 0, sample 0 of the epoch, 0 samples in all", out), (
+            out[-4000:])
+        assert re.search(r"training complete: 1438 samples", out), out[-4000:]
+    jobs = sorted(p.name for p in (tmp_path / "efdl-snapshots").iterdir())
+    assert len(jobs) == 3 and all(j.startswith("local-") for j in jobs), jobs

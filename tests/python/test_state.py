@@ -464,3 +464,21 @@ def test_per_rank_snapshots_keep_each_ranks_own_state(job, monkeypatch):
         assert torch.equal(st.shard, shards[rank])
     base = os.path.join(job["EFDL_SNAPSHOT_DIR"], job["EFDL_JOB_ID"])
     assert sorted(os.listdir(base)) == ["rank-0", "rank-1"]
+
+
+def test_the_default_job_id_is_the_programs_and_keeps_its_old_value(tmp_path):
+    """Without EFDL_JOB_ID a program's State uses local-<stem>-<8 hex>: the same id `efdl run`
+    gives the program without --etcd (one owner: efdl._efdl.local_job_id), and the value earlier
+    releases computed in Python (SHA-1 of the real path), so existing snapshots are still found."""
+    import hashlib
+    from efdl import _efdl
+    script = tmp_path / "my train.py"
+    script.write_text("")
+    path = os.path.realpath(str(script))
+    old = "local-%s-%s" % ("my_train", hashlib.sha1(path.encode()).hexdigest()[:8])
+    assert _efdl.local_job_id(path) == old
+    assert _efdl.local_job_id(str(script)) == old
+    other = tmp_path / "other.py"
+    other.write_text("")
+    assert _efdl.local_job_id(str(other)) != old
+    assert _efdl.local_job_id("").startswith("local-python-")
