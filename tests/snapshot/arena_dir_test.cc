@@ -147,10 +147,14 @@ class ArenaDirTest : public ::testing::Test {
     ::close(ready[1]);
   }
   // A real arena with one committed snapshot of `floats` floats (seq from the engine).
-  void MakeArena(const std::string& path, float value, int commits = 1) {
+  // commit_checksum: EFDL_COMMIT_CHECKSUM=1 (every slot carries its checksum); the default
+  // stores none until a persister hashes the slot.
+  void MakeArena(const std::string& path, float value, int commits = 1,
+                 bool commit_checksum = true) {
     EngineOptions o;
     o.job_id = "j";
     o.arena_path = path;
+    o.commit_checksum = commit_checksum;
     auto engine = SnapshotEngine::Open(o);
     ASSERT_TRUE(engine.ok()) << engine.status().message();
     std::vector<float> data(1024, value);
@@ -267,6 +271,28 @@ TEST_F(ArenaDirTest, AdoptionDropsASlotThatFailsItsChecksum) {
   auto slots = (*arena)->ReadySlots();
   ASSERT_EQ(slots.size(), 1u);  // seq 2 dropped, seq 1 (intact) left to restore
   EXPECT_EQ(slots[0].seq, 1u);
+}
+
+TEST_F(ArenaDirTest, WithoutCommitChecksumsAnAdoptedSlotIsKeptUnverified) {
+  // The default (EFDL_COMMIT_CHECKSUM=0): slots no persister hashed have no checksum, so the
+  // adoption can check their manifests only - the accepted trade-off (docs/snapshots.md).
+  const std::string dead = ArenaPath(d(), "j", "h.1", "node");
+  MakeArena(dead, 5.0f, 2, /*commit_checksum=*/false);
+  {
+    auto arena = SnapshotArena::Open(dead);
+    ASSERT_TRUE(arena.ok());
+    auto slots = (*arena)->ReadySlots();
+    ASSERT_EQ(slots.size(), 2u);
+    EXPECT_FALSE((*arena)->Checksum(slots[0].slot, slots[0].seq));
+  }
+  auto mine = HolderLock::Acquire(d(), "j", "h", "test");
+  ASSERT_TRUE(mine.ok());
+  auto entries = ScanArenaDir(d(), HolderLockHeld);
+  ASSERT_EQ(ApplyAdoption(d(), PlanAdoption(entries, "j", (*mine)->holder(), d()),
+                          (*mine)->holder()), 1);
+  auto arena = SnapshotArena::Open(ArenaPath(d(), "j", (*mine)->holder(), "node"));
+  ASSERT_TRUE(arena.ok());
+  EXPECT_EQ((*arena)->ReadySlots().size(), 2u);
 }
 
 TEST_F(ArenaDirTest, OrphanLocksGoHeldOrUsedOnesStay) {
