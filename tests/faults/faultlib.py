@@ -146,12 +146,19 @@ class Job:
         return path
 
     def start_node(self, name, extra=(), env=None, nproc=1, nnodes=None, command=None,
-                   ttl=None, prefix=()):
+                   ttl=None, prefix=(), host=None):
         """Starts `efdl run` for node `name`; its shared memory lives in shm/<name>, so a node
-        restarted under the same name finds what its previous incarnation committed."""
+        restarted under the same name finds what its previous incarnation committed. host: a
+        tests/python/workers/hosts.py Host to run it in (its own network, name, /dev/shm and
+        /tmp; default network flags), instead of this machine's loopback."""
         e = cluster.base_env()
         e.update(self.env)
-        e["EFDL_SHM_DIR"] = self.shm_dir(name)
+        if host is None:
+            e["EFDL_SHM_DIR"] = self.shm_dir(name)
+        else:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TMPDIR"):
+                e.pop(var, None)
+            prefix = host.enter_prefix(self.dir)
         e.update(env or {})
         argv = self.c.agent_argv(name, nnodes=nnodes or self.nnodes, nproc=nproc,
                                  extra=extra, command=command or [PYTHON, WORKER])

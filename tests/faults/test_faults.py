@@ -18,6 +18,7 @@ import time
 import pytest
 
 import faultlib
+import hosts  # noqa: E402 (tests/python/workers, put on sys.path by faultlib)
 
 pytestmark = pytest.mark.skipif(faultlib.efdl_bin() is None,
                                 reason="efdl binary not built (set EFDL_BIN)")
@@ -475,41 +476,83 @@ def test_soak_random_kills_freezes_and_restarts(make_job, rng):
 
 # -- network partition -----------------------------------------------------------------------
 
-def test_partitioned_node_is_replaced_and_rejoins_after_healing(make_job, tmp_path):
-    """One node runs in its own network namespace behind a veth pair; the pair is taken down
-    (the node loses etcd and its peers), the other two go on, the link comes back and the node
-    rejoins. etcd and the other nodes use the host side's address."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    ns = faultlib.Netns()
-    if ns.error:
-        pytest.skip("cannot set up a network namespace: " + ns.error)
+@pytest.fixture
+def host_world():
+    """Three hosts (tests/python/workers/hosts.py): each its own network namespace on a bridge,
+    host name, Debian-style /etc/hosts, /dev/shm and /tmp; one etcd on the bridge."""
+    why = hosts.HostWorld.unavailable()
+    if why:
+        pytest.skip(why)
+    world = hosts.HostWorld(3)
     etcd = None
     try:
-        etcd = faultlib.EtcdCluster(str(tmp_path), 1, host=ns.host_addr)
-        job = make_job("partition", steps=60, env={"WORKER_USE_CONTROL": "1"})
-        job.c.endpoint = etcd.endpoints[0]
-        host = dict(extra=["--advertise-addr", ns.host_addr],
-                    env={"GLOO_SOCKET_IFNAME": ns.host_if})
-        for n in ("node-a", "node-b"):
-            job.start_node(n, **host)
-            job.c.wait_joined(job.nodes[n])
-        job.start_node("node-p", extra=["--advertise-addr", ns.ns_addr],
-                       env={"GLOO_SOCKET_IFNAME": ns.ns_if}, prefix=ns.exec_prefix())
-        job.c.wait_joined(job.nodes["node-p"])
-        job.wait_step(5, world=3)
-        t0 = time.time()
-        ns.partition()
-        fault = (t0, time.time())
-        job.wait_round(2, since=fault[1])
-        job.wait_step(max(e["step"] for e in job.events({"STEP"})) + 3, world=2)
-        healed = time.time()
-        ns.heal()
-        job.wait_round(3, since=healed, timeout=90)
-        job.check_acked_kept(fault, ["node-a", "node-b"])
-        job.check_all(list(job.nodes))
-        job.check_no_leftovers()
-    finally:   # the agents are killed by make_job's cleanup
-        if etcd is not None:
-            etcd.close()
-        ns.close()
+        etcd = faultlib.EtcdCluster(world.dir, 1, host=world.bridge_addr)
+        yield world, etcd
+    finally:
+        try:
+            for h in world.hosts:
+                h.kill()
+            if etcd is not None:
+                etcd.close()
+        finally:
+            world.close()
+        assert world.leftovers() == [], world.leftovers()
+
+
+def test_partitioned_node_is_replaced_and_rejoins_after_healing(make_job, host_world):
+    """Three nodes on three hosts with default network flags; the third host's link is taken
+    down (it loses etcd and its peers), the other two go on at world 2, the link comes back and
+    the node rejoins: a world-3 round."""
+    world, etcd = host_world
+    job = make_job("partition", steps=60, env={"WORKER_USE_CONTROL": "1"})
+    job.c.endpoint = etcd.endpoints[0]
+    for n, h in zip(("node-a", "node-b", "node-p"), world.hosts):
+        job.start_node(n, host=h)
+    for n in ("node-a", "node-b", "node-p"):
+        job.c.wait_joined(job.nodes[n])
+    job.wait_step(5, world=3)
+    t0 = time.time()
+    world.hosts[2].link_down()
+    fault = (t0, time.time())
+    job.wait_round(2, since=fault[1])
+    job.wait_step(max(e["step"] for e in job.events({"STEP"})) + 3, world=2)
+    healed = time.time()
+    world.hosts[2].link_up()
+    job.wait_round(3, since=healed, timeout=90)
+    job.check_acked_kept(fault, ["node-a", "node-b"])
+    job.check_all(list(job.nodes))
+    job.check_no_leftovers()
+
+
+def test_a_host_lost_as_a_whole_keeps_acknowledged_commits_and_comes_back(make_job, host_world,
+                                                                         rng):
+    """Three nodes on three hosts; the host of one node (not rank 0's) dies as a whole (every
+    process in it SIGKILLed at once) at a random step. The other two resume at world 2 from at
+    least every commit acknowledged before the kill; the host boots again with its /dev/shm and
+    its node rejoins: a world-3 round, and the job finishes with every check."""
+    world, etcd = host_world
+    job = make_job("host-loss", steps=80)
+    job.c.endpoint = etcd.endpoints[0]
+    names = ("node-a", "node-b", "node-c")
+    for n, h in zip(names, world.hosts):
+        job.start_node(n, host=h)
+    for n in names:
+        job.c.wait_joined(job.nodes[n])
+    job.wait_step(3, world=3)
+    victim = [n for n in names if n != node_of_rank(job, 0)][rng.randrange(2)]
+    host = world.hosts[names.index(victim)]
+    survivors = [n for n in names if n != victim]
+    job.wait_step(max(e["step"] for e in job.events({"STEP"})) + rng.randrange(2, 10), world=3)
+    t0 = time.time()
+    host.kill()
+    fault = (t0, time.time())
+    job.nodes[victim].wait(30)
+    job.wait_round(2, since=fault[1])
+    restored, bound = job.check_acked_kept(fault, survivors)
+    print("host of %s lost: restored %d >= acknowledged %d" % (victim, restored, bound))
+    host.start()
+    back = time.time()
+    job.start_node(victim, host=host)
+    job.wait_round(3, since=back, timeout=120)
+    job.check_all(list(job.nodes))
+    job.check_no_leftovers()
