@@ -87,7 +87,7 @@ CASES = [
     (["etcd", "--port", "-1"], {}, "--port"),
     (["snapshots", "show"], {}, "--job"),   # `list` without --job lists this host's arenas
     (["snapshots", "list", "--job", "j", "--seq", "x"], {}, "--seq"),
-    (["nosuchcommand"], {}, "subcommand"),
+    (["nosuchcommand"], {}, "unknown command 'nosuchcommand'"),
 ]
 
 
