@@ -138,7 +138,8 @@ def send_snapshot(engine, ref, destinations):
     a failure is sent instead of data, so the receivers raise rather than wait for a timeout.
     """
     header = {"seq": ref.seq, "step": ref.step, "tensors": list(ref.tensors),
-              "meta_json": ref.meta_json, "origin": "%s %s" % (ref.source, ref.path)}
+              "meta_json": ref.meta_json, "origin": "%s %s" % (ref.source, ref.path),
+              "wall_time": getattr(ref, "wall_time", 0.0)}
     buf = None
     try:
         offsets, total = packed_layout(ref.tensors)
@@ -169,6 +170,7 @@ class ReceivedSnapshot:
     def __init__(self, header, buf, src):
         self.seq = header["seq"]
         self.step = header["step"]
+        self.wall_time = header.get("wall_time", 0.0)   # when it was committed (epoch seconds)
         self.tensors = [tuple(t) for t in header["tensors"]]
         self.meta_json = header["meta_json"]
         self.path = "rank %d (%s)" % (src, header["origin"])

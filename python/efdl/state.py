@@ -704,18 +704,21 @@ class State:
         ref = self._restored
         where = {"memory": "this host's memory", "peer": "another rank's memory"}.get(
             ref.source, os.path.dirname(ref.path) or ref.path)
-        age = max(0.0, time.time() - ref.wall_time)
+        wall = getattr(ref, "wall_time", 0.0) or 0.0
+        age = max(0.0, time.time() - wall)
         for limit, unit, div in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
             if age < limit:
-                ago = "%d %s" % (age // div, unit)
+                ago = "%d %s ago" % (age // div, unit)
                 break
         else:
-            ago = "%d days" % (age // 86400)
+            ago = "%d days ago" % (age // 86400)
+        if not wall:
+            ago = "at an unknown time"
         epoch = self._values.get("epoch")
         detail = "step %d%s" % (ref.step, ", epoch %s" % epoch if isinstance(epoch, int) else "")
         agent = _env_int("EFDL_AGENT_PERSISTS", 0) != 0
         sys.stderr.write(
-            "efdl: job '%s' continues from snapshot %d (%s) in %s, written %s ago; to start "
+            "efdl: job '%s' continues from snapshot %d (%s) in %s, written %s; to start "
             "over: `efdl reset --job %s%s` first, or use another job id\n"
             % (self._job, ref.seq, detail, where, ago, self._job,
                " --etcd ..." if agent else ""))
