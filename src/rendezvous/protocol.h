@@ -11,9 +11,13 @@
 //                    Written by the node itself; only the coordinator watches the ack/ prefix.
 //   P status         written by the coordinator once per round for `efdl status` (never watched).
 //   P complete       present once every member of a round reported success.
-//   P suspended/<node>  not lease-bound; {step (int or null), t}: written by each agent of a
-//                    suspended job once its workers stopped: the newest snapshot step it found
-//                    persisted in storage. The job's step is the largest one (suspend.h).
+//   P suspended/<node>  not lease-bound; {step (int or null), t, seq, epoch}: written by each
+//                    agent of a suspended job once its workers stopped: the newest snapshot it
+//                    found persisted in storage. The job resumes from the report with the highest
+//                    seq (suspend.h JobSuspendPoint).
+//   P gaveup/<node> not lease-bound; {reason, t}: written by an agent that spent its
+//                    --max-restarts, before it leaves; watched by every node (they print it, and
+//                    one whose own workers failed too ends once fewer than MIN nodes remain).
 //
 // ROUND LIFE (phases of P round)
 //   gathering(r)  the coordinator waits for >= MIN registered nodes, then for MAX or --last-call.
