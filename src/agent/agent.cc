@@ -306,6 +306,10 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
                     event.graceful ? "graceful" : "not graceful",
                     event.message.empty() ? "" : ": ", event.message);
+      // A worker that already failed on its own is this node's failure too, even when a peer's
+      // failure closed the round first: reap it before stopping the rest, or a program that
+      // fails on every node is counted only on the node whose failure happened to be seen first.
+      if (auto code = PollWorkers()) return *code;
       if (group_ && group_->round() <= event.round) {
         StopWorkers(event.graceful, event.message.empty()
                                         ? fmt::format("round {} is closing", event.round)

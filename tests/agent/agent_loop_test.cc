@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -253,6 +254,32 @@ TEST_F(AgentLoopTest, FailureThatCameWithANodeLeavingIsNotCounted) {
   EXPECT_EQ(agent.Run(), 0);
   EXPECT_EQ(agent.restarts(), 0);
   EXPECT_EQ(rdzv_.failures().size(), 1u);
+}
+
+// A worker that failed on its own just before a peer's failure closed the round: its failure is
+// this node's too (reported, so it counts), even though the closing event is handled before the
+// agent's next look at its workers. Otherwise a program that fails on every node is counted
+// only on the node whose failure was seen first, and the others wait out their join timeout
+// (CI saw node-a wait 300 s).
+TEST_F(AgentLoopTest, AWorkerThatFailedRightBeforeAPeersClosingIsStillReported) {
+  opts_.nproc = 1;
+  opts_.poll_interval = 30s;   // the agent looks at its workers only when an event wakes it
+  const std::string go = dir_.path() + "/go";
+  opts_.command = {"sh", "-c", "echo about to fail; while [ ! -e " + go +
+                                   " ]; do sleep 0.01; done; exit 3"};
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  Agent agent(opts_, rdzv_);
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] { return Out().find("about to fail") != std::string::npos; }));
+    { std::ofstream(go) << "x"; }
+    std::this_thread::sleep_for(500ms);   // the worker has exited 3; the agent has not looked
+    rdzv_.Push(Simple(Event::Type::kRoundClosing, 1, false, "workers of node node-b failed"));
+    rdzv_.Push(Simple(Event::Type::kJobComplete, 2));
+  });
+  agent.Run();
+  script.join();
+  ASSERT_EQ(rdzv_.failures().size(), 1u);
+  EXPECT_EQ(rdzv_.failures()[0], "rank 0 exited with status 3");
 }
 
 TEST_F(AgentLoopTest, RoundClosingStopsWorkersAndTheNextRoundRestartsThem) {
