@@ -92,7 +92,10 @@ Result<std::unique_ptr<SnapshotArena>> SnapshotArena::Create(const std::string& 
   // A full tmpfs makes posix_fallocate fail below as well, but this line says what is free.
   EFDL_RETURN_IF_ERROR(CheckArenaRoom(dir.empty() ? "." : dir, total));
   std::string tmp = fmt::format("{}.new-{}", path, ::getpid());
-  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  // A fresh file, never one found under that name (a leftover of a pid this process reuses, or
+  // a link planted there): O_EXCL refuses anything present, including a symbolic link.
+  (void)::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
     return Status::IOError(fmt::format("cannot create snapshot arena {}: {}", tmp,
                                        std::strerror(errno)));
@@ -155,12 +158,9 @@ uint64_t SnapshotArena::data_file_offset(int slot) const {
 }
 
 Result<std::unique_ptr<SnapshotArena>> SnapshotArena::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return Status::NotFound(fmt::format("no snapshot arena at {}", path));
-    return Status::IOError(fmt::format("cannot open snapshot arena {}: {}", path,
-                                       std::strerror(errno)));
-  }
+  auto opened = OpenOwnFile(path, O_RDWR, "snapshot arena");
+  if (!opened.ok()) return opened.status();
+  const int fd = *opened;
   struct stat st {};
   if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < kPageBytes) {
     ::close(fd);

@@ -140,15 +140,48 @@ void HolderLock::SetOwner(std::string_view what) {
 
 void HolderLock::RemoveFile() { ::unlink(path_.c_str()); }
 
+Result<int> OpenOwnFile(const std::string& path, int flags, std::string_view what,
+                        mode_t forbidden) {
+  int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ELOOP) {
+      return Status::FailedPrecondition(fmt::format(
+          "refusing {} {}: it is a symbolic link, which efdl never follows in the shared-memory "
+          "directory (someone may have planted it); remove it",
+          what, path));
+    }
+    if (err == ENOENT) return Status::NotFound(fmt::format("no {} at {}", what, path));
+    return Status::IOError(fmt::format("cannot open {} {}: {}", what, path, std::strerror(err)));
+  }
+  struct stat st {};
+  std::string wrong;
+  if (::fstat(fd, &st) != 0) {
+    wrong = fmt::format("cannot inspect it: {}", std::strerror(errno));
+  } else if (!S_ISREG(st.st_mode)) {
+    wrong = "it is not a regular file";
+  } else if (st.st_uid != ::geteuid()) {
+    wrong = fmt::format("it belongs to uid {}, not to this user (uid {})", st.st_uid,
+                        ::geteuid());
+  } else if ((st.st_mode & forbidden) != 0) {
+    wrong = fmt::format("its mode {:04o} lets other users {} it (efdl makes these files 0600)",
+                        st.st_mode & 07777, (forbidden & 044) != 0 ? "read or write" : "write");
+  }
+  if (!wrong.empty()) {
+    ::close(fd);
+    return Status::FailedPrecondition(
+        fmt::format("refusing {} {}: {}; remove it if it is not yours", what, path, wrong));
+  }
+  return fd;
+}
+
 Result<std::unique_ptr<HolderLock>> HolderLock::TryLockPath(const std::string& path,
                                                             bool shared) {
   // Retry when the file was replaced between open and lock (a gc unlinked it meanwhile).
   for (int attempt = 0; attempt < 8; ++attempt) {
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      return Status::IOError(fmt::format("cannot open holder lock {}: {}", path,
-                                         std::strerror(errno)));
-    }
+    auto opened = OpenOwnFile(path, O_RDWR | O_CREAT, "holder lock", /*forbidden=*/022);
+    if (!opened.ok()) return opened.status();
+    const int fd = *opened;
     if (::flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
       const int err = errno;
       ::close(fd);
@@ -191,7 +224,7 @@ Result<std::unique_ptr<HolderLock>> HolderLock::Acquire(const std::string& dir,
 }
 
 bool HolderLockHeld(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return false;
   bool held = false;
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) held = errno == EWOULDBLOCK;
@@ -215,7 +248,7 @@ std::vector<ArenaEntry> ScanArenaDir(const std::string& dir,
     if (::stat(a.path.c_str(), &st) == 0) a.bytes = static_cast<uint64_t>(st.st_blocks) * 512;
     const std::string lock = LockPathOf(dir, a.name);
     a.held = held(lock);
-    if (int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC); fd >= 0) {
+    if (int fd = ::open(lock.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC); fd >= 0) {
       a.owner = ReadSmall(fd);
       ::close(fd);
     }

@@ -158,6 +158,17 @@ int RemoveOrphanLocks(const std::string& dir);
 // dropped with a warning so no worker restores it. Returns the number of arenas adopted.
 int ApplyAdoption(const std::string& dir, const AdoptionPlan& plan, std::string_view holder);
 
+// Opens a file of the shared-memory directory (an arena or a holder lock) that this user must
+// own: never through a symbolic link (O_NOFOLLOW), and only a regular file owned by this
+// effective user with none of the `forbidden` permission bits (an arena holds the training
+// state: no group or other access at all; a holder lock only must not be writable by others).
+// Anything else is refused with FailedPrecondition and one line naming the file, what is wrong
+// and to remove it: a file of the expected name planted by another user would otherwise be
+// mapped or written. `what` names the file in that line ("snapshot arena", "holder lock").
+// Returns the open descriptor.
+Result<int> OpenOwnFile(const std::string& path, int flags, std::string_view what,
+                        mode_t forbidden = 077);
+
 // Room for a new arena of `bytes` in `dir`: OK, or IOError with one line naming the
 // size needed, the space free and EFDL_SHM_DIR. `free_bytes` is injectable for tests.
 Status CheckArenaRoom(const std::string& dir, uint64_t bytes,

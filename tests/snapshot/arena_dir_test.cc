@@ -308,5 +308,56 @@ TEST_F(ArenaDirTest, OrphanLocksGoHeldOrUsedOnesStay) {
   EXPECT_TRUE(std::filesystem::exists(HolderLockPath(d(), "j", "h.7")));
 }
 
+TEST_F(ArenaDirTest, APlantedLinkOrForeignFileIsRefusedAndNeverWrittenThrough) {
+  // Another user's file of the expected name: a link to a file of this user, and a file that
+  // others may write. Opening must not follow, map or write either.
+  const std::string victim = d() + "/victim";
+  { std::ofstream(victim) << "precious"; }
+  const std::string arena = ArenaPath(d(), "j", "h.0", "node");
+  std::filesystem::create_symlink(victim, arena);
+  auto opened = SnapshotArena::Open(arena);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_TRUE(opened.status().IsFailedPrecondition()) << opened.status().message();
+  EXPECT_NE(opened.status().message().find("symbolic link"), std::string::npos);
+  EXPECT_NE(opened.status().message().find(arena), std::string::npos);
+  // An engine ignores it with a warning and its first commit replaces the link, not the file.
+  MakeArena(arena, 1.0f);
+  EXPECT_FALSE(std::filesystem::is_symlink(arena));
+  EXPECT_TRUE(SnapshotArena::Open(arena).ok());
+  std::ifstream in(victim);
+  std::string text;
+  std::getline(in, text);
+  EXPECT_EQ(text, "precious");
+
+  const std::string lock = HolderLockPath(d(), "j", "h.0");
+  std::filesystem::create_symlink(victim, lock);
+  auto held = HolderLock::Acquire(d(), "j", "h", "test");
+  ASSERT_FALSE(held.ok());
+  EXPECT_NE(held.status().message().find("symbolic link"), std::string::npos);
+  EXPECT_FALSE(HolderLockHeld(lock));
+  std::ifstream again(victim);
+  std::getline(again, text);
+  EXPECT_EQ(text, "precious");
+
+  const std::string open_to_all = ArenaPath(d(), "j", "h.1", "node");
+  MakeArena(open_to_all, 2.0f);
+  ASSERT_EQ(::chmod(open_to_all.c_str(), 0666), 0);
+  auto loose = SnapshotArena::Open(open_to_all);
+  ASSERT_FALSE(loose.ok());
+  EXPECT_NE(loose.status().message().find("mode 0666"), std::string::npos)
+      << loose.status().message();
+}
+
+TEST_F(ArenaDirTest, AnArenaOfAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
+  const std::string arena = ArenaPath(d(), "j", "h.0", "node");
+  MakeArena(arena, 1.0f);
+  ASSERT_EQ(::chown(arena.c_str(), 65534, 65534), 0);
+  auto opened = SnapshotArena::Open(arena);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find("belongs to uid 65534"), std::string::npos)
+      << opened.status().message();
+}
+
 }  // namespace
 }  // namespace efdl::snapshot

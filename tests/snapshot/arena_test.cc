@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -143,6 +144,10 @@ TEST_F(ArenaTest, ForeignOrMissingFilesAreClearErrors) {
   std::string junk(8192, 'x');
   std::fwrite(junk.data(), 1, junk.size(), f);
   std::fclose(f);
+  // Others may read it: refused before its content is looked at.
+  ASSERT_EQ(::chmod(path_.c_str(), 0644), 0);
+  EXPECT_EQ(SnapshotArena::Open(path_).status().code(), Status::Code::kFailedPrecondition);
+  ASSERT_EQ(::chmod(path_.c_str(), 0600), 0);
   EXPECT_EQ(SnapshotArena::Open(path_).status().code(), Status::Code::kCorruption);
   EXPECT_EQ(SnapshotArena::Create(path_, 1, 4096, 4096).status().code(),
             Status::Code::kInvalidArgument);
