@@ -262,7 +262,9 @@ TEST_F(SparePoolTest, ADifferentStartupEnvironmentIsSpawnedAndLearned) {
 TEST_F(SparePoolTest, ASpareThatCannotStartDisablesThePool) {
   SparePoolOptions o;
   o.command = Command("exit");
-  o.start_env[0] = {{"PYTHONPATH", dir_.path() + "/nowhere"}, {"PYTHONNOUSERSITE", "1"}};
+  // An interpreter that cannot start at all (no standard library), whatever is installed: with
+  // only a bad PYTHONPATH, an efdl installed by `make install` is still importable.
+  o.start_env[0] = {{"PYTHONHOME", dir_.path() + "/nowhere"}, {"PYTHONNOUSERSITE", "1"}};
   auto created = SparePool::Create(std::move(o));
   ASSERT_TRUE(created.ok());
   auto& pool = *created;

@@ -53,7 +53,8 @@ def test_bad_input_gets_one_clear_line(args, expected):
     assert lines and expected in lines[0], proc.stderr
     assert len(lines) <= 2, proc.stderr        # ours: 1; CLI11 adds a "--help" hint
     assert proc.stdout == ""
-    assert took < 10
+    # Bad input is refused before etcd is contacted: no connection timeout is waited for.
+    assert took < 30, "refusing bad input took %.1f s: did it wait for etcd?" % took
 
 
 def test_unreachable_etcd_is_reported_before_anything_starts(tmp_path):

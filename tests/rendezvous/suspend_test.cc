@@ -16,7 +16,7 @@ namespace {
 using namespace std::chrono_literals;
 
 TEST(SuspendRecords, ReportRoundTripsWithAndWithoutStep) {
-  SuspendReport with{int64_t{41}, "2026-01-01T00:00:00Z"};
+  SuspendReport with{int64_t{41}, "2026-01-01T00:00:00Z", std::nullopt, std::nullopt};
   auto back = SuspendReport::Decode(with.Encode());
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->step, std::optional<int64_t>(41));
@@ -49,8 +49,8 @@ TEST(SuspendRecords, WithoutSequenceNumbersTheJobStepIsTheLargestReported) {
   EXPECT_FALSE(JobSuspendStep(reports).has_value());
   reports["b"] = SuspendReport{};  // a node whose workers do not write storage
   EXPECT_FALSE(JobSuspendStep(reports).has_value());
-  reports["a"] = SuspendReport{int64_t{12}, ""};
-  reports["c"] = SuspendReport{int64_t{9}, ""};
+  reports["a"] = SuspendReport{int64_t{12}, "", std::nullopt, std::nullopt};
+  reports["c"] = SuspendReport{int64_t{9}, "", std::nullopt, std::nullopt};
   EXPECT_EQ(JobSuspendStep(reports), std::optional<int64_t>(12));
   EXPECT_EQ(SuspendedJobMessage("j1", JobSuspendPoint(reports)),
             "job j1 is suspended at step 12; run `efdl resume --job j1` to continue");
