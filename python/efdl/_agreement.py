@@ -35,6 +35,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from efdl import _unpickle
 from efdl.backend import _dist
 
 _ALIGN = 64
@@ -191,7 +192,7 @@ class ReceivedSnapshot:
 def receive_snapshot(src):
     """Receives the snapshot rank `src` sends with send_snapshot(); raises RuntimeError with the
     sender's reason when it could not read it."""
-    header = pickle.loads(_recv_bytes(src))
+    header = _unpickle.loads(_recv_bytes(src), allow_globals=False)  # plain values only
     if "error" in header:
         raise RuntimeError(header["error"])
     _, total = packed_layout(header["tensors"])

@@ -25,7 +25,8 @@ SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1, 
 agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
 secret EFDL_JOB_SECRET and restore only when it verifies), EFDL_COMMIT_CHECKSUM (0; 1: every
 commit stores its data checksum, so a restore from memory always verifies it, at a cost per
-commit: docs/snapshots.md).
+commit: docs/snapshots.md), EFDL_UNPICKLE_ALLOW (types a snapshot's metadata may hold beyond
+the allow-list of efdl/_unpickle.py, `module.Name,...`).
 The arena's name comes from efdl._efdl.arena_path (EFDL_ARENA_HOLDER, set by `efdl run`, or
 "<host>.0" without an agent); a standalone program removes its arena once its final snapshot is
 persisted at exit.
@@ -47,7 +48,7 @@ import weakref
 
 import torch
 
-from efdl import _agreement, _efdl
+from efdl import _agreement, _efdl, _unpickle
 
 __all__ = ["State", "SnapshotMismatchError", "SnapshotError"]
 
@@ -645,7 +646,14 @@ class State:
         if sched_sd is not None:
             meta["scheduler"] = {k: v for k, v in sched_sd.items()
                                  if not isinstance(v, torch.Tensor)}
-        blob = base64.b64encode(pickle.dumps(meta, protocol=4)).decode()
+        raw = pickle.dumps(meta, protocol=4)
+        try:  # what a restore would refuse fails now, not after a crash (efdl/_unpickle.py)
+            _unpickle.check(raw)
+        except _unpickle.RefusedType as e:
+            raise TypeError("State.commit: the snapshot's metadata (keyword arguments, optimizer "
+                            "hyper-parameters, scheduler state) cannot be restored: %s" % e
+                            ) from None
+        blob = base64.b64encode(raw).decode()
         # Reused only while every hyper-parameter is immutable: one changed in place would
         # still compare equal to the fingerprint's reference to it.
         groups = meta["optimizer"]["param_groups"] if "optimizer" in meta else ()
@@ -670,11 +678,16 @@ class State:
         it), else None with a warning."""
         try:
             meta_doc = json.loads(ref.meta_json)
-            meta = pickle.loads(base64.b64decode(meta_doc["pickle"]))
+            meta = _unpickle.loads(base64.b64decode(meta_doc["pickle"]))
             if meta_doc.get("kwargs_exact"):  # see _meta; older snapshots pickled every kwarg
                 kwargs = dict(meta_doc["kwargs"])
                 kwargs.update(meta.get("kwargs") or {})
                 meta["kwargs"] = kwargs
+        except _unpickle.RefusedType as e:
+            # Not damage: every snapshot of this program holds it. Stop rather than fall back
+            # to older ones or start over (a restore must never lose trained steps silently).
+            raise SnapshotError("job %r: snapshot seq %d in %s: %s"
+                                % (self._job, ref.seq, ref.path, e)) from None
         except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
             warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
                           % (ref.seq, ref.path, e))
