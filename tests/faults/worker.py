@@ -15,9 +15,12 @@ time (time.time(); every process of a test runs on this machine, so the times ar
     DONE   round=R rank=r world=W step=S t=T   the job's last step is done on every rank
 
 `step` counts optimizer steps of the whole job (it continues across rounds). `crc` is a CRC32
-of the model's parameters and of the ballast's first and last element (both set to the step
-before each commit), so a restored state can be compared with what was committed: a snapshot
-torn by a kill inside the copy would not match any COMMIT of its step. Options come from the
+of everything the State commits: the model's state_dict, the optimizer's state_dict (momentum
+buffers and hyper-parameters), the scheduler's state_dict, the plain keyword arguments (`step`,
+`seen`, and `recent`, a list State pickles) and every byte of the tensor keyword argument
+`ballast` (filled with the step before each commit), so a restored state can be compared with
+what was committed: a snapshot torn by a kill inside the copy, or a part restored from another
+commit, would not match any COMMIT of its step. Options come from the
 environment so every node runs the same command line:
 
   FAULT_STEPS        steps of the whole job (default 60)
@@ -83,12 +86,29 @@ def say(kind, **fields):
 SOURCES = {None: 0, "memory": 1, "storage": 2, "peer": 3}
 
 
-def digest(model, ballast):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    crc = zlib.crc32(flat.numpy().tobytes())
-    if ballast.numel():
-        crc = zlib.crc32(torch.stack([ballast[0], ballast[-1]]).numpy().tobytes(), crc)
-    return crc
+def _crc_of(value, crc):
+    """CRC32 of a state_dict-like value: tensors by their bytes, the rest by repr (dicts in key
+    order: a state_dict's order is its own)."""
+    if isinstance(value, torch.Tensor):
+        return zlib.crc32(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            crc = _crc_of(v, zlib.crc32(repr(k).encode(), crc))
+        return crc
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            crc = _crc_of(v, crc)
+        return crc
+    return zlib.crc32(repr(value).encode(), crc)
+
+
+def digest(state, model, optimizer, scheduler, ballast):
+    """The CRC of everything `state` commits (see the module docstring)."""
+    crc = _crc_of(model.state_dict(), 0)
+    crc = _crc_of(optimizer.state_dict(), crc)
+    crc = _crc_of(scheduler.state_dict(), crc)
+    crc = _crc_of([state.step, state.seen, state.recent], crc)
+    return _crc_of(ballast, crc)
 
 
 def announce(kind, step):
@@ -115,13 +135,15 @@ def main():
     train, _ = load_digits_datasets()
     model = DigitsCNN(width=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
     ballast = torch.zeros(ballast_mb * (1 << 18))  # float32: 4 bytes each
-    state = efdl.State(model, optimizer, step=0, ballast=ballast)
+    state = efdl.State(model, optimizer, scheduler, step=0, seen=0, recent=[], ballast=ballast)
     state.set_commit_interval(1)
     ballast = state.ballast   # a restored tensor keyword may be a new tensor, not the one given
     source, seq, _ = state.restored_from or (None, 0, 0)
     say("RESUME", round=round_, rank=rank, world=world, step=state.step, pid=os.getpid(),
-        src=SOURCES.get(source, 9), seq=seq, crc=digest(model, ballast))
+        src=SOURCES.get(source, 9), seq=seq,
+        crc=digest(state, model, optimizer, scheduler, ballast))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
 
     batches = len(train) // BATCH
@@ -137,13 +159,17 @@ def main():
         first = ((state.step * world + rank) % batches) * BATCH
         x, y = train[first:first + BATCH]
         optimizer.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
         optimizer.step()
+        scheduler.step()
         state.step += 1
+        state.seen += len(x)
+        state.recent = (state.recent + [round(float(loss), 6)])[-3:]
         say("STEP", round=round_, rank=rank, world=world, step=state.step)
-        if ballast.numel():
-            ballast[0] = ballast[-1] = state.step
-        say("COMMIT", round=round_, rank=rank, step=state.step, crc=digest(model, ballast))
+        ballast.fill_(state.step)
+        say("COMMIT", round=round_, rank=rank, step=state.step,
+            crc=digest(state, model, optimizer, scheduler, ballast))
         announce("commit", state.step)
         state.commit()
         announce("ack", state.step)
