@@ -74,9 +74,10 @@ def persist_in_flight(job):
 
 
 def three_nodes(job, env=None):
+    """Starts three nodes at once, as a Kubernetes job's pods start, and waits until they train
+    together."""
     for n in ("node-a", "node-b", "node-c"):
         job.start_node(n, env=env)
-        job.c.wait_joined(job.nodes[n])   # one join at a time: simultaneous joins can stall
     job.wait_step(3, world=3)
 
 

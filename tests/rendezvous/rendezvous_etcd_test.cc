@@ -2,6 +2,12 @@
 // temporary directory and stopped at the end) through the real gRPC client.
 #include <gtest/gtest.h>
 
+#include <latch>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
 #include "rendezvous/rendezvous.h"
@@ -68,6 +74,51 @@ TEST_F(RealEtcdTest, FormsThenReroundsAfterLeaveAndAfterPeerReportedCrash) {
   EXPECT_TRUE(Next(*nodes[1], Event::Type::kJobComplete));
   EXPECT_TRUE(Next(*nodes[2], Event::Type::kJobComplete));
   nodes.clear();   // cut node a leaves nothing running: its lease ends with the etcd
+}
+
+// Every node of a job started at once (a Kubernetes job's pods, a launcher script): they
+// register while the first one is already starting the job and coordinating, twice (with and
+// without room to spare above MIN). Each time exactly one round forms and takes every node,
+// with distinct ranks.
+TEST_F(RealEtcdTest, NodesJoiningAtTheSameMomentFormOneRoundWithEveryNode) {
+  for (const auto& [min_nodes, max_nodes] : {std::pair{6, 6}, std::pair{2, 6}}) {
+    TrafficCounters counters;
+    std::vector<std::unique_ptr<SimNodeClient>> clients;
+    std::vector<std::unique_ptr<Rendezvous>> nodes;
+    for (int i = 0; i < 6; ++i) {
+      clients.push_back(std::make_unique<SimNodeClient>(*client_, counters));
+      RendezvousOptions o = Opts(fmt::format("n{}", i), min_nodes, max_nodes);
+      o.job_id = fmt::format("together-{}", min_nodes);   // a fresh job per pass
+      nodes.push_back(NewEtcdRendezvous(*clients.back(), o));
+    }
+    std::latch start(6);
+    std::vector<Status> joined(6);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 6; ++i) {
+      threads.emplace_back([&, i] {
+        start.arrive_and_wait();
+        // Pods start within moments of each other, not within the same microsecond: spread
+        // over 75 ms, the registrations straddle the first node's start of the job.
+        std::this_thread::sleep_for(std::chrono::milliseconds(15 * i));
+        joined[i] = nodes[i]->Join();
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::set<int> ranks;
+    std::set<int64_t> rounds;
+    for (int i = 0; i < 6; ++i) {
+      ASSERT_TRUE(joined[i].ok()) << joined[i].ToString();
+      auto e = Next(*nodes[i], Event::Type::kRoundStarted);
+      ASSERT_TRUE(e) << "node " << i << " got no round (min " << min_nodes << ")";
+      EXPECT_FALSE(e->assignment.standby);
+      EXPECT_EQ(e->assignment.world_size, 6) << "min " << min_nodes;
+      ranks.insert(e->assignment.node_rank);
+      rounds.insert(e->assignment.round);
+    }
+    EXPECT_EQ(ranks.size(), 6u);
+    EXPECT_EQ(rounds.size(), 1u);
+    for (auto& n : nodes) n->Leave();
+  }
 }
 
 TEST_F(RealEtcdTest, CoordinatorLeavingGracefullyHandsOverAndTheChangeStaysGraceful) {
