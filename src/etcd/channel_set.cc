@@ -210,7 +210,8 @@ Status FromGrpc(const grpc::Status& status, std::string_view operation,
       Contains(msg, kPermissionDenied)) {
     return Status::FailedPrecondition(fmt::format(
         "etcd {} refused by {}: permission denied; the etcd user needs a role with readwrite "
-        "on the job's keys (etcdctl role grant-permission ROLE --prefix=true readwrite /efdl/)",
+        "on the job's keys (etcdctl role grant-permission ROLE --prefix=true readwrite "
+        "/efdl/JOB/ for this job only, or /efdl/ for every job)",
         operation, endpoint));
   }
   switch (status.error_code()) {

@@ -7,6 +7,11 @@
 #   secure_etcd_setup.sh auth ENDPOINT DIR
 #       With etcdctl over TLS (certs from DIR): users root (password rootpw) and job (password
 #       jobpw), role efdl-job with readwrite on the /efdl/ prefix granted to job; enables auth.
+#   secure_etcd_setup.sh job-roles ENDPOINT DIR JOB...
+#       After `auth` (as root): for each JOB a user user-JOB (password pw-JOB) holding a role
+#       efdl-job-JOB with readwrite on the key range /efdl/JOB/ only (every key a job uses:
+#       src/rendezvous/protocol.h, src/security/job_secret.h). The trailing slash keeps job
+#       "a" off the keys of job "ab".
 set -euo pipefail
 
 certs() {
@@ -47,8 +52,30 @@ auth() {
   "${ctl[@]}" auth enable >/dev/null
 }
 
+job_roles() {
+  local endpoint=$1 d=$2
+  shift 2
+  local ctl=(etcdctl --endpoints "https://$endpoint" --cacert "$d/ca.pem" --cert "$d/client.pem"
+             --key "$d/client-key.pem" --dial-timeout 5s --command-timeout 10s --user root:rootpw)
+  export ETCDCTL_API=3
+  local job
+  for job in "$@"; do
+    if [[ ! $job =~ ^[A-Za-z0-9._-]{1,128}$ ]]; then  # rdzv::ValidateId's rule
+      echo "$0: job id '$job' is not a valid EFDL job id" >&2
+      exit 2
+    fi
+    "${ctl[@]}" user add "user-$job:pw-$job" >/dev/null
+    "${ctl[@]}" role add "efdl-job-$job" >/dev/null
+    "${ctl[@]}" role grant-permission "efdl-job-$job" --prefix=true readwrite "/efdl/$job/" \
+      >/dev/null
+    "${ctl[@]}" user grant-role "user-$job" "efdl-job-$job" >/dev/null
+  done
+}
+
 case "${1:-}" in
   certs) certs "$2" ;;
   auth) auth "$2" "$3" ;;
-  *) echo "usage: $0 certs DIR | auth ENDPOINT DIR" >&2; exit 2 ;;
+  job-roles) [[ $# -ge 4 ]] || { echo "usage: $0 job-roles ENDPOINT DIR JOB..." >&2; exit 2; }
+             job_roles "${@:2}" ;;
+  *) echo "usage: $0 certs DIR | auth ENDPOINT DIR | job-roles ENDPOINT DIR JOB..." >&2; exit 2 ;;
 esac
