@@ -59,7 +59,14 @@ void SnapshotStore::RemoveStaleTemporaries() {
 
 Status SnapshotStore::Write(const Manifest& manifest, const uint8_t* data,
                             uint64_t data_checksum) {
+  if (dir_made_ && !env_->FileExists(dir_)) {
+    // Someone removed the job's directory while it ran: say so, then store there again.
+    EFDL_LOG_WARN("snapshot: the job's snapshot directory {} disappeared while the job ran, "
+                  "with every snapshot stored in it; creating it again for the next ones",
+                  dir_);
+  }
   EFDL_RETURN_IF_ERROR(env_->CreateDirs(dir_));
+  dir_made_ = true;
   RemoveStaleTemporaries();
   const std::string tmp =
       fmt::format("{}/.tmp-{}-{}-{}{}", dir_, HostName(), ::getpid(), manifest.seq, kSuffix);

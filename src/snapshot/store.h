@@ -45,6 +45,7 @@ class SnapshotStore {
   std::string dir_;
   int keep_;
   std::string hmac_key_;  // never logged
+  bool dir_made_ = false;  // a Write found or made dir_: its disappearance later is reported
 };
 
 }  // namespace efdl::snapshot

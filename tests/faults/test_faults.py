@@ -254,9 +254,27 @@ def test_sigstop_past_the_ttl_fences_the_node_and_it_rejoins(make_job):
 # -- storage ---------------------------------------------------------------------------------
 
 def two_nodes(job, **kwargs):
+    """Starts two nodes at once and waits until both joined."""
     for n in ("node-a", "node-b"):
         job.start_node(n, **kwargs)
+    for n in ("node-a", "node-b"):
         job.c.wait_joined(job.nodes[n])
+
+
+def check_trained_throughout(job, max_gap=5.0):
+    """Training never stopped: one round from start to end, and no rank went more than
+    `max_gap` seconds between two steps."""
+    steps = job.events({"STEP"})
+    rounds = sorted({e["round"] for e in steps})
+    assert len(rounds) == 1, "training was interrupted: rounds %s\n%s" % (rounds, job.dump())
+    by_rank = {}
+    for e in steps:
+        by_rank.setdefault(e["rank"], []).append(e["t"])
+    for rank, times in by_rank.items():
+        times.sort()
+        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+        assert gap <= max_gap, ("rank %d went %.1f s without a step (bound %.1f s)\n%s"
+                                % (rank, gap, max_gap, job.dump()))
 
 
 def damage(path, how):
@@ -304,9 +322,11 @@ def test_damaged_newest_snapshot_is_skipped_for_the_previous_one(make_job, how):
 @pytest.mark.parametrize("fault", ["disk-full", "read-only", "deleted"])
 def test_storage_fault_mid_run_does_not_stop_training(make_job, fault):
     """Storage fails while training (a full tmpfs, the mount turned read-only, the job's
-    snapshot directory removed) and is repaired later: training never stops, the failure is
-    reported, and the final snapshot reaches storage once it works again."""
-    job = make_job("storage-" + fault, steps=40, nnodes="2:2",
+    snapshot directory removed) and is repaired later: training never stops (one round, no
+    step gap above 5 s), the failure is reported, and persistence recovers: a snapshot newer
+    than the repair reaches storage while the job still trains (not only the end-of-job
+    persist), and the final one at the end."""
+    job = make_job("storage-" + fault, steps=80, nnodes="2:2",
                    env={"FAULT_BALLAST_MB": "1"})
     fs = faultlib.Tmpfs(os.path.join(job.dir, "mnt"), "8m")
     if not fs.mounted:
@@ -326,15 +346,25 @@ def test_storage_fault_mid_run_does_not_stop_training(make_job, fault):
                            check=True)
         broken_at = max(e["step"] for e in job.events({"STEP"}))
         job.wait_step(broken_at + 10, world=2)
+        out = "\n".join(a.output() for a in job.all_agents)
+        expected = {"disk-full": "no space left", "read-only": "read-only file system",
+                    "deleted": "snapshot directory"}[fault]
+        assert expected in out.lower(), "the storage failure was not reported\n" + job.dump()
         if fault == "disk-full":
             os.remove(filler)
         elif fault == "read-only":
             subprocess.run(["mount", "-o", "remount,rw", fs.path], check=True)
-        out = "\n".join(a.output() for a in job.all_agents)
-        if fault != "deleted":
-            expected = "no space left" if fault == "disk-full" else "read-only file system"
-            assert expected in out, job.dump()
+        repaired_step = max(e["step"] for e in job.events({"STEP"}))
+        deadline = time.monotonic() + 60
+        while job.storage_newest_step() <= repaired_step:
+            assert time.monotonic() < deadline, ("nothing newer than step %d was persisted "
+                                                 "within 60 s of the repair\n%s"
+                                                 % (repaired_step, job.dump()))
+            time.sleep(0.25)
+        assert not job.events({"DONE"}), ("persistence recovered only with the job's end, not "
+                                          "while it trained\n" + job.dump())
         job.check_all(["node-a", "node-b"])
+        check_trained_throughout(job)
         assert job.storage_newest_step() == job.steps, job.dump()
         job.check_no_leftovers()
     finally:
