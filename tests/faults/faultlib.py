@@ -172,14 +172,22 @@ class Job:
         self.nodes[name] = agent
         return agent
 
-    def signal_nodes(self, names, sig=signal.SIGKILL):
-        """`sig` to each node's agent group and its workers' groups, all at one moment.
-        Returns (t0, t1): wall times right before the first and after the last signal (finding
-        the groups in /proc is slow on a loaded machine, so it is done before t0)."""
+    def groups_of(self, names):
+        """The process groups of the nodes `names` (each agent's and its workers'), for
+        signal_groups(): finding them in /proc is slow on a loaded machine."""
         groups = []
         for n in names:
             agent = self.nodes[n]
             groups += [agent.proc.pid] + agent.worker_pids()
+        return groups
+
+    def signal_nodes(self, names, sig=signal.SIGKILL):
+        """`sig` to each node's agent group and its workers' groups, all at one moment.
+        Returns (t0, t1): wall times right before the first and after the last signal (finding
+        the groups in /proc is slow on a loaded machine, so it is done before t0)."""
+        return self.signal_groups(self.groups_of(names), sig)
+
+    def signal_groups(self, groups, sig=signal.SIGKILL):
         t0 = time.time()
         for pgid in groups:
             try:
@@ -187,6 +195,42 @@ class Job:
             except ProcessLookupError:
                 pass
         return t0, time.time()
+
+    def kill_while_persisting(self, victims, writer, timeout=60):
+        """SIGKILLs the nodes `victims` the moment the agent of node `writer` is writing a
+        snapshot to storage (its temporary file .tmp-<host>-<agent pid>-<seq>.efdl exists).
+        Returns (fault, seq): seq is the snapshot whose write the kill interrupted (its
+        temporary file is still there afterwards, never renamed into place), or None when the
+        write finished between the look and the kill (the caller tries again)."""
+        d = os.path.join(self.snapshot_dir, self.c.job)
+        mark = "-%d-" % self.nodes[writer].proc.pid
+        groups = self.groups_of(victims)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                tmp = next((n for n in os.listdir(d) if n.startswith(".tmp-") and mark in n),
+                           None)
+            except OSError:
+                tmp = None
+            if tmp is not None:
+                fault = self.signal_groups(groups)
+                for v in victims:
+                    self.nodes[v].wait(10)
+                interrupted = os.path.exists(os.path.join(d, tmp))
+                seq = int(tmp[:-len(".efdl")].rsplit("-", 1)[1])
+                return fault, (seq if interrupted else None)
+            time.sleep(0.0005)
+        raise AssertionError("node %s wrote no snapshot to storage within %d s\n%s"
+                             % (writer, timeout, self.dump()))
+
+    def storage_files(self):
+        """{seq: step} of the complete snapshot files in storage (names and manifests read
+        by `efdl snapshots list`)."""
+        proc = subprocess.run([efdl_bin(), "snapshots", "list", "--json", "--job", self.c.job,
+                               "--snapshot-dir", self.snapshot_dir], env=cluster.base_env(),
+                              capture_output=True, text=True, timeout=30)
+        rows = json.loads(proc.stdout) if proc.stdout.strip().startswith("[") else []
+        return {r["seq"]: r["step"] for r in rows if r.get("ok")}
 
     def kill_node(self, name, sig=signal.SIGKILL):
         return self.signal_nodes([name], sig)

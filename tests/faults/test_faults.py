@@ -89,26 +89,84 @@ def three_nodes(job, env=None):
 
 @pytest.mark.parametrize("target", [pytest.param("other", marks=SOAK_ONLY), "rank0"])
 def test_sigkill_of_a_node_keeps_acknowledged_commits(make_job, rng, target):
-    """A node SIGKILLed (agent and workers at once) at a random moment. Storage is persisted
-    back to back (interval 0) with a 16 MiB state, so a rank-0 kill lands while a snapshot
-    is being written. A kill certainly inside commit(): the *_inside_commit cases; a random
-    non-rank-0 kill ([other]) is left to make soak, which kills at random moments anyway."""
-    job = make_job("kill-" + target, steps=40, env={"FAULT_BALLAST_MB": "16",
-                                                    "EFDL_PERSIST_MIN_INTERVAL_MS": "0"})
+    """A node SIGKILLed (agent and workers at once). Storage is persisted back to back
+    (interval 0) with a 16 MiB state. [rank0]: the node that writes storage, killed certainly
+    while it writes a snapshot there (kill_while_persisting: its temporary file is still there
+    after the kill; up to PERSIST_KILL_TRIES tries, restarting the node between them). [other]:
+    a random non-rank-0 node at a random moment (make soak; it kills at random anyway)."""
+    job = make_job("kill-" + target, steps=200, env={"FAULT_BALLAST_MB": "16",
+                                                     "EFDL_PERSIST_MIN_INTERVAL_MS": "0"})
     three_nodes(job)
     job.wait_step(rng.randrange(5, 15), world=3)
-    time.sleep(rng.uniform(0, 0.1))
-    victim = node_of_rank(job, 0) if target == "rank0" else node_of_rank(job, rng.choice([1, 2]))
-    in_flight = persist_in_flight(job)
-    fault = job.kill_node(victim)
-    survivors = [n for n in job.nodes if n != victim]
-    job.nodes[victim].wait(10)
-    print("killed %s; inside commit(): %s; persist in flight: %s" % (
-        victim, landed_in_commit(job, victim), in_flight))
+    if target == "rank0":
+        for attempt in range(PERSIST_KILL_TRIES):
+            victim = node_of_rank(job, 0)
+            survivors = [n for n in job.nodes if n != victim]
+            fault, seq = job.kill_while_persisting([victim], writer=victim)
+            print("try %d: killed %s; interrupted the write of seq %s" % (attempt, victim, seq))
+            if seq is not None:
+                break
+            job.wait_round(2, since=fault[1])   # the write won the race: the node comes back
+            back = time.time()
+            job.start_node(victim)
+            resumed = job.wait_round(3, since=back)
+            job.wait_step(resumed[0]["step"] + 2, world=3)
+        assert seq is not None, "no kill landed inside a storage write in %d tries" % (
+            PERSIST_KILL_TRIES)
+    else:
+        time.sleep(rng.uniform(0, 0.1))
+        victim = node_of_rank(job, rng.choice([1, 2]))
+        survivors = [n for n in job.nodes if n != victim]
+        fault = job.kill_node(victim)
+        job.nodes[victim].wait(10)
     job.wait_round(2, since=fault[1])
     print("restored %d, acknowledged before the fault %d" % job.check_acked_kept(fault,
                                                                                survivors))
     job.check_all(survivors)
+    job.check_no_leftovers()
+
+
+PERSIST_KILL_TRIES = 3
+
+
+def test_every_node_killed_while_a_snapshot_is_written_restores_the_newest_complete_file(
+        make_job):
+    """Every node SIGKILLed certainly while the rank-0 node writes snapshot seq S to storage
+    (its temporary file survives the kill), shared memory lost with them: the new nodes
+    restore from storage exactly the newest complete file, which is older than S - never the
+    half-written one - and its state is intact (CRC of a COMMIT of its step)."""
+    job = make_job("kill-all-persisting", steps=200, env={"FAULT_BALLAST_MB": "16",
+                                                          "EFDL_PERSIST_MIN_INTERVAL_MS": "0"})
+    names = ["node-a", "node-b", "node-c"]
+    three_nodes(job)
+    job.wait_step(8, world=3)
+    for attempt in range(PERSIST_KILL_TRIES):
+        fault, seq = job.kill_while_persisting(names, writer=node_of_rank(job, 0))
+        files = job.storage_files()
+        print("try %d: interrupted the write of seq %s; complete files %s" % (
+            attempt, seq, sorted(files)))
+        if seq is not None:
+            break
+        names = [n + "x" for n in names]   # all gone: a fresh set of nodes tries again
+        for n in names:
+            job.start_node(n)
+        resumed = job.wait_round(3, since=fault[1], timeout=60)
+        job.wait_step(resumed[0]["step"] + 2, world=3, nodes=names)
+    assert seq is not None, "no kill landed inside a storage write in %d tries" % (
+        PERSIST_KILL_TRIES)
+    newest = max(files)
+    assert newest < seq, (newest, seq)
+    for n in ("node-d", "node-e"):
+        job.start_node(n)
+    job.wait_round(2, since=fault[1], timeout=60)
+    later = [e for e in job.events({"RESUME"}) if e["t"] > fault[1]]
+    first = min(e["round"] for e in later)
+    resumed = [e for e in later if e["round"] == first]
+    assert all((e["src"], e["seq"], e["step"]) == (2, newest, files[newest]) for e in resumed), (
+        "expected every rank to restore seq %d (step %d) from storage, got %s\n%s"
+        % (newest, files[newest], [(e["src"], e["seq"], e["step"]) for e in resumed],
+           job.dump()))
+    job.check_all(["node-d", "node-e"])
     job.check_no_leftovers()
 
 
