@@ -46,6 +46,22 @@ class EtcdClientTest : public ::testing::Test {
     return client.ok() ? std::move(client).value() : nullptr;
   }
 
+  // Writes `key` and waits until a fresh watch of it, on the same client, delivers the write.
+  // The client's watches share one stream that etcd fills in revision order, so an update for
+  // another watch that was written before `key` would have arrived by then: what a watch under
+  // test has not received now, it will not receive (instead of waiting a fixed window).
+  void WaitForWitness(const std::string& key) {
+    std::atomic<bool> seen{false};
+    auto witness = client_->StartWatch(key, {}, [&](const WatchUpdate& u) {
+      for (const auto& e : u.events) {
+        if (e.kv.key == key) seen = true;
+      }
+    });
+    ASSERT_TRUE(witness.ok()) << witness.status().ToString();
+    ASSERT_TRUE(client_->Put(key, "witness").ok());
+    ASSERT_TRUE(WaitUntil([&] { return seen.load(); }, 20s)) << "the witness saw nothing";
+  }
+
   static EmbeddedEtcd* etcd_;
   std::unique_ptr<Client> client_;
   std::string prefix_;
@@ -357,7 +373,8 @@ TEST_F(EtcdClientTest, WatchFromCompactedRevisionIsReportedAsCompaction) {
         return !updates.empty();
       },
       10s));
-  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(client_->Put(prefix_ + "k", "after the compaction").ok());
+  WaitForWitness(prefix_ + "witness");
   std::lock_guard<std::mutex> lock(mu);
   ASSERT_EQ(updates.size(), 1u) << "a compacted watch ends with that one update";
   EXPECT_TRUE(updates[0].compacted);
@@ -387,7 +404,7 @@ TEST_F(EtcdClientTest, WatchDestructorWaitsForRunningCallbackAndStopsDelivery) {
   EXPECT_FALSE(in_callback.load()) << "the callback still ran after the Watch was destroyed";
   const int calls_at_destroy = calls.load();
   ASSERT_TRUE(client_->Put(prefix_ + "b", "2").ok());
-  std::this_thread::sleep_for(300ms);
+  WaitForWitness(prefix_ + "witness");   // under the destroyed watch's prefix too
   EXPECT_EQ(calls.load(), calls_at_destroy);
 }
 
@@ -407,7 +424,9 @@ TEST_F(EtcdClientTest, WatchCanBeDestroyedFromItsOwnCallback) {
   ASSERT_TRUE(client_->Put(prefix_ + "b", "2").ok());
   mu.unlock();
   ASSERT_TRUE(WaitUntil([&] { return calls.load() > 0; }, 10s));
-  std::this_thread::sleep_for(200ms);
+  mu.lock();
+  mu.unlock();   // the callback that destroyed the watch has returned
+  WaitForWitness(prefix_ + "witness");   // b, and the witness's own key, went nowhere else
   mu.lock();
   EXPECT_EQ(calls.load(), 1);
   EXPECT_EQ(watch, nullptr);

@@ -80,9 +80,19 @@ TEST(EtcdRecovery, WatchResumesAcrossEtcdKillAndRestartWithoutLosingOrRepeatingE
         return events.size() >= written.size();
       },
       20s));
-  std::this_thread::sleep_for(300ms);  // anything repeated would arrive now
+  // A repeat would be an event of an older revision, and a watch delivers in revision order:
+  // once a sentinel written last has arrived, every repeat would have arrived before it.
+  const std::string sentinel = "/r/sentinel";
+  ASSERT_TRUE(writer->Put(sentinel, "x").ok());
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        std::lock_guard<std::mutex> lock(mu);
+        return !events.empty() && events.back().kv.key == sentinel;
+      },
+      20s));
   watch->reset();
   std::lock_guard<std::mutex> lock(mu);
+  events.pop_back();
   EXPECT_TRUE(errors.empty());
   ASSERT_EQ(events.size(), written.size());
   for (size_t i = 0; i < events.size(); ++i) {
