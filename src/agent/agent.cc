@@ -292,7 +292,8 @@ std::optional<int> Agent::PollWorkers() {
   // The round is broken for every node: peers wait in collectives that cannot complete.
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
   rdzv_.ReportWorkerFailure(round, detail);
-  pending_failure_ = PendingFailure{round, assignment_.nnodes, failure, last_connect_error_};
+  pending_failure_ =
+      PendingFailure{round, assignment_.nnodes, failure, last_connect_error_, last_failure_tail_};
   return std::nullopt;
 }
 
@@ -382,7 +383,9 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
                         detail, f.round, restarts_, options_.max_restarts);
         EFDL_LOG_ERROR("giving up: {}", reason);
         // The other nodes print it at once, `efdl status` shows it.
-        if (Status st = rdzv_.RecordGiveUp(reason); !st.ok()) EFDL_LOG_WARN("{}", st.message());
+        if (Status st = rdzv_.RecordGiveUp(reason, f.stderr_tail); !st.ok()) {
+          EFDL_LOG_WARN("{}", st.message());
+        }
         rdzv_.Leave();
         return 1;
       }
@@ -481,6 +484,8 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
   group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
   group_->Close();   // every line of their output read: the connect error below is complete
   last_connect_error_ = group_->peer_connect_error();
+  const auto& failed = group_->first_failure();
+  last_failure_tail_ = failed ? group_->stderr_tail(failed->rank) : std::vector<std::string>{};
   group_.reset();
 }
 

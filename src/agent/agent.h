@@ -107,6 +107,7 @@ class Agent {
     int nnodes = 0;
     WorkerExit exit;
     std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
+    std::vector<std::string> stderr_tail;             // the failing rank's last stderr lines
   };
 
   // Each returns an exit code when the agent must end.
@@ -158,6 +159,7 @@ class Agent {
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;
   bool peer_connect_explained_ = false;
+  std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last
   std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last
 };
 

@@ -105,7 +105,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
     int err = proc->ReleaseStderr();
     for (int fd : {out, err}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
     group->streams_.push_back(Stream{out, opts.out_fd, log_fd, spec.rank, prefix, {}});
-    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, spec.rank, prefix, {}});
+    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, spec.rank, prefix, {}, true});
     group->workers_.push_back(Worker{spec, std::move(proc).value(), false});
   }
   if (opts.spares != nullptr) {
@@ -144,6 +144,13 @@ void WorkerGroup::Close() {
 std::optional<PeerConnectError> WorkerGroup::peer_connect_error() const {
   std::lock_guard<std::mutex> lock(connect_error_mu_);
   return connect_error_;
+}
+
+std::vector<std::string> WorkerGroup::stderr_tail(int rank) const {
+  std::lock_guard<std::mutex> lock(connect_error_mu_);
+  auto it = stderr_tails_.find(rank);
+  if (it == stderr_tails_.end()) return {};
+  return {it->second.begin(), it->second.end()};
 }
 
 bool WorkerGroup::ReapOne(Worker& w) {
@@ -237,6 +244,12 @@ void WorkerGroup::EmitLine(Stream& s, std::string_view line) {
   out.append(s.prefix).append(line).push_back('\n');
   WriteAll(s.dest_fd, out.data(), out.size());  // one write per line: lines never interleave
   if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + s.prefix.size(), line.size() + 1);
+  if (s.is_stderr) {
+    std::lock_guard<std::mutex> lock(connect_error_mu_);
+    auto& tail = stderr_tails_[s.rank];
+    tail.emplace_back(line.substr(0, kStderrTailChars));
+    if (tail.size() > kStderrTailLines) tail.pop_front();
+  }
   if (auto err = ParsePeerConnectError(line)) {
     std::lock_guard<std::mutex> lock(connect_error_mu_);
     if (!connect_error_) {

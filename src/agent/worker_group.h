@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -97,6 +98,11 @@ class WorkerGroup {
   // The first line any worker wrote saying it could not connect to a peer (complete once the
   // group is Close()d: the output thread may still be copying until then).
   std::optional<PeerConnectError> peer_connect_error() const;
+  // The last kStderrTailLines lines `rank` wrote to stderr (each cut to kStderrTailChars),
+  // oldest first; complete once Close()d, like peer_connect_error().
+  std::vector<std::string> stderr_tail(int rank) const;
+  static constexpr size_t kStderrTailLines = 8;
+  static constexpr size_t kStderrTailChars = 400;
 
  private:
   struct Worker {
@@ -111,6 +117,7 @@ class WorkerGroup {
     int rank = 0;
     std::string prefix;     // "[rank N] "
     std::string partial;    // bytes after the last newline
+    bool is_stderr = false;
   };
 
   explicit WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {}
@@ -126,6 +133,7 @@ class WorkerGroup {
   std::optional<WorkerExit> first_failure_;
   mutable std::mutex connect_error_mu_;
   std::optional<PeerConnectError> connect_error_;   // written by the output thread
+  std::map<int, std::deque<std::string>> stderr_tails_;   // by rank; under connect_error_mu_
   int wake_read_ = -1;
   int wake_write_ = -1;
   std::thread pump_;

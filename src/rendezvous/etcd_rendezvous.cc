@@ -104,7 +104,8 @@ class EtcdRendezvous final : public Rendezvous {
   void ReportWorkersSucceeded(int64_t round) override;
   void Leave() override;
   Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
-  Status RecordGiveUp(const std::string& reason) override;
+  Status RecordGiveUp(const std::string& reason,
+                      const std::vector<std::string>& stderr_tail) override;
 
  private:
   // --- plumbing ---
@@ -424,8 +425,9 @@ void EtcdRendezvous::CheckEveryNodeFailed(TimePoint now) {
       opt_.job_id, *peer_gave_up_, *own_failure_, count->count, opt_.min_nodes));
 }
 
-Status EtcdRendezvous::RecordGiveUp(const std::string& reason) {
-  GaveUpRecord rec{reason, WallClockTimestamp()};
+Status EtcdRendezvous::RecordGiveUp(const std::string& reason,
+                                    const std::vector<std::string>& stderr_tail) {
+  GaveUpRecord rec{reason, WallClockTimestamp(), stderr_tail};
   auto put = client_.Put(keys_.GaveUp(opt_.node_id), rec.Encode());
   if (!put.ok()) return put.status().WithContext("cannot record in etcd why this node gave up");
   return Status::OK();
@@ -492,7 +494,10 @@ void EtcdRendezvous::Handle(Input& in) {
         const std::string id = e.kv.key.substr(keys_.gaveup.size());
         if (id == opt_.node_id) continue;
         auto rec = GaveUpRecord::Decode(e.kv.value);
-        const std::string why = rec.ok() ? rec->reason : "(unreadable record)";
+        std::string why = rec.ok() ? rec->reason : "(unreadable record)";
+        if (rec.ok() && !rec->stderr_tail.empty()) {
+          why += fmt::format("; its last stderr line: {}", rec->stderr_tail.back());
+        }
         peer_gave_up_ = fmt::format("node {} gave up: {}", id, why);
         Emit(MakeEvent(Event::Type::kPeerGaveUp, CurrentRoundForEvents(), false, *peer_gave_up_));
       }

@@ -41,7 +41,7 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
   for (const auto& kv : snap->gets[6].kvs) {
     auto rec = GaveUpRecord::Decode(kv.value);
     out.gave_up[kv.key.substr(keys.gaveup.size())] =
-        rec.ok() ? JobEvent{rec->time, rec->reason} : JobEvent{"", "(unreadable record)"};
+        rec.ok() ? *rec : GaveUpRecord{"(unreadable record)", "", {}};
   }
   out.suspended = round->phase == Phase::kSuspended;
   if (out.suspended) {
@@ -141,9 +141,11 @@ std::string JobStatus::ToJson() const {
   for (const auto& e : events) ev.push_back({{"time", e.time}, {"message", e.message}});
   j["events"] = ev;
   json gave = json::object();
-  for (const auto& [node, e] : gave_up) gave[node] = {{"time", e.time}, {"reason", e.message}};
+  for (const auto& [node, g] : gave_up) {
+    gave[node] = {{"time", g.time}, {"reason", g.reason}, {"stderr", g.stderr_tail}};
+  }
   j["gave_up"] = gave;
-  return j.dump(2);
+  return j.dump(2, ' ', false, json::error_handler_t::replace);  // stderr lines: any bytes
 }
 
 std::string JobStatus::ToText() const {
@@ -175,9 +177,11 @@ std::string JobStatus::ToText() const {
                          n.restarts);
     }
   }
-  for (const auto& [node, e] : gave_up) {
-    out += fmt::format("  {} GAVE UP at {}: {}\n", node, e.time.empty() ? "?" : e.time,
-                       e.message);
+  for (const auto& [node, g] : gave_up) {
+    out += fmt::format("  {} GAVE UP at {}: {}\n", node, g.time.empty() ? "?" : g.time,
+                       g.reason);
+    if (!g.stderr_tail.empty()) out += "    its last stderr lines:\n";
+    for (const auto& line : g.stderr_tail) out += fmt::format("      {}\n", line);
   }
   if (!events.empty()) out += "recent events:\n";
   for (const auto& e : events) out += fmt::format("  {} {}\n", e.time, e.message);

@@ -9,6 +9,7 @@
 
 #include "efdl/etcd.h"
 #include "efdl/status.h"
+#include "rendezvous/protocol.h"
 
 namespace efdl::rdzv {
 
@@ -52,7 +53,7 @@ struct JobStatus {
   std::vector<NodeStatus> waiting;
   std::vector<JobEvent> events;       // recent membership and round events, oldest first
   // Nodes that left for good because their workers kept failing: node -> when and why.
-  std::map<std::string, JobEvent> gave_up;
+  std::map<std::string, GaveUpRecord> gave_up;   // by node
 
   std::string ToJson() const;         // one JSON object, stable field names
   std::string ToText() const;         // a human-readable multi-line table

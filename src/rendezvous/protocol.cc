@@ -175,12 +175,22 @@ Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
 std::string GaveUpRecord::Encode() const {
   json j = {{"reason", reason}};
   if (!time.empty()) j["t"] = time;
-  return j.dump();
+  if (!stderr_tail.empty()) j["stderr"] = stderr_tail;
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);  // a worker's bytes: not UTF-8
 }
 
 Result<GaveUpRecord> GaveUpRecord::Decode(const std::string& text) {
   return ParseWith<GaveUpRecord>("gave-up record", text, [](const json& j, GaveUpRecord& g) {
-    return j.contains("reason") && Field(j, "reason", g.reason) && Field(j, "t", g.time);
+    if (!j.contains("reason") || !Field(j, "reason", g.reason) || !Field(j, "t", g.time)) {
+      return false;
+    }
+    if (!j.contains("stderr")) return true;
+    if (!j["stderr"].is_array()) return false;
+    for (const auto& line : j["stderr"]) {
+      if (!line.is_string()) return false;
+      g.stderr_tail.push_back(line.get<std::string>());
+    }
+    return true;
   });
 }
 

@@ -15,7 +15,8 @@
 //                    agent of a suspended job once its workers stopped: the newest snapshot it
 //                    found persisted in storage. The job resumes from the report with the highest
 //                    seq (suspend.h JobSuspendPoint).
-//   P gaveup/<node> not lease-bound; {reason, t}: written by an agent that spent its
+//   P gaveup/<node> not lease-bound; {reason, t, stderr: the failing rank's last stderr lines}:
+//                    written by an agent that spent its
 //                    --max-restarts, before it leaves; watched by every node (they print it, and
 //                    one whose own workers failed too ends once fewer than MIN nodes remain).
 //
@@ -168,6 +169,9 @@ struct SuspendReport {
 struct GaveUpRecord {
   std::string reason;            // e.g. "rank 1 exited with status 1 in round 4; 4 failures ..."
   std::string time;              // ISO-8601 UTC
+  // The last lines the failing rank wrote to stderr (its traceback, usually), oldest first;
+  // field "stderr" (absent in records of agents before 2026-12-04).
+  std::vector<std::string> stderr_tail;
   std::string Encode() const;
   static Result<GaveUpRecord> Decode(const std::string& text);
 };

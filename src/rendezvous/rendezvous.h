@@ -108,11 +108,13 @@ class Rendezvous {
   virtual void ReportWorkersSucceeded(int64_t round) = 0;
   // Leaves the job at once: revokes the lease so the others re-round without waiting.
   virtual void Leave() = 0;
-  // This node leaves the job for good because its workers kept failing: records `reason` in
-  // etcd for the other nodes (told at once) and `efdl status`. Blocking (one etcd write); call
-  // before Leave(). Doubles need not override it.
-  virtual Status RecordGiveUp(const std::string& reason) {
+  // This node leaves the job for good because its workers kept failing: records `reason` and
+  // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
+  // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.
+  virtual Status RecordGiveUp(const std::string& reason,
+                              const std::vector<std::string>& stderr_tail) {
     (void)reason;
+    (void)stderr_tail;
     return Status::OK();
   }
   // After kSuspended, once this node's workers stopped: records the newest snapshot step this

@@ -51,16 +51,27 @@ class ScriptedRendezvous : public testing::QueuedRendezvous {
     std::lock_guard lock(mu_);
     ++leaves_;
   }
+  Status RecordGiveUp(const std::string& reason,
+                      const std::vector<std::string>& stderr_tail) override {
+    std::lock_guard lock(mu_);
+    gave_up_ = reason;
+    gave_up_tail_ = stderr_tail;
+    return Status::OK();
+  }
 
   std::vector<std::string> failures() const { std::lock_guard l(mu_); return failures_; }
   std::vector<int64_t> successes() const { std::lock_guard l(mu_); return successes_; }
   int leaves() const { std::lock_guard l(mu_); return leaves_; }
+  std::string gave_up() const { std::lock_guard l(mu_); return gave_up_; }
+  std::vector<std::string> gave_up_tail() const { std::lock_guard l(mu_); return gave_up_tail_; }
 
  private:
   mutable std::mutex mu_;   // guards the reports below
   std::vector<std::string> failures_;
   std::vector<int64_t> successes_;
   int leaves_ = 0;
+  std::string gave_up_;
+  std::vector<std::string> gave_up_tail_;
 };
 
 Assignment MakeAssignment(int64_t round, int node_rank, int nnodes, int rank_offset, int nproc,
@@ -170,7 +181,10 @@ TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
 TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
   opts_.nproc = 2;
   opts_.max_restarts = 2;
-  opts_.command = {"sh", "-c", "if [ $RANK = 1 ]; then exit 7; fi; sleep 30"};
+  opts_.command = {"sh", "-c",
+                   "if [ $RANK = 1 ]; then echo 'Traceback (most recent call last):' >&2; "
+                   "echo 'ValueError: bad batch' >&2; echo 'a line on stdout'; exit 7; fi; "
+                   "sleep 30"};
   rdzv_.on_failure = [&](int64_t round, const std::string&) {
     rdzv_.Push(Started(MakeAssignment(round + 1, 0, 1, 0, 2, 2)));
   };
@@ -185,6 +199,11 @@ TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
   EXPECT_EQ(rdzv_.failures()[0], "rank 1 exited with status 7");
   EXPECT_EQ(rdzv_.leaves(), 1);
   EXPECT_NE(text.find("giving up: rank 1 exited with status 7"), std::string::npos) << text;
+  // The record for the other nodes and `efdl status` says why, in the program's own words.
+  EXPECT_NE(rdzv_.gave_up().find("rank 1 exited with status 7"), std::string::npos);
+  EXPECT_EQ(rdzv_.gave_up_tail(),
+            (std::vector<std::string>{"Traceback (most recent call last):",
+                                      "ValueError: bad batch"}));
 }
 
 // Workers that fail at every round as gloo does when a peer's address is wrong: the agent says

@@ -219,13 +219,17 @@ def test_a_node_that_gives_up_is_told_to_the_others_and_a_job_that_failed_everyw
         out = other.output()
         assert re.search(r"node %s gave up: rank \d+ exited with status 3" % gave_up[0].name,
                          out), out
+        assert "its last stderr line: boom: the program cannot start" in out, out
         assert "cannot go on" in out and "this node's workers failed too" in out, out
     proc = subprocess.run([cluster.efdl_bin(), "status", "--etcd", job.endpoint, "--job",
                            job.job], env=cluster.base_env(), capture_output=True, text=True,
                           timeout=30)
     assert "GAVE UP" in proc.stdout and "exited with status 3" in proc.stdout, proc.stdout
+    assert "its last stderr lines:\n      boom: the program cannot start" in proc.stdout, (
+        proc.stdout)
     st = status(job)
     assert gave_up[0].name in st["gave_up"], st
+    assert st["gave_up"][gave_up[0].name]["stderr"] == ["boom: the program cannot start"], st
 
 
 def test_status_of_a_job_nobody_registered_is_one_line(job):

@@ -47,6 +47,23 @@ TEST(PlanRoundTest, FragmentedModeNeedsExactWorldSize) {
   EXPECT_FALSE(PlanRound({{"a", 1, 3, "", 0}}, {}, limits).formed);
 }
 
+TEST(RecordsTest, GaveUpRecordCarriesTheFailingRanksLastStderrLines) {
+  GaveUpRecord g{"rank 1 exited with status 1 in round 2", "2026-12-04T14:00:00Z",
+                 {"Traceback (most recent call last):", "ValueError: bad \xff byte"}};
+  auto back = GaveUpRecord::Decode(g.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->reason, g.reason);
+  ASSERT_EQ(back->stderr_tail.size(), 2u);
+  EXPECT_EQ(back->stderr_tail[0], "Traceback (most recent call last):");
+  EXPECT_EQ(back->stderr_tail[1].substr(0, 16), "ValueError: bad ");  // the bad byte replaced
+  // A record of an agent before the field, and one whose field is not a list of strings.
+  auto old = GaveUpRecord::Decode(R"({"reason":"r","t":"x"})");
+  ASSERT_TRUE(old.ok());
+  EXPECT_TRUE(old->stderr_tail.empty());
+  EXPECT_FALSE(GaveUpRecord::Decode(R"({"reason":"r","stderr":[1]})").ok());
+  EXPECT_FALSE(GaveUpRecord::Decode(R"({"reason":"r","stderr":"line"})").ok());
+}
+
 TEST(RecordsTest, RoundTripAndRejectGarbage) {
   RoundRecord r;
   r.round = 7;
