@@ -26,7 +26,8 @@ agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA
 secret EFDL_JOB_SECRET and restore only when it verifies), EFDL_COMMIT_CHECKSUM (0; 1: every
 commit stores its data checksum, so a restore from memory always verifies it, at a cost per
 commit: docs/snapshots.md), EFDL_UNPICKLE_ALLOW (types a snapshot's metadata may hold beyond
-the allow-list of efdl/_unpickle.py, `module.Name,...`).
+the allow-list of efdl/_unpickle.py, `module.Name,...`), EFDL_RESTORE_OTHER_PROGRAM (1: restore
+a snapshot another program wrote under the same job id; refused by default).
 The arena's name comes from efdl._efdl.arena_path (EFDL_ARENA_HOLDER, set by `efdl run`, or
 "<host>.0" without an agent); a standalone program removes its arena once its final snapshot is
 persisted at exit.
@@ -100,6 +101,17 @@ def _remove_arena(path, shm_dir, box, key):
         pass
     box[key] = None
     _efdl.remove_orphan_locks(shm_dir)
+
+
+RESTORE_OTHER_PROGRAM_ENV = "EFDL_RESTORE_OTHER_PROGRAM"
+
+
+def program_name():
+    """The running program's file name ("train.py"), or "" when there is none (python -c, an
+    interactive session): recorded in each snapshot as its writer, so a different program that
+    shares the job id is not silently restored into (docs/snapshots.md)."""
+    arg = sys.argv[0] if sys.argv else ""
+    return "" if arg in ("", "-c", "-m") else os.path.basename(arg)
 
 
 def default_job_id():
@@ -205,6 +217,9 @@ class State:
         d["_restored_meta"] = None
         d["_lock"] = threading.Lock()
         d["_meta_cache"] = None    # (fingerprint, pickled metadata): see _meta
+        d["_program"] = program_name()   # recorded in every snapshot; checked at restore
+        d["_program_field"] = (',"program":%s' % json.dumps(d["_program"])
+                               if d["_program"] else "")
         d["_kw_heads"] = {}        # keyword argument name: its JSON key text
         d["_vote"] = None
         d["_vote_checked"] = False
@@ -631,8 +646,8 @@ class State:
             cached = self._meta_cache
             try:
                 if cached is not None and cached[0] == fingerprint:
-                    return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"}' % (kwargs_json,
-                                                                               cached[1])
+                    return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"%s}' % (
+                        kwargs_json, cached[1], self._program_field)
             except Exception:  # noqa: BLE001 - a hyper-parameter without a plain ==: re-pickle
                 pass
         meta = {"kwargs": rest or {}}
@@ -660,7 +675,8 @@ class State:
         if not all(_immutable(v) for g in groups for v in g.values()):
             fingerprint = None
         self._meta_cache = None if fingerprint is None else (fingerprint, blob)
-        return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"}' % (kwargs_json, blob)
+        return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"%s}' % (kwargs_json, blob,
+                                                                       self._program_field)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -678,6 +694,20 @@ class State:
         it), else None with a warning."""
         try:
             meta_doc = json.loads(ref.meta_json)
+            writer = meta_doc.get("program", "") if isinstance(meta_doc, dict) else ""
+        except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
+            warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
+                          % (ref.seq, ref.path, e))
+            return None
+        if (writer and self._program and writer != self._program
+                and os.environ.get(RESTORE_OTHER_PROGRAM_ENV, "") != "1"):
+            raise SnapshotError(
+                "job %r: snapshot seq %d (step %d) in %s was written by the program %r, not by "
+                "this one (%r): two programs share the job id. Give this one its own (--job, or "
+                "EFDL_JOB_ID), start the job over with `efdl reset --job %s`, or set %s=1 to "
+                "restore it anyway" % (self._job, ref.seq, ref.step, ref.path, writer,
+                                       self._program, self._job, RESTORE_OTHER_PROGRAM_ENV))
+        try:
             meta = _unpickle.loads(base64.b64decode(meta_doc["pickle"]))
             if meta_doc.get("kwargs_exact"):  # see _meta; older snapshots pickled every kwarg
                 kwargs = dict(meta_doc["kwargs"])
