@@ -292,6 +292,11 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   r.ttl = Millis(f.ttl_s);
   r.last_call = Millis(f.last_call_s);
   r.join_timeout = Millis(f.join_timeout_s);
+  // A python program's script (or module): the nodes of one job must agree on it.
+  if (!f.command.empty() &&
+      std::filesystem::path(f.command[0]).filename().string().starts_with("python")) {
+    r.program = std::filesystem::path(JobProgram(f.command)).filename().string();
+  }
   return plan;
 }
 

@@ -106,6 +106,7 @@ class EtcdRendezvous final : public Rendezvous {
   Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
   Status RecordGiveUp(const std::string& reason,
                       const std::vector<std::string>& stderr_tail) override;
+  Status CheckSameProgram();   // Join: refuses a program other than the registered nodes' 
 
  private:
   // --- plumbing ---
@@ -579,10 +580,30 @@ Status EtcdRendezvous::Join() {
   }
   if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
   if (driver_.joinable()) return Status::FailedPrecondition("Join() was already called");
+  EFDL_RETURN_IF_ERROR(CheckSameProgram());
   Status s = Register();
   if (s.code() == Status::Code::kAlreadyExists) s = WaitOutStaleRegistration(std::move(s));
   EFDL_RETURN_IF_ERROR(s);
   driver_ = std::thread([this] { DriverLoop(); });
+  return Status::OK();
+}
+
+Status EtcdRendezvous::CheckSameProgram() {
+  if (opt_.program.empty()) return Status::OK();
+  auto nodes = client_.Range(keys_.nodes, {.prefix = true});
+  if (!nodes.ok()) return nodes.status().WithContext("cannot read the job's nodes");
+  for (const auto& kv : nodes->kvs) {
+    auto rec = NodeRecord::Decode(kv.value);
+    const std::string id = kv.key.substr(keys_.nodes.size());
+    if (!rec.ok() || rec->program.empty() || rec->program == opt_.program ||
+        id == opt_.node_id) {
+      continue;
+    }
+    return Status::FailedPrecondition(fmt::format(
+        "job '{}' runs {} (node {}), this node {}: the nodes of one job run one program. Give "
+        "this one its own --job, or start it with the same command as the others",
+        opt_.job_id, rec->program, id, opt_.program));
+  }
   return Status::OK();
 }
 
@@ -644,7 +665,7 @@ Status EtcdRendezvous::Register() {
     drop_lease();
     return keeper.status().WithContext("cannot keep the node's lease alive");
   }
-  NodeRecord me{opt_.advertise_addr, opt_.nproc};
+  NodeRecord me{opt_.advertise_addr, opt_.nproc, opt_.program};
   // One request registers the node and reads the round record (the common case); only the
   // first node of a job needs a second one to create the record.
   auto reg = client_.Txn({etcd::Compare::KeyMissing(keys_.Node(opt_.node_id))},

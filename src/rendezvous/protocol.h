@@ -116,6 +116,7 @@ struct RoundRecord {
 struct NodeRecord {
   std::string addr;
   int nproc = 1;
+  std::string program;   // field "prog": RendezvousOptions::program ("" when not given)
   std::string Encode() const;
   static Result<NodeRecord> Decode(const std::string& text);
 };

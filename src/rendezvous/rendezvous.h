@@ -30,6 +30,9 @@ struct RendezvousOptions {
   std::chrono::milliseconds ttl{std::chrono::seconds(10)};
   std::chrono::milliseconds last_call{std::chrono::seconds(3)};
   std::chrono::milliseconds join_timeout{std::chrono::seconds(600)};
+  // What this node runs ("train.py", a module name): the nodes of a job must run the same; a
+  // node whose program differs from a registered node's is refused at Join. "" checks nothing.
+  std::string program;
   // Added by the rendezvous owner (protocol tuning; defaults suit real jobs and tests):
   // after a proposal, nodes that sent no ack while no other ack came for this long are left out
   // of the round (a crashed node whose lease is still alive must not hold the job up).

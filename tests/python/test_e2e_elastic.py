@@ -232,6 +232,32 @@ def test_a_node_that_gives_up_is_told_to_the_others_and_a_job_that_failed_everyw
     assert st["gave_up"][gave_up[0].name]["stderr"] == ["boom: the program cannot start"], st
 
 
+def test_a_second_program_under_a_running_jobs_id_is_refused_at_join(job, tmp_path):
+    """Two different programs given one job id: the second agent is refused at once, in one
+    line naming both programs, instead of becoming a standby of the first and exiting 0 when it
+    completes without ever running."""
+    first, second = tmp_path / "train_a.py", tmp_path / "train_b.py"
+    first.write_text("import time\nprint('a runs', flush=True)\ntime.sleep(60)\n")
+    second.write_text("print('b runs')\n")
+    extra = ["--no-prestart"]
+    a = job.start_agent("node-a", nnodes="1:2", extra=extra,
+                        command=[cluster.PYTHON, str(first)])
+    job.wait_joined(a)
+    b = job.start_agent("node-b", nnodes="1:2", extra=extra,
+                        command=[cluster.PYTHON, "-u", str(second)])
+    assert b.wait(60) == 1, b.output()[-2000:]
+    out = b.output()
+    errors = [line for line in out.splitlines() if " E efdl: " in line]
+    assert len(errors) == 1, out
+    assert ("job '%s' runs train_a.py (node node-a), this node train_b.py" % job.job
+            in errors[0]), out
+    assert "its own --job" in errors[0], out
+    assert "b runs" not in out
+    assert a.proc.poll() is None, a.output()[-2000:]   # the first job runs on
+    a.signal_group(signal.SIGTERM)
+    a.wait(60)
+
+
 def test_status_of_a_job_nobody_registered_is_one_line(job):
     proc = subprocess.run([cluster.efdl_bin(), "status", "--etcd", job.endpoint, "--job",
                            "nobody-here"], env=cluster.base_env(), capture_output=True,

@@ -47,6 +47,19 @@ TEST(PlanRoundTest, FragmentedModeNeedsExactWorldSize) {
   EXPECT_FALSE(PlanRound({{"a", 1, 3, "", 0}}, {}, limits).formed);
 }
 
+TEST(RecordsTest, NodeRecordCarriesItsProgramWhenGiven) {
+  const NodeRecord with{"10.0.0.2", 4, "train.py"};
+  const NodeRecord without{"10.0.0.2", 4, ""};
+  auto back = NodeRecord::Decode(with.Encode());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->program, "train.py");
+  EXPECT_EQ(without.Encode(), R"({"addr":"10.0.0.2","nproc":4})");
+  auto old = NodeRecord::Decode(R"({"addr":"10.0.0.2","nproc":4})");
+  ASSERT_TRUE(old.ok());
+  EXPECT_TRUE(old->program.empty());
+  EXPECT_FALSE(NodeRecord::Decode(R"({"addr":"a","nproc":1,"prog":7})").ok());
+}
+
 TEST(RecordsTest, GaveUpRecordCarriesTheFailingRanksLastStderrLines) {
   GaveUpRecord g{"rank 1 exited with status 1 in round 2", "2026-12-04T14:00:00Z",
                  {"Traceback (most recent call last):", "ValueError: bad \xff byte"}};
