@@ -130,6 +130,12 @@ class LeaseKeeper {
   virtual ~LeaseKeeper() = default;
   virtual int64_t lease_id() const = 0;
   virtual bool lost() const = 0;
+  // Until when the lease is known to live (the last renewal's send time + its TTL, on this
+  // machine's steady clock): past it etcd may have expired the lease - after a freeze, say -
+  // even before lost() turns true. Thread-safe. Default: no local expiry known.
+  virtual std::chrono::steady_clock::time_point expires_at() const {
+    return std::chrono::steady_clock::time_point::max();
+  }
 };
 
 struct WatchEvent {

@@ -229,6 +229,15 @@ int Agent::Run() {
       EFDL_LOG_ERROR("{}", persist.status().message());
       return 1;
     }
+    // A node whose lease may have expired (frozen past the TTL, cut off from etcd) may already
+    // be replaced by a newer round: what it was writing must not appear in storage.
+    persist->before_publish = [this](const snapshot::Manifest& m) {
+      return rdzv_.MayPublish(m.wall_time)
+                 ? Status::OK()
+                 : Status::FailedPrecondition(
+                       "it was committed before this node's etcd lease expired or may have (the "
+                       "node was frozen or cut off from etcd); a newer round may run without it");
+    };
     persister_ = std::make_unique<AgentPersister>(std::move(persist).value());
   }
   if (options_.prestart && !options_.launcher) StartSparePool();

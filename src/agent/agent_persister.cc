@@ -131,6 +131,7 @@ std::shared_ptr<snapshot::Persister> AgentPersister::MakePersister(
   p.min_interval = options_.min_interval;
   p.poll_interval = options_.poll_interval;
   p.hmac_key = options_.hmac_key;
+  p.before_publish = options_.before_publish;
   auto persister = std::make_shared<snapshot::Persister>(std::move(p));
   persister->Start();
   return persister;

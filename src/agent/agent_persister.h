@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "efdl/snapshot.h"
 #include "efdl/status.h"
 
 namespace efdl::snapshot {
@@ -57,6 +58,7 @@ struct AgentPersisterOptions {
   std::chrono::milliseconds min_interval{1000};  // EFDL_PERSIST_MIN_INTERVAL_MS
   std::chrono::milliseconds poll_interval{150};
   std::string hmac_key;               // the job's secret when EFDL_SNAPSHOT_HMAC=1, else empty
+  std::function<Status(const snapshot::Manifest&)> before_publish;   // PersisterOptions
 };
 
 // The options from the variables State reads (the workers inherit the agent's environment, so

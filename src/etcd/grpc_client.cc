@@ -140,17 +140,26 @@ void RouteGrpcLogToDebug() {
 class GrpcLeaseKeeper final : public LeaseKeeper {
  public:
   GrpcLeaseKeeper(std::shared_ptr<KeepAliveEngine> engine, int64_t token, int64_t lease_id,
-                  std::shared_ptr<std::atomic<bool>> lost)
-      : engine_(std::move(engine)), token_(token), lease_id_(lease_id), lost_(std::move(lost)) {}
+                  std::shared_ptr<std::atomic<bool>> lost,
+                  std::shared_ptr<std::atomic<int64_t>> expires_ns)
+      : engine_(std::move(engine)),
+        token_(token),
+        lease_id_(lease_id),
+        lost_(std::move(lost)),
+        expires_ns_(std::move(expires_ns)) {}
   ~GrpcLeaseKeeper() override { engine_->Remove(token_); }
   int64_t lease_id() const override { return lease_id_; }
   bool lost() const override { return lost_->load(); }
+  TimePoint expires_at() const override {
+    return TimePoint(TimePoint::duration(expires_ns_->load()));
+  }
 
  private:
   std::shared_ptr<KeepAliveEngine> engine_;
   int64_t token_;
   int64_t lease_id_;
   std::shared_ptr<std::atomic<bool>> lost_;
+  std::shared_ptr<std::atomic<int64_t>> expires_ns_;
 };
 
 class GrpcWatch final : public Watch {
@@ -384,11 +393,12 @@ Result<std::unique_ptr<LeaseKeeper>> GrpcClient::KeepAlive(int64_t lease_id,
   }
   auto lost = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<KeepAliveEngine> engine = keepalive_engine();
+  auto expires_ns = std::make_shared<std::atomic<int64_t>>(0);
   int64_t token = engine->Add(lease_id, response.grantedttl(),
                               asked + std::chrono::seconds(response.ttl()), std::move(on_lost),
-                              lost);
-  return std::unique_ptr<LeaseKeeper>(
-      std::make_unique<GrpcLeaseKeeper>(std::move(engine), token, lease_id, std::move(lost)));
+                              lost, expires_ns);
+  return std::unique_ptr<LeaseKeeper>(std::make_unique<GrpcLeaseKeeper>(
+      std::move(engine), token, lease_id, std::move(lost), std::move(expires_ns)));
 }
 
 Result<std::unique_ptr<Watch>> GrpcClient::StartWatch(const std::string& key,

@@ -17,15 +17,17 @@ void KeepAliveEngine::Shutdown() { StopThread(); }
 
 int64_t KeepAliveEngine::Add(int64_t lease_id, int64_t ttl_seconds, TimePoint expires_at,
                              std::function<void()> on_lost,
-                             std::shared_ptr<std::atomic<bool>> lost) {
+                             std::shared_ptr<std::atomic<bool>> lost,
+                             std::shared_ptr<std::atomic<int64_t>> expires_ns) {
   int64_t token = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     token = next_token_++;
+    expires_ns->store(expires_at.time_since_epoch().count());
     entries_.emplace(token,
                      Entry{lease_id, LeaseClock(ttl_seconds, expires_at, SteadyClock::now()),
                            std::make_shared<std::function<void()>>(std::move(on_lost)),
-                           std::move(lost)});
+                           std::move(lost), std::move(expires_ns)});
   }
   Wake();
   return token;
@@ -124,6 +126,7 @@ void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& res
       case LeaseClock::Answer::kIgnored:
         break;
     }
+    e.expires_ns->store(e.clock.expires_at().time_since_epoch().count());
   }
   for (int64_t token : gone) MarkLost(token, lost);
   NotifyLost(lock, lost);

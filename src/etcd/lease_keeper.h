@@ -33,8 +33,10 @@ class KeepAliveEngine final
   // Starts renewing `lease_id` (granted for `ttl_seconds`, known to live until `expires_at`).
   // `lost` is set and `on_lost` run (on the engine thread) when the lease is lost. Returns a
   // token for Remove.
+  // `expires_ns` follows the lease's local expiry (steady clock, ns since its epoch).
   int64_t Add(int64_t lease_id, int64_t ttl_seconds, TimePoint expires_at,
-              std::function<void()> on_lost, std::shared_ptr<std::atomic<bool>> lost);
+              std::function<void()> on_lost, std::shared_ptr<std::atomic<bool>> lost,
+              std::shared_ptr<std::atomic<int64_t>> expires_ns);
   // Stops renewing. Unless called from on_lost itself, waits until that callback is not
   // running; it never runs afterwards.
   void Remove(int64_t token);
@@ -46,6 +48,7 @@ class KeepAliveEngine final
     LeaseClock clock;
     std::shared_ptr<std::function<void()>> on_lost;
     std::shared_ptr<std::atomic<bool>> lost;
+    std::shared_ptr<std::atomic<int64_t>> expires_ns;
   };
 
   bool WantStream() override;

@@ -106,7 +106,9 @@ class EtcdRendezvous final : public Rendezvous {
   Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
   Status RecordGiveUp(const std::string& reason,
                       const std::vector<std::string>& stderr_tail) override;
-  Status CheckSameProgram();   // Join: refuses a program other than the registered nodes' 
+  Status CheckSameProgram();   // Join: refuses a program other than the registered nodes'
+  bool MayPublish(double committed_at) const override;
+  void SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced);
 
  private:
   // --- plumbing ---
@@ -185,7 +187,10 @@ class EtcdRendezvous final : public Rendezvous {
   // by Leave after it stopped).
   uint64_t generation_ = 0;             // bumped at each (re)registration and resync
   int64_t lease_ = 0;
-  std::unique_ptr<etcd::LeaseKeeper> keeper_;
+  std::unique_ptr<etcd::LeaseKeeper> keeper_;   // swapped under keeper_mu_ (MayPublish reads it)
+  mutable std::mutex keeper_mu_;
+  bool fenced_ = false;                         // keeper_mu_: the lease was lost; until re-registered
+  double fenced_at_wall_ = 0;                   // keeper_mu_: when it was last fenced (epoch s)
   std::unique_ptr<etcd::Watch> round_watch_, assign_watch_, deputy_watch_;
   // gaveup/ of the job from the first registration on; lives as long as the rendezvous.
   std::unique_ptr<etcd::Watch> gaveup_watch_;
@@ -734,7 +739,7 @@ Status EtcdRendezvous::Register() {
     return (!w1.ok() ? w1.status() : w2.status()).WithContext("cannot watch the job");
   }
   lease_ = lease;
-  keeper_ = std::move(*keeper);
+  SetKeeper(std::move(*keeper), false);
   round_watch_ = std::move(*w1);
   assign_watch_ = std::move(*w2);
   if (!gaveup_watch_) {
@@ -967,6 +972,7 @@ void EtcdRendezvous::Fence(const std::string& why) {
   if (finished_ || lease_ == 0) return;
   int64_t round = CurrentRoundForEvents();
   EFDL_LOG_WARN("rdzv {}: fenced out of round {}: {}", opt_.node_id, round, why);
+  SetKeeper(nullptr, true);   // first: from now on nothing of the old round is published
   Emit(MakeEvent(Event::Type::kFenced, round, false,
                  fmt::format("node {} was fenced out of round {}: {}", opt_.node_id, round, why)));
   fenced_round_ = std::max(round, round_.round);
@@ -978,7 +984,6 @@ void EtcdRendezvous::Fence(const std::string& why) {
   deputy_watch_.reset();
   deputy_target_.clear();
   takeover_at_.reset();
-  keeper_.reset();
   lease_ = 0;
   ++generation_;
   fenced_since_ = Clock::now();
@@ -1008,7 +1013,7 @@ void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
       SendAck(AckState::kLeaving, round_.round);
       HandOverCoordination();
     }
-    keeper_.reset();
+    SetKeeper(nullptr, false);
     Status s = client_.LeaseRevoke(lease_);
     if (!s.ok() && !s.IsNotFound()) {
       EFDL_LOG_WARN("rdzv {}: could not revoke the lease (others will see it expire after "
@@ -1016,7 +1021,28 @@ void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
     }
     lease_ = 0;
   }
-  keeper_.reset();
+  SetKeeper(nullptr, false);
+}
+
+void EtcdRendezvous::SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced) {
+  std::unique_ptr<etcd::LeaseKeeper> old;
+  std::lock_guard<std::mutex> lock(keeper_mu_);
+  old = std::move(keeper_);   // destroyed after the lock is released
+  keeper_ = std::move(keeper);
+  fenced_ = fenced;
+  if (fenced) {
+    fenced_at_wall_ =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
+  }
+}
+
+bool EtcdRendezvous::MayPublish(double committed_at) const {
+  std::lock_guard<std::mutex> lock(keeper_mu_);
+  if (fenced_ || committed_at < fenced_at_wall_) return false;
+  // Without a lease (before the first registration, after leaving) nothing newer can be fenced
+  // against it; with one, only until its local expiry.
+  return keeper_ == nullptr || std::chrono::steady_clock::now() < keeper_->expires_at();
 }
 
 // Without this, a leaving coordinator would simply vanish: its deputy would notice the deleted

@@ -111,6 +111,16 @@ class Rendezvous {
   virtual void ReportWorkersSucceeded(int64_t round) = 0;
   // Leaves the job at once: revokes the lease so the others re-round without waiting.
   virtual void Leave() = 0;
+  // Whether a snapshot this node committed at `committed_at` (wall seconds since the epoch) may
+  // still be published to storage: false while the node's lease may have expired at etcd (its
+  // local expiry passed without a renewal: a freeze, an outage) or it is fenced, and - once it
+  // registered again - for anything committed before it was fenced: a newer round may have run
+  // without it meanwhile. Thread-safe (the agent's persister threads ask). Doubles need not
+  // override it.
+  virtual bool MayPublish(double committed_at) const {
+    (void)committed_at;
+    return true;
+  }
   // This node leaves the job for good because its workers kept failing: records `reason` and
   // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
   // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.

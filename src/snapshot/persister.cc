@@ -136,7 +136,7 @@ Result<bool> Persister::PersistLocked() {
         checksum = ChecksumOfRegion(manifest->tensors, data, nullptr);
         arena_->SetChecksum(slot.slot, slot.seq, *checksum);
       }
-      s = store_.Write(*manifest, data, *checksum);
+      s = store_.Write(*manifest, data, *checksum, options_.before_publish);
       std::lock_guard<std::mutex> lock(mu_);
       last_write_ = std::chrono::steady_clock::now();
     }

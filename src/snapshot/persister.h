@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,6 +33,9 @@ struct PersisterOptions {
   std::chrono::milliseconds min_interval{0};    // at most one write per interval (0: no limit)
   std::chrono::milliseconds poll_interval{500}; // also look without Notify (writer elsewhere)
   std::string hmac_key;                         // non-empty: files carry an HMAC (hmac.h)
+  // Asked right before each file is published (SnapshotStore::Write); the agent refuses while
+  // its etcd lease may have expired (a frozen or cut-off node must not publish a stale write).
+  std::function<Status(const Manifest&)> before_publish;
 };
 
 class Persister {

@@ -58,7 +58,8 @@ void SnapshotStore::RemoveStaleTemporaries() {
 }
 
 Status SnapshotStore::Write(const Manifest& manifest, const uint8_t* data,
-                            uint64_t data_checksum) {
+                            uint64_t data_checksum,
+                            const std::function<Status(const Manifest&)>& before_publish) {
   if (dir_made_ && !env_->FileExists(dir_)) {
     // Someone removed the job's directory while it ran: say so, then store there again.
     EFDL_LOG_WARN("snapshot: the job's snapshot directory {} disappeared while the job ran, "
@@ -84,6 +85,10 @@ Status SnapshotStore::Write(const Manifest& manifest, const uint8_t* data,
   if (s.ok()) s = (*file)->Sync();
   Status c = (*file)->Close();
   if (s.ok()) s = c;
+  if (s.ok() && before_publish) {
+    s = before_publish(manifest).WithContext(
+        fmt::format("not publishing snapshot seq {}", manifest.seq));
+  }
   if (s.ok()) s = env_->RenameFile(tmp, final_path);
   if (!s.ok()) {
     (void)env_->RemoveFile(tmp);

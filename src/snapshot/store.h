@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,11 @@ class SnapshotStore {
   const std::string& dir() const { return dir_; }
   // Writes one snapshot durably, then prunes to the newest `keep`. On failure (e.g. a full disk)
   // the temporary is removed and every older snapshot is left as it was.
-  Status Write(const Manifest& manifest, const uint8_t* data, uint64_t data_checksum);
+  // `before_publish`, when given, is asked (with the snapshot's manifest) once the file is
+  // durable and right before it is renamed into place; a non-OK answer removes the temporary
+  // instead (nothing published).
+  Status Write(const Manifest& manifest, const uint8_t* data, uint64_t data_checksum,
+               const std::function<Status(const Manifest&)>& before_publish = {});
   // Snapshot files by seq, newest first (names only parsed, contents not read).
   struct Entry {
     uint64_t seq = 0;

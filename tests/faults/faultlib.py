@@ -223,6 +223,31 @@ class Job:
         raise AssertionError("node %s wrote no snapshot to storage within %d s\n%s"
                              % (writer, timeout, self.dump()))
 
+    def freeze_while_persisting(self, node, timeout=60):
+        """SIGSTOPs node `node` (agent and workers) the moment its agent is writing a snapshot
+        to storage. Returns (fault, tmp name, seq) once the write is certainly frozen half-done
+        (its temporary file still there, not renamed, after the stop), else (fault, None, None)
+        with the node left stopped (the caller decides)."""
+        d = os.path.join(self.snapshot_dir, self.c.job)
+        mark = "-%d-" % self.nodes[node].proc.pid
+        groups = self.groups_of([node])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                tmp = next((n for n in os.listdir(d) if n.startswith(".tmp-") and mark in n),
+                           None)
+            except OSError:
+                tmp = None
+            if tmp is not None:
+                fault = self.signal_groups(groups, signal.SIGSTOP)
+                time.sleep(0.2)   # a rename in flight at the stop has landed by now
+                if os.path.exists(os.path.join(d, tmp)):
+                    return fault, tmp, int(tmp[:-len(".efdl")].rsplit("-", 1)[1])
+                return fault, None, None
+            time.sleep(0.0005)
+        raise AssertionError("node %s wrote no snapshot to storage within %d s\n%s"
+                             % (node, timeout, self.dump()))
+
     def storage_files(self):
         """{seq: step} of the complete snapshot files in storage (names and manifests read
         by `efdl snapshots list`)."""
@@ -523,6 +548,53 @@ class Job:
         self.check_finished(finishers, timeout)
         self.check_rounds()
         self.check_intact()
+
+
+class RenamesFrom:
+    """Records every file of directory `path` renamed to another name (inotify IN_MOVED_FROM,
+    through libc: a temporary file published as a snapshot), with the wall time it was seen; a
+    file published and pruned a moment later still shows. Stop with close()."""
+
+    IN_MOVED_FROM = 0x00000040
+    IN_NONBLOCK = 0o4000
+
+    def __init__(self, path):
+        import ctypes
+        import struct
+        self._struct = struct
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = libc.inotify_init1(self.IN_NONBLOCK)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        if libc.inotify_add_watch(self._fd, os.fsencode(path), self.IN_MOVED_FROM) < 0:
+            os.close(self._fd)
+            raise OSError(ctypes.get_errno(), "inotify_add_watch %s" % path)
+        self.seen = []          # (wall time, file name)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import select
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._fd], [], [], 0.1)
+            if not ready:
+                continue
+            try:
+                data = os.read(self._fd, 65536)
+            except BlockingIOError:
+                continue
+            at, off = time.time(), 0
+            while off + 16 <= len(data):
+                _, _, _, n = self._struct.unpack_from("iIII", data, off)
+                name = data[off + 16:off + 16 + n].split(b"\0", 1)[0].decode()
+                self.seen.append((at, name))
+                off += 16 + n
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        os.close(self._fd)
 
 
 # -- shared-memory arena (docs/snapshots.md, src/snapshot/arena.cc) ---------------------------

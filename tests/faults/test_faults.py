@@ -299,22 +299,49 @@ def test_sigkill_of_all_nodes_restarts_from_storage(make_job, rng, restart):
 
 # -- a frozen node ---------------------------------------------------------------------------
 
-def test_sigstop_past_the_ttl_fences_the_node_and_it_rejoins(make_job):
+@pytest.mark.parametrize("frozen_rank", [2, 0])
+def test_sigstop_past_the_ttl_fences_the_node_and_it_rejoins(make_job, frozen_rank):
     """SIGSTOP for longer than the TTL: the others re-round without it; after SIGCONT it is
     fenced (never steps in its old round again: no_stale_round) and comes back in a new round.
-    See also tests/python/test_e2e_elastic.py::test_frozen_node_is_fenced_and_rejoins_as_a_new_member
-    (allreduce worker, no State)."""
-    job = make_job("sigstop", steps=60, env={"WORKER_USE_CONTROL": "1"})
+    [0]: the frozen node is the one that writes storage, frozen certainly in the middle of a
+    write (its temporary file is there after the stop); after SIGCONT that write must never be
+    published (snap-<seq> of it never appears) - the others' newer snapshots would otherwise
+    race a stale one. See also tests/python/test_e2e_elastic.py::
+    test_frozen_node_is_fenced_and_rejoins_as_a_new_member (allreduce worker, no State)."""
+    env = {"WORKER_USE_CONTROL": "1"}
+    if frozen_rank == 0:
+        env.update({"FAULT_BALLAST_MB": "16", "EFDL_PERSIST_MIN_INTERVAL_MS": "0"})
+    job = make_job("sigstop-rank%d" % frozen_rank, steps=200 if frozen_rank == 0 else 60,
+                   env=env)
     three_nodes(job)
     job.wait_step(8, world=3)
-    frozen = node_of_rank(job, 2)
-    fault = job.signal_nodes([frozen], signal.SIGSTOP)
+    frozen = node_of_rank(job, frozen_rank)
+    stale = None
+    if frozen_rank == 0:
+        for attempt in range(PERSIST_KILL_TRIES):
+            fault, tmp, stale = job.freeze_while_persisting(frozen)
+            print("try %d: froze %s inside the write of %s" % (attempt, frozen, tmp))
+            if stale is not None:
+                break
+            job.signal_nodes([frozen], signal.SIGCONT)   # the write won: thaw, try again
+            job.wait_step(max(e["step"] for e in job.events({"STEP"})) + 3, world=3)
+        assert stale is not None, "no freeze landed inside a storage write"
+        renames = faultlib.RenamesFrom(os.path.join(job.snapshot_dir, job.c.job))
+    else:
+        fault = job.signal_nodes([frozen], signal.SIGSTOP)
     others = [n for n in job.nodes if n != frozen]
     job.wait_round(2, since=fault[1])
     job.wait_step(max(e["step"] for e in job.events({"STEP"})) + 3, world=2)
     thaw_t = job.signal_nodes([frozen], signal.SIGCONT)[1]
     job.wait_for(lambda: "fenced" in job.nodes[frozen].output(), 30, "the node to be fenced")
     job.wait_round(3, since=thaw_t)
+    if stale is not None:
+        renames.close()
+        # The frozen write's own temporary file (its name holds the agent's pid) renamed into
+        # place; the same seq persisted by another node is a different file, and allowed.
+        late = [t - thaw_t for t, n in renames.seen if n == tmp]
+        assert not late, ("the fenced node published its half-done write of seq %d %.3f s "
+                          "after SIGCONT\n%s" % (stale, late[0], job.dump()))
     job.check_acked_kept(fault, others)
     job.check_all(list(job.nodes))
     job.check_no_leftovers()

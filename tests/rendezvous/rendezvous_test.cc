@@ -400,9 +400,17 @@ TEST(RendezvousTest, FencedNodeNeverRejoinsItsRoundAndComesBackAsNewMember) {
   auto c = Start(db, Opts("c", 2, 3));
   auto first = b->Started();
   ASSERT_TRUE(a->Started() && first && c->Started());
+  auto wall_now = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  const double committed_before = wall_now();
+  EXPECT_TRUE(b->rdzv->MayPublish(committed_before));
   db.Expire(LeaseOf(db, "b"));  // b was partitioned long enough for its lease to end
   auto fenced = b->Next(Event::Type::kFenced);
   ASSERT_TRUE(fenced);
+  // What b committed in its old round never reaches storage, even after it registered again.
+  EXPECT_FALSE(b->rdzv->MayPublish(committed_before));
   b->seen.clear();
   EXPECT_EQ(fenced->round, first->round);
   // b rejoins as a new member: it goes last, and never runs `first->round` again.
@@ -412,6 +420,8 @@ TEST(RendezvousTest, FencedNodeNeverRejoinsItsRoundAndComesBackAsNewMember) {
   EXPECT_GT(eb->round, first->round);
   EXPECT_EQ(eb->assignment.node_rank, 2);
   EXPECT_EQ(eb->assignment.world_size, 3);
+  EXPECT_FALSE(b->rdzv->MayPublish(committed_before));
+  EXPECT_TRUE(b->rdzv->MayPublish(wall_now()));   // its new round's commits are its own
   for (const auto& e : b->seen) {
     if (e.type == Event::Type::kRoundStarted) {
       EXPECT_NE(e.round, first->round);

@@ -78,6 +78,31 @@ TEST_F(StoreTest, CrashBetweenWriteAndRenameKeepsThePreviousSnapshot) {
   EXPECT_EQ(store.List().front().seq, 3u);
 }
 
+TEST_F(StoreTest, AWriteRefusedRightBeforePublishingLeavesNothingBehind) {
+  SnapshotStore store(&env_, Dir(), 2);
+  ASSERT_TRUE(WriteOne(store, 1, 1).ok());
+  std::vector<uint8_t> data;
+  Manifest m = MakeManifest(2, &data, 2);
+  uint64_t asked_seq = 0;
+  Status s = store.Write(m, data.data(), ChecksumOfRegion(m.tensors, data.data(), nullptr),
+                         [&](const Manifest& about) {
+                           asked_seq = about.seq;
+                           return Status::FailedPrecondition("the lease expired");
+                         });
+  EXPECT_EQ(asked_seq, 2u);
+  EXPECT_TRUE(s.IsFailedPrecondition()) << s.ToString();
+  EXPECT_NE(s.message().find("not publishing snapshot seq 2: the lease expired"),
+            std::string::npos)
+      << s.message();
+  ASSERT_EQ(store.List().size(), 1u);
+  EXPECT_EQ(env_.GetChildren(Dir())->size(), 1u) << "the refused temporary was left behind";
+  // Allowed, the same write publishes.
+  EXPECT_TRUE(store.Write(m, data.data(), ChecksumOfRegion(m.tensors, data.data(), nullptr),
+                          [](const Manifest&) { return Status::OK(); })
+                  .ok());
+  EXPECT_EQ(store.List().front().seq, 2u);
+}
+
 TEST_F(StoreTest, FullDiskIsReportedAndThePreviousSnapshotIsKept) {
   SnapshotStore store(&env_, Dir(), 2);
   ASSERT_TRUE(WriteOne(store, 1, 1).ok());
