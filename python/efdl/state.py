@@ -487,7 +487,8 @@ class State:
             try:
                 self._fast = _efdl.FastCommit(
                     self._engine, self.__dict__, plan, plan.originals, plan.ptrs,
-                    self._model_cache, cached[0], cached[1], torch.Tensor)
+                    self._model_cache, cached[0], cached[1], torch.Tensor,
+                    self._program_field)
             except _efdl.SnapshotError:
                 self._fast = None  # a state it does not cover: the Python path it is
 

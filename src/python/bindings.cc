@@ -229,16 +229,18 @@ PYBIND11_MODULE(_efdl, m) {
                          "efdl.state.State's per-commit path in C++ (src/python/fast_commit.h).")
       .def(py::init([](py::object engine, py::dict state_dict, py::object plan, py::list tensors,
                        std::vector<uintptr_t> ptrs, py::object model_cache,
-                       py::tuple fingerprint, std::string pickle_blob, py::object tensor_type) {
+                       py::tuple fingerprint, std::string pickle_blob, py::object tensor_type,
+                       std::string meta_tail) {
              efdl::python::FastCommitInputs in{std::move(engine),      std::move(plan),
                                                std::move(tensors),     std::move(ptrs),
                                                std::move(model_cache), std::move(fingerprint),
-                                               std::move(pickle_blob), std::move(tensor_type)};
+                                               std::move(pickle_blob), std::move(tensor_type),
+                                               std::move(meta_tail)};
              return Unwrap(FastCommit::Create(std::move(in), state_dict));
            }),
            py::arg("engine"), py::arg("state_dict"), py::arg("plan"), py::arg("tensors"),
            py::arg("ptrs"), py::arg("model_cache"), py::arg("fingerprint"),
-           py::arg("pickle_blob"), py::arg("tensor_type"))
+           py::arg("pickle_blob"), py::arg("tensor_type"), py::arg("meta_tail") = "")
       .def(
           "commit",
           [](FastCommit& f, int64_t step, const py::dict& state_dict) -> py::object {

@@ -288,7 +288,9 @@ std::optional<std::string> FastCommit::MetaText(const py::dict& state_dict) {
   if (!AppendKwargs(state_dict.ptr(), meta)) return std::nullopt;
   meta += ",\"kwargs_exact\":true,\"pickle\":\"";
   meta += in_.pickle_blob;
-  meta += "\"}";
+  meta += '"';
+  meta += in_.meta_tail;
+  meta += '}';
   return meta;
 }
 

@@ -47,6 +47,7 @@ struct FastCommitInputs {
   pybind11::object fingerprint;  // State._meta_cache[0]: (id(opt), [(len(params), *values)])
   std::string pickle_blob;       // State._meta_cache[1]
   pybind11::object tensor_type;  // torch.Tensor
+  std::string meta_tail;         // State._program_field: appended to the meta object's members
 };
 
 class FastCommit {

@@ -321,7 +321,11 @@ def test_restarted_hosts_of_a_two_host_job_agree_on_their_memory_snapshots(clust
     for n, x in again.items():
         (_, _, world, source, _, step) = restored(x)[0]
         assert world == "2" and int(step) == newest, (held, x.output()[-3000:])
-        assert source == ("memory" if held[n] == newest else "peer"), (held, x.output()[-3000:])
+        # The other host receives it from the holder - or reads it from storage: the holder's new
+        # agent persists what it adopted at once (a first write is not rate-limited), and when
+        # that lands before the agreement, storage offers the same seq (seen once in CI).
+        expected = ("memory",) if held[n] == newest else ("peer", "storage")
+        assert source in expected, (held, x.output()[-3000:])
 
 
 def test_an_agent_that_leaves_without_arenas_leaves_no_lock_file(cluster, tmp_path):

@@ -31,7 +31,9 @@ def job(tmp_path, monkeypatch):
                 "EFDL_SNAPSHOT_PER_RANK", "EFDL_AGENT_PERSISTS", "EFDL_PERSIST_MIN_INTERVAL_MS"):
         monkeypatch.delenv(var, raising=False)
     env = {"EFDL_JOB_ID": "test-" + tmp_path.name, "EFDL_SNAPSHOT_DIR": str(tmp_path / "snaps"),
-           "EFDL_SHM_DIR": str(tmp_path / "shm")}
+           "EFDL_SHM_DIR": str(tmp_path / "shm"),
+           # The test process restores what the tests' own scripts wrote (another program).
+           "EFDL_RESTORE_OTHER_PROGRAM": "1"}
     os.makedirs(env["EFDL_SHM_DIR"])
     for k, v in env.items():
         monkeypatch.setenv(k, v)

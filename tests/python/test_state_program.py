@@ -33,6 +33,8 @@ def run(tmp_path, job, name, extra_env=None):
     path = tmp_path / name
     path.write_text(PROGRAM)
     env = dict(clean_environment(), EFDL_JOB_ID=job["EFDL_JOB_ID"], **(extra_env or {}))
+    if not extra_env:
+        env.pop("EFDL_RESTORE_OTHER_PROGRAM", None)   # the job fixture allows it for its readers
     return subprocess.run([PYTHON, str(path)], env=env, capture_output=True, text=True,
                           timeout=TIMEOUT)
 
