@@ -22,14 +22,14 @@ namespace {
 
 // The numeric addresses of the round's members (the rank-0 node's assignment lists their
 // advertise addresses), for the Gloo rendezvous server's client filter. Empty (no filter, with a
-// warning) when a member's name does not resolve here: better unfiltered than unusable.
+// warning) when a member's name does not resolve here: the round's token still guards it.
 std::vector<std::string> HorovodClientFilter(const rdzv::Assignment& a) {
   std::vector<std::string> out;
   for (const auto& host : a.horovod_clients) {
     auto numeric = NumericAddresses(host);
     if (!numeric.ok()) {
-      EFDL_LOG_WARN("round {}: {}; Horovod's Gloo rendezvous serves every client this round",
-                    a.round, numeric.status().message());
+      EFDL_LOG_WARN("round {}: {}; Horovod's Gloo rendezvous serves every client that has the "
+                    "round's token this round", a.round, numeric.status().message());
       return {};
     }
     out.insert(out.end(), numeric->begin(), numeric->end());
@@ -97,6 +97,10 @@ void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& 
   horovod::WorkerEnvOptions o;
   o.rendezvous_addr = a.master_addr;
   o.rendezvous_port = a.horovod_port;
+  // No secret, no token: the address is left out and EFDL's layer says why (fail closed).
+  if (auto token = horovod::RendezvousToken(options.job_secret, a.round); token.ok()) {
+    o.rendezvous_token = std::move(token).value();
+  }
   // A value the user set in the agent's environment reaches the worker unchanged.
   if (std::getenv("HOROVOD_GLOO_IFACE") == nullptr) o.gloo_iface = options.gloo_iface;
   env.merge(horovod::WorkerEnv(slot, o));
@@ -648,9 +652,13 @@ void Agent::StartHorovodRendezvous(const rdzv::Assignment& a) {
     horovod::RendezvousServerOptions o;
     o.bind_addr = a.master_addr;   // this node's advertise address: never every interface
     o.port = a.horovod_port;
-    // Only the round's members may talk to it (real Horovod cannot send the job's secret).
+    // Every request must carry the round's token (from the job's secret), and where the
+    // members' names resolve, also come from a member's address.
     o.allowed_clients = HorovodClientFilter(a);
-    auto server = horovod::RendezvousServer::Start(o, *slots);
+    auto token = horovod::RendezvousToken(options_.job_secret, a.round);
+    if (token.ok()) o.token = std::move(token).value();
+    auto server = token.ok() ? horovod::RendezvousServer::Start(o, *slots)
+                             : Result<std::unique_ptr<horovod::RendezvousServer>>(token.status());
     if (server.ok()) {
       horovod_server_ = std::move(server).value();
       EFDL_LOG_DEBUG("round {}: serving Horovod's Gloo rendezvous on {}:{} for {} processes",

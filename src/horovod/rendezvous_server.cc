@@ -13,6 +13,8 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 
 #include "common/log.h"
 #include "horovod/http.h"
@@ -44,6 +46,20 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
     diff |= static_cast<unsigned char>(a[i] ^ b[i]);
   }
   return diff == 0;
+}
+
+bool IsTokenText(std::string_view t) {
+  return t.size() >= 32 && t.size() <= 128 &&
+         std::all_of(t.begin(), t.end(),
+                     [](char ch) { return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'); });
+}
+
+// `target` with its first path segment (the token, right or wrong) hidden, for logs.
+std::string Redacted(const std::string& target) {
+  if (target.empty() || target[0] != '/') return target.substr(0, 128);
+  size_t slash = target.find('/', 1);
+  std::string rest = slash == std::string::npos ? std::string() : target.substr(slash, 128);
+  return "/<token>" + rest;
 }
 
 // "/<scope>/<key>" with both parts non-empty and nothing after the key.
@@ -90,6 +106,11 @@ Result<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(
   if (options.bind_addr.empty()) {
     return Status::InvalidArgument(
         "Horovod rendezvous: no bind address given: pass the node's advertise address");
+  }
+  if (!IsTokenText(options.token)) {
+    return Status::InvalidArgument(
+        "Horovod rendezvous: no valid token given (32-128 lowercase hex digits): the server "
+        "never serves without one; make it with RendezvousToken from the job's secret");
   }
   if (options.request_timeout.count() <= 0 || options.max_connections == 0) {
     return Status::InvalidArgument(
@@ -178,20 +199,56 @@ RendezvousServer::Stats RendezvousServer::stats() const {
   return Stats{requests_.load(), rejected_.load(), timed_out_.load()};
 }
 
-bool RendezvousServer::Authorized(const Connection& c, std::string* why) const {
+Result<std::string> RendezvousToken(std::string_view job_secret, int64_t round) {
+  if (job_secret.empty()) {
+    return Status::FailedPrecondition(
+        "no job secret: the Horovod rendezvous is served only with a token made from it");
+  }
+  const std::string message = fmt::format("efdl horovod rendezvous round {}", round);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int mac_len = 0;
+  if (::HMAC(EVP_sha256(), job_secret.data(), static_cast<int>(job_secret.size()),
+             reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac,
+             &mac_len) == nullptr ||
+      mac_len < 16) {
+    return Status::Internal("Horovod rendezvous: HMAC-SHA256 failed");
+  }
+  std::string out;
+  for (unsigned int i = 0; i < 16; ++i) out += fmt::format("{:02x}", mac[i]);
+  return out;
+}
+
+std::string HorovodAddrWithToken(const std::string& address, uint16_t port,
+                                 const std::string& token) {
+  return fmt::format("{}:{}/{}", address, port, token);
+}
+
+bool RendezvousServer::Authorized(const Connection& c, std::string* target,
+                                  std::string* why) const {
   if (!options_.allowed_clients.empty() &&
       std::find(options_.allowed_clients.begin(), options_.allowed_clients.end(), c.peer) ==
           options_.allowed_clients.end()) {
     *why = fmt::format("client {} is not a member of this round", c.peer);
     return false;
   }
-  if (!options_.secret.empty()) {
-    auto given = c.parser.request().Header(kSecretHeader);
-    if (!given || !ConstantTimeEquals(*given, options_.secret)) {
-      *why = "missing or wrong X-EFDL-Rendezvous-Secret header";
-      return false;
-    }
+  // "/<token>[:<digits>]/<rest>": the token compared in constant time, the suffix Horovod
+  // appends (":<port>") allowed.
+  const std::string& t = *target;
+  size_t end = t.size() > 1 ? t.find('/', 1) : std::string::npos;
+  std::string_view segment =
+      end == std::string::npos ? std::string_view() : std::string_view(t).substr(1, end - 1);
+  size_t colon = segment.find(':');
+  std::string_view given = segment.substr(0, colon);
+  bool suffix_ok = colon == std::string_view::npos ||
+                   (colon + 1 < segment.size() &&
+                    std::all_of(segment.begin() + static_cast<std::ptrdiff_t>(colon) + 1,
+                                segment.end(), [](char ch) { return ch >= '0' && ch <= '9'; }));
+  if (t.empty() || t[0] != '/' || !suffix_ok || !ConstantTimeEquals(given, options_.token)) {
+    *why = "the path does not start with this round's token (HOROVOD_GLOO_RENDEZVOUS_ADDR as "
+           "the agent set it carries it)";
+    return false;
   }
+  *target = t.substr(end);
   return true;
 }
 
@@ -199,17 +256,21 @@ void RendezvousServer::Respond(Connection& c) {
   HttpResponse r;
   const HttpRequest& req = c.parser.request();
   std::string why;
+  std::string target = req.target;  // without the token once authorized
+  bool authorized = false;
   if (c.parser.state() == HttpRequestParser::State::kError) {
     r = Plain(c.parser.error_status(), c.parser.error_message());
-  } else if (!Authorized(c, &why)) {
+  } else if (!Authorized(c, &target, &why)) {
     r = Plain(403, why);
   } else {
+    authorized = true;
     std::string scope, key;
     if (req.method != "GET" && req.method != "PUT" && req.method != "DELETE") {
       r = Plain(405, fmt::format("method {} is not served: use GET, PUT or DELETE", req.method));
       r.extra_headers.emplace_back("Allow", "GET, PUT, DELETE");
-    } else if (!SplitTarget(req.target, &scope, &key)) {
-      r = Plain(400, fmt::format("path '{}' is not /<scope>/<key>", req.target.substr(0, 128)));
+    } else if (!SplitTarget(target, &scope, &key)) {
+      r = Plain(400, fmt::format("path '/<token>{}' is not /<token>/<scope>/<key>",
+                                 target.substr(0, 128)));
     } else if (req.method == "GET") {
       auto value = store_.Get(scope, key);
       if (value) {
@@ -224,14 +285,16 @@ void RendezvousServer::Respond(Connection& c) {
     }
   }
   ++requests_;
+  // Logs never show a token, right or wrong.
+  const std::string shown = authorized ? "/<token>" + target.substr(0, 128) : Redacted(target);
   if (r.status >= 400 && r.status != 404) {
     ++rejected_;
     EFDL_LOG_WARN("Horovod rendezvous: answered {} to {} from {}: {}", r.status,
                   req.method.empty() ? std::string("a malformed request")
-                                     : req.method + " " + req.target.substr(0, 128),
+                                     : req.method + " " + shown,
                   c.peer, r.body.substr(0, r.body.size() - 1));
   } else {
-    EFDL_LOG_DEBUG("Horovod rendezvous: {} {} from {} -> {}", req.method, req.target, c.peer,
+    EFDL_LOG_DEBUG("Horovod rendezvous: {} {} from {} -> {}", req.method, shown, c.peer,
                    r.status);
   }
   c.out += r.Serialize();

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "horovod/rendezvous_server.h"
+
 namespace efdl::horovod {
 
 std::string SlotInfo::ToResponseString() const {
@@ -82,10 +84,11 @@ Result<std::vector<EnvMap>> WorkerEnvForHost(const std::vector<HostSlots>& hosts
     return Status::InvalidArgument(fmt::format(
         "host index {} is outside the round of {} hosts", host_index, hosts.size()));
   }
-  if (options.rendezvous_addr.empty() || options.rendezvous_port == 0) {
+  if (options.rendezvous_addr.empty() || options.rendezvous_port == 0 ||
+      options.rendezvous_token.empty()) {
     return Status::InvalidArgument(
-        "the Horovod rendezvous address and port are not set: start the round's "
-        "RendezvousServer first and pass its address and port");
+        "the Horovod rendezvous address, port or token is not set: start the round's "
+        "RendezvousServer first and pass its address, port and token");
   }
   EFDL_ASSIGN_OR_RETURN(std::vector<SlotInfo> slots, AssignSlots(hosts));
   const std::string& me = hosts[host_index].hostname;
@@ -108,8 +111,9 @@ EnvMap WorkerEnv(const SlotInfo& s, const WorkerEnvOptions& options) {
       {"HOROVOD_CONTROLLER", "gloo"},
       {"HOROVOD_CPU_OPERATIONS", "gloo"},
   };
-  if (options.rendezvous_port != 0) {
-    env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = options.rendezvous_addr;
+  if (options.rendezvous_port != 0 && !options.rendezvous_token.empty()) {
+    env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = HorovodAddrWithToken(
+        options.rendezvous_addr, options.rendezvous_port, options.rendezvous_token);
     env["HOROVOD_GLOO_RENDEZVOUS_PORT"] = std::to_string(options.rendezvous_port);
   }
   if (options.elastic) env["HOROVOD_ELASTIC"] = "1";

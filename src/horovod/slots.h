@@ -54,6 +54,7 @@ Result<std::vector<SlotInfo>> AssignSlots(const std::vector<HostSlots>& hosts);
 struct WorkerEnvOptions {
   std::string rendezvous_addr;   // where the round's RendezvousServer listens
   uint16_t rendezvous_port = 0;
+  std::string rendezvous_token;  // the round's RendezvousToken (the server needs it)
   bool elastic = false;          // sets HOROVOD_ELASTIC=1 (re-init asks rank_and_size)
   std::string gloo_iface;        // HOROVOD_GLOO_IFACE when non-empty
   int gloo_timeout_seconds = 0;  // HOROVOD_GLOO_TIMEOUT_SECONDS when > 0
@@ -62,12 +63,14 @@ struct WorkerEnvOptions {
 using EnvMap = std::map<std::string, std::string>;
 
 // The HOROVOD_* variables of the one process `slot`. The rendezvous address and port are set
-// only when the port is not 0 (a worker without them cannot initialise real Horovod, and
-// EFDL's Python layer then keeps to torch.distributed).
+// only when the port is not 0 and there is a token (a worker without them cannot initialise
+// real Horovod, and EFDL's Python layer says so); the address carries the token
+// (HorovodAddrWithToken in rendezvous_server.h).
 EnvMap WorkerEnv(const SlotInfo& slot, const WorkerEnvOptions& options);
 
 // The HOROVOD_* variables for each local process (index = local rank) of hosts[host_index].
-// Fails like AssignSlots, on a host_index out of range, and on an empty address or port 0.
+// Fails like AssignSlots, on a host_index out of range, and on an empty address, port 0 or an
+// empty token.
 Result<std::vector<EnvMap>> WorkerEnvForHost(const std::vector<HostSlots>& hosts,
                                              size_t host_index, const WorkerEnvOptions& options);
 

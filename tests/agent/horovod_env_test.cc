@@ -14,6 +14,7 @@
 
 #include "agent/agent.h"
 #include "common/net.h"
+#include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
 #include "queued_rendezvous.h"
 #include "test_util.h"
@@ -26,6 +27,15 @@ using rdzv::Assignment;
 using rdzv::Event;
 using testing::ReadFile;
 using testing::WaitUntil;
+
+const std::string kSecret(64, 'c');   // the job's secret (security::NewSecret's form)
+
+// `path` as a client that has round `round`'s token asks for it.
+std::string WithToken(int64_t round, const std::string& path) {
+  auto token = horovod::RendezvousToken(kSecret, round);
+  EXPECT_TRUE(token.ok());
+  return "/" + token.value_or("") + path;
+}
 
 // node-a runs 1 process, node-b 2: the assignments the coordinator writes for this round
 // (rdzv::MemberAssignments; its own tests check that numbering in tests/rendezvous).
@@ -59,6 +69,7 @@ TEST(HorovodEnvironmentTest, OnePlusTwoRoundMatchesHorovodsNumbering) {
   ASSERT_TRUE(expected.ok());
   AgentOptions opts;
   opts.job_id = "job-1";
+  opts.job_secret = kSecret;
   opts.gloo_iface = "lo";
   size_t checked = 0;
   for (int node_rank = 0; node_rank < 2; ++node_rank) {
@@ -78,7 +89,9 @@ TEST(HorovodEnvironmentTest, OnePlusTwoRoundMatchesHorovodsNumbering) {
       EXPECT_EQ(env["HOROVOD_CROSS_SIZE"], std::to_string(s.cross_size));
       EXPECT_EQ(env["HOROVOD_CONTROLLER"], "gloo");
       EXPECT_EQ(env["HOROVOD_CPU_OPERATIONS"], "gloo");
-      EXPECT_EQ(env["HOROVOD_GLOO_RENDEZVOUS_ADDR"], "127.0.0.1");
+      // The round's token rides in the address: Horovod's URLs then start with it.
+      EXPECT_EQ(env["HOROVOD_GLOO_RENDEZVOUS_ADDR"],
+                "127.0.0.1:4242" + WithToken(a.round, ""));
       EXPECT_EQ(env["HOROVOD_GLOO_RENDEZVOUS_PORT"], "4242");
       EXPECT_EQ(env["HOROVOD_GLOO_IFACE"], "lo");
       // Workers restart every round: Horovod's own elastic mode stays off.
@@ -87,6 +100,11 @@ TEST(HorovodEnvironmentTest, OnePlusTwoRoundMatchesHorovodsNumbering) {
     }
   }
   EXPECT_EQ(checked, 3u);
+  // Without the job's secret there is no token: no address either (fail closed).
+  opts.job_secret.clear();
+  auto env = WorkerEnvironment(opts, OnePlusTwo(1, 4242), 0, 0, "/tmp/sock");
+  EXPECT_EQ(env.count("HOROVOD_GLOO_RENDEZVOUS_ADDR"), 0u);
+  EXPECT_EQ(env["HOROVOD_RANK"], "1");
 }
 
 TEST(HorovodEnvironmentTest, UniformRoundTakesCrossPlaceFromTheNodeRank) {
@@ -157,6 +175,7 @@ TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
   opts.stop_grace = 5s;
   opts.poll_interval = 20ms;
   opts.snapshot_dir = d + "/snap";
+  opts.job_secret = kSecret;
   // The worker records its environment and runs until its round is stopped.
   opts.command = {"sh", "-c", "env > " + d + "/env.$EFDL_ROUND; exec sleep 60"};
   testing::QueuedRendezvous rdzv;  // plays the rest of the job
@@ -172,9 +191,14 @@ TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
     return e;
   }());
   // The round's scopes: node-b's local rank 1 is global rank 2 of 3, cross rank 0 of 1.
-  EXPECT_TRUE(WaitUntil([&] { return HttpGet(*port, "/rank_and_size/node-b:1") == "2,3,1,2,0,1"; },
-                        20s));
-  EXPECT_EQ(HttpGet(*port, "/rank_and_size/node-a:0"), "0,3,0,1,0,2");
+  EXPECT_TRUE(WaitUntil([&] {
+    return HttpGet(*port, WithToken(5, "/rank_and_size/node-b:1")) == "2,3,1,2,0,1";
+  }, 20s));
+  EXPECT_EQ(HttpGet(*port, WithToken(5, "/rank_and_size/node-a:0")), "0,3,0,1,0,2");
+  // Without the round's token (or with another round's) nothing is served.
+  EXPECT_NE(HttpGet(*port, "/rank_and_size/node-a:0").find("token"), std::string::npos);
+  EXPECT_NE(HttpGet(*port, WithToken(4, "/rank_and_size/node-a:0")).find("token"),
+            std::string::npos);
   EXPECT_TRUE(WaitUntil([&] { return ReadFile(d + "/env.5").find("HOROVOD_GLOO_RENDEZVOUS_PORT=" +
                                                                   std::to_string(*port) + "\n") !=
                                      std::string::npos; },
@@ -218,6 +242,7 @@ TEST(HorovodRendezvousTest, ClientsOutsideTheRoundAreRefused) {
   opts.poll_interval = 20ms;
   opts.snapshot_dir = dir->path() + "/snap";
   opts.command = {"sleep", "60"};
+  opts.job_secret = kSecret;
   testing::QueuedRendezvous rdzv;  // plays the rest of the job
   Agent agent(opts, rdzv);
   int code = -1;
@@ -229,9 +254,49 @@ TEST(HorovodRendezvousTest, ClientsOutsideTheRoundAreRefused) {
   e.assignment.horovod_clients = {"127.0.0.2"};   // the members: we (127.0.0.1) are not one
   rdzv.Push(e);
   EXPECT_TRUE(WaitUntil([&] { return TcpConnectable("127.0.0.1", *port, 100); }, 20s));
-  const std::string reply = HttpGet(*port, "/rank_and_size/node-a:0");
+  // Refused even with the token.
+  const std::string reply = HttpGet(*port, WithToken(5, "/rank_and_size/node-a:0"));
   EXPECT_EQ(reply.find("0,3,0,1,0,2"), std::string::npos) << reply;
   EXPECT_NE(reply.find("not a member"), std::string::npos) << reply;
+  Event done;
+  done.type = Event::Type::kJobComplete;
+  done.round = 5;
+  rdzv.Push(done);
+  run.join();
+  EXPECT_EQ(code, 0);
+}
+
+// A member's name that does not resolve on the rank-0 node turns the address filter off for
+// the round; the token still guards the server: it fails closed, never open.
+TEST(HorovodRendezvousTest, AnUnresolvableMemberLeavesTheTokenGuardingTheServer) {
+  auto dir = TempDir::Create("efdl-hvd-agent");
+  ASSERT_TRUE(dir.ok());
+  auto port = PickFreePort("127.0.0.1");
+  ASSERT_TRUE(port.ok());
+  AgentOptions opts;
+  opts.job_id = "job-1";
+  opts.node_id = "node-a";
+  opts.nproc = 1;
+  opts.stop_grace = 5s;
+  opts.poll_interval = 20ms;
+  opts.snapshot_dir = dir->path() + "/snap";
+  opts.command = {"sleep", "60"};
+  opts.job_secret = kSecret;
+  testing::QueuedRendezvous rdzv;  // plays the rest of the job
+  Agent agent(opts, rdzv);
+  int code = -1;
+  std::thread run([&] { code = agent.Run(); });
+  Event e;
+  e.type = Event::Type::kRoundStarted;
+  e.round = 5;
+  e.assignment = OnePlusTwo(0, *port);
+  e.assignment.horovod_clients = {"no-such-member.invalid"};
+  rdzv.Push(e);
+  EXPECT_TRUE(WaitUntil([&] { return TcpConnectable("127.0.0.1", *port, 100); }, 20s));
+  const std::string stranger = HttpGet(*port, "/rank_and_size/node-a:0");
+  EXPECT_EQ(stranger.find("0,3,0,1,0,2"), std::string::npos) << stranger;
+  EXPECT_NE(stranger.find("token"), std::string::npos) << stranger;
+  EXPECT_EQ(HttpGet(*port, WithToken(5, "/rank_and_size/node-a:0")), "0,3,0,1,0,2");
   Event done;
   done.type = Event::Type::kJobComplete;
   done.round = 5;

@@ -114,14 +114,27 @@ Reply Raw(uint16_t port, std::string_view request) {
   return raw ? ParseReply(*raw) : Reply{};
 }
 
-Reply Http(uint16_t port, std::string_view method, std::string_view path,
-           std::optional<std::string_view> body = std::nullopt, std::string extra = "") {
-  std::string req = fmt::format("{} {} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\n{}", method, path, port,
-                                extra);
+// Every server of these tests has this token unless the test gives another.
+constexpr std::string_view kToken = "00112233445566778899aabbccddeeff";
+
+// `path` ("/<scope>/<key>") as a client that has the token asks for it.
+std::string P(std::string_view path) { return fmt::format("/{}{}", kToken, path); }
+
+// A request line whose target is used as it is (no token added).
+Reply HttpTarget(uint16_t port, std::string_view method, std::string_view target,
+                 std::optional<std::string_view> body = std::nullopt, std::string extra = "") {
+  std::string req = fmt::format("{} {} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\n{}", method, target,
+                                port, extra);
   if (body) req += fmt::format("Content-Length: {}\r\n", body->size());
   req += "\r\n";
   if (body) req += *body;
   return Raw(port, req);
+}
+
+// A request of a client that has the token, for "/<scope>/<key>".
+Reply Http(uint16_t port, std::string_view method, std::string_view path,
+           std::optional<std::string_view> body = std::nullopt, std::string extra = "") {
+  return HttpTarget(port, method, P(path), body, std::move(extra));
 }
 
 std::vector<SlotInfo> Round(const std::vector<HostSlots>& hosts) {
@@ -132,6 +145,7 @@ std::vector<SlotInfo> Round(const std::vector<HostSlots>& hosts) {
 
 std::unique_ptr<RendezvousServer> StartServer(const std::vector<HostSlots>& hosts,
                                               RendezvousServerOptions o = {}) {
+  if (o.token.empty()) o.token = std::string(kToken);
   auto s = RendezvousServer::Start(std::move(o), Round(hosts));
   EXPECT_TRUE(s.ok()) << s.status().ToString();
   if (!s.ok()) return nullptr;
@@ -367,7 +381,11 @@ TEST(HorovodRendezvousServerTest, MalformedRequestsGetAnErrorAndTheServerKeepsSe
       {"GET /a/b HTTP/1.1\r\nX: " + std::string(4000, 'h') + "\r\n\r\n", 431},
       {std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 15), 400},
   };
-  for (const auto& c : cases) {
+  for (auto& c : cases) {
+    // Past the token check, so that the path itself is judged (a parse error comes first).
+    if (size_t sp = c.raw.find(" /"); sp != std::string::npos && sp < 8) {
+      c.raw.insert(sp + 1, P(""));
+    }
     Reply r = Raw(port, c.raw);
     EXPECT_EQ(r.status, c.status) << c.raw.substr(0, 50);
     EXPECT_FALSE(r.body.empty()) << "an error answer says what is wrong";
@@ -407,7 +425,8 @@ TEST(HorovodRendezvousServerTest, ExpectContinueGetsAnInterimAnswer) {
   auto server = StartServer({{"a", 1}});
   ASSERT_TRUE(server);
   TestConn c(server->port());
-  ASSERT_TRUE(c.SendAll("PUT /global/k HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n"));
+  ASSERT_TRUE(c.SendAll("PUT " + P("/global/k") +
+                        " HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n"));
   std::string interim = "HTTP/1.1 100 Continue\r\n\r\n";
   EXPECT_EQ(c.ReadSome(interim.size()), interim);
   ASSERT_TRUE(c.SendAll("data"));
@@ -417,21 +436,62 @@ TEST(HorovodRendezvousServerTest, ExpectContinueGetsAnInterimAnswer) {
   EXPECT_EQ(Http(server->port(), "GET", "/global/k").body, "data");
 }
 
-TEST(HorovodRendezvousServerTest, SecretAndAllowedClientsAreEnforced) {
-  RendezvousServerOptions o;
-  o.secret = "s3cret";
-  auto server = StartServer({{"a", 1}}, o);
+TEST(HorovodRendezvousServerTest, OnlyRequestsThatCarryTheRoundsTokenAreServed) {
+  auto server = StartServer({{"a", 1}});
   ASSERT_TRUE(server);
   uint16_t port = server->port();
-  Reply denied = Http(port, "PUT", "/global/k", "v");
-  EXPECT_EQ(denied.status, 403);
-  EXPECT_NE(denied.body.find("Secret"), std::string::npos) << denied.body;
-  EXPECT_EQ(Http(port, "PUT", "/global/k", "v", "X-EFDL-Rendezvous-Secret: wrong\r\n").status,
-            403);
-  EXPECT_EQ(Http(port, "PUT", "/global/k", "v", "x-efdl-rendezvous-secret: s3cret\r\n").status,
-            200);
+  const std::string token(kToken);
+  struct Case {
+    std::string target;
+    int status;
+  };
+  std::vector<Case> cases = {
+      {"/global/k", 403},                                        // no token
+      {"/ffffffffffffffffffffffffffffffff/global/k", 403},       // another token
+      {"/" + token.substr(0, 31) + "/global/k", 403},            // a prefix of it
+      {"/" + token + "0/global/k", 403},                         // longer
+      {"/" + token + ":x1/global/k", 403},                       // not a port after ':'
+      {"/" + token + ":/global/k", 403},
+      {"/" + token, 403},                                        // nothing after it
+      {"/" + token + "/global/k", 200},
+      {"/" + token + ":" + std::to_string(port) + "/global/k", 200},  // as Horovod builds it
+  };
+  for (const auto& c : cases) {
+    Reply r = HttpTarget(port, "PUT", c.target, "v");
+    EXPECT_EQ(r.status, c.status) << c.target;
+    if (c.status == 403) {
+      EXPECT_NE(r.body.find("token"), std::string::npos) << r.body;
+      EXPECT_EQ(r.body.find(token), std::string::npos) << "an answer never shows the token";
+    }
+  }
   EXPECT_EQ(server->store().KeyCount("global"), 1u);
 
+  // No token, no server: it never serves without one.
+  for (std::string bad : {std::string(), std::string("short"), std::string(32, 'G')}) {
+    RendezvousServerOptions o;
+    o.token = bad;
+    auto refused = RendezvousServer::Start(o, Round({{"a", 1}}));
+    ASSERT_FALSE(refused.ok()) << "token '" << bad << "'";
+    EXPECT_NE(refused.status().message().find("token"), std::string::npos);
+  }
+}
+
+TEST(HorovodRendezvousServerTest, TheTokenIsTheJobsAndTheRoundsOwn) {
+  const std::string secret(64, 'a');
+  auto t1 = RendezvousToken(secret, 1);
+  ASSERT_TRUE(t1.ok()) << t1.status().ToString();
+  EXPECT_EQ(t1->size(), 32u);
+  EXPECT_EQ(*t1, *RendezvousToken(secret, 1)) << "every agent of the job computes the same one";
+  EXPECT_NE(*t1, *RendezvousToken(secret, 2));
+  EXPECT_NE(*t1, *RendezvousToken(std::string(64, 'b'), 1));
+  EXPECT_EQ(t1->find(secret.substr(0, 8)), std::string::npos);
+  EXPECT_FALSE(RendezvousToken("", 1).ok()) << "fail closed without the job's secret";
+  RendezvousServerOptions o;
+  o.token = *t1;
+  EXPECT_TRUE(RendezvousServer::Start(o, Round({{"a", 1}})).ok());
+}
+
+TEST(HorovodRendezvousServerTest, AllowedClientsAreEnforcedBesidesTheToken) {
   RendezvousServerOptions only_others;
   only_others.allowed_clients = {"10.9.9.9"};
   auto closed = StartServer({{"a", 1}}, only_others);
@@ -473,6 +533,7 @@ TEST(HorovodRendezvousServerTest, StopClosesConnectedClientsAndThePort) {
 
 TEST(HorovodRendezvousServerTest, BindErrorsAreOneClearLine) {
   RendezvousServerOptions bad;
+  bad.token = std::string(kToken);
   bad.bind_addr = "no-such-host.invalid";
   auto r = RendezvousServer::Start(bad, Round({{"a", 1}}));
   ASSERT_FALSE(r.ok());
@@ -481,6 +542,7 @@ TEST(HorovodRendezvousServerTest, BindErrorsAreOneClearLine) {
   auto first = StartServer({{"a", 1}});
   ASSERT_TRUE(first);
   RendezvousServerOptions same;
+  same.token = std::string(kToken);
   same.port = first->port();
   auto clash = RendezvousServer::Start(same, Round({{"a", 1}}));
   ASSERT_FALSE(clash.ok());
@@ -493,7 +555,8 @@ TEST(HorovodRendezvousServerTest, PythonUrllibClientSpeaksToIt) {
   ASSERT_TRUE(server);
   std::string script = R"PY(
 import sys, urllib.request, urllib.error
-base = "http://127.0.0.1:%s" % sys.argv[1]
+# As Horovod builds its URLs: "http://" + HOROVOD_GLOO_RENDEZVOUS_ADDR + ":" + PORT + path.
+base = "http://%s:%s" % (sys.argv[2], sys.argv[1])
 def req(method, path, data=None):
     r = urllib.request.Request(base + path, data=data, method=method)
     try:
@@ -515,7 +578,8 @@ assert code == 405 and body, (code, body)
 print("ok")
 )PY";
   SpawnOptions so;
-  so.argv = {"/usr/bin/python3", "-c", script, std::to_string(server->port())};
+  so.argv = {"/usr/bin/python3", "-c", script, std::to_string(server->port()),
+             HorovodAddrWithToken("127.0.0.1", server->port(), std::string(kToken))};
   so.stdout_mode = SpawnOptions::Stdio::kPipe;
   so.stderr_to_stdout = true;
   auto p = Subprocess::Spawn(so);

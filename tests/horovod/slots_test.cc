@@ -90,6 +90,7 @@ TEST(HorovodWorkerEnvTest, GivesEachLocalProcessItsVariables) {
   WorkerEnvOptions o;
   o.rendezvous_addr = "10.0.0.5";
   o.rendezvous_port = 4242;
+  o.rendezvous_token = "0123456789abcdef0123456789abcdef";
   auto env = WorkerEnvForHost({{"a", 2}, {"b", 1}, {"c", 3}}, 2, o);
   ASSERT_TRUE(env.ok()) << env.status().ToString();
   ASSERT_EQ(env->size(), 3u);
@@ -98,7 +99,8 @@ TEST(HorovodWorkerEnvTest, GivesEachLocalProcessItsVariables) {
       {"HOROVOD_SIZE", "6"},              {"HOROVOD_LOCAL_RANK", "1"},
       {"HOROVOD_LOCAL_SIZE", "3"},        {"HOROVOD_CROSS_RANK", "1"},
       {"HOROVOD_CROSS_SIZE", "2"},        {"HOROVOD_CONTROLLER", "gloo"},
-      {"HOROVOD_CPU_OPERATIONS", "gloo"}, {"HOROVOD_GLOO_RENDEZVOUS_ADDR", "10.0.0.5"},
+      {"HOROVOD_CPU_OPERATIONS", "gloo"}, {"HOROVOD_GLOO_RENDEZVOUS_ADDR",
+                                           "10.0.0.5:4242/0123456789abcdef0123456789abcdef"},
       {"HOROVOD_GLOO_RENDEZVOUS_PORT", "4242"},
   };
   EXPECT_EQ((*env)[1], want);
@@ -111,6 +113,7 @@ TEST(HorovodWorkerEnvTest, OptionalVariables) {
   WorkerEnvOptions o;
   o.rendezvous_addr = "127.0.0.1";
   o.rendezvous_port = 1;
+  o.rendezvous_token = "0123456789abcdef0123456789abcdef";
   o.elastic = true;
   o.gloo_iface = "lo";
   o.gloo_timeout_seconds = 60;
@@ -125,10 +128,16 @@ TEST(HorovodWorkerEnvTest, RejectsBadInput) {
   WorkerEnvOptions o;
   o.rendezvous_addr = "127.0.0.1";
   o.rendezvous_port = 1;
+  o.rendezvous_token = "0123456789abcdef0123456789abcdef";
   EXPECT_FALSE(WorkerEnvForHost({{"a", 1}}, 1, o).ok());
   EXPECT_FALSE(WorkerEnvForHost({{"a", 1}, {"a", 1}}, 0, o).ok());
   o.rendezvous_port = 0;
   EXPECT_FALSE(WorkerEnvForHost({{"a", 1}}, 0, o).ok());
+  o.rendezvous_port = 1;
+  o.rendezvous_token.clear();  // fail closed: the server would refuse every request
+  EXPECT_FALSE(WorkerEnvForHost({{"a", 1}}, 0, o).ok());
+  SlotInfo slot{"a", 0, 1, 0, 1, 0, 1};
+  EXPECT_EQ(WorkerEnv(slot, o).count("HOROVOD_GLOO_RENDEZVOUS_ADDR"), 0u);
 }
 
 }  // namespace

@@ -44,6 +44,13 @@ TRAIN = textwrap.dedent("""
     mine = rendezvous("GET", "/rank_and_size/%s:%s" % (os.environ["HOROVOD_HOSTNAME"],
                                                        os.environ["HOROVOD_LOCAL_RANK"]))
     horovod_env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}
+    # A client that knows the address and port but not the round's token is refused.
+    host_port = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"].split("/")[0]
+    try:
+        urllib.request.urlopen("http://%s/global/rank_0" % host_port, timeout=10)
+        no_token = 200
+    except urllib.error.HTTPError as e:
+        no_token = e.code
     torch.manual_seed(hvd.rank())  # different start on every rank: broadcast must fix it
     model = torch.nn.Linear(4, 2).double()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -57,7 +64,8 @@ TRAIN = textwrap.dedent("""
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     print("HVD " + json.dumps(dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
           local_size=hvd.local_size(), cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
-          params=params, env=horovod_env, peers=peers, rank_and_size=mine)), flush=True)
+          params=params, env=horovod_env, peers=peers, rank_and_size=mine,
+          no_token=no_token)), flush=True)
 """)
 HVD_RE = re.compile(r"HVD (\{.*\})")
 
@@ -105,7 +113,10 @@ def test_hvd_layer_trains_in_step_on_heterogeneous_nodes(tmp_path):
         assert env["HOROVOD_CROSS_SIZE"] == str(r["cross_size"]), env
         assert env["HOROVOD_HOSTNAME"] == ("node-a" if r["local_size"] == 2 else "node-b"), env
         assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo", env
-        assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1", env
+        # The address carries the round's token (Horovod appends ":<port>/<scope>/<key>").
+        assert re.fullmatch(r"127\.0\.0\.1:%s/[0-9a-f]{32}" % env["HOROVOD_GLOO_RENDEZVOUS_PORT"],
+                            env["HOROVOD_GLOO_RENDEZVOUS_ADDR"]), env
+        assert r["no_token"] == 403, r
         assert env.get("HOROVOD_GLOO_IFACE") == "lo", env
         # The rank-0 agent's server knows the round and relayed every rank's value.
         assert r["rank_and_size"] == "%d,3,%d,%d,%d,%d" % (
