@@ -25,6 +25,7 @@ What the checks mean (docs/reliability.md has the same definitions):
 Every process started here is killed by pid / process group in close(), whatever happened.
 """
 
+import base64
 import glob
 import json
 import os
@@ -432,6 +433,81 @@ class Job:
             return proc.returncode == 0 and not any(
                 line.strip() == prefix + n for line in proc.stdout.splitlines() for n in names)
         self.wait_for(gone, timeout, "the registrations of %s to expire" % names)
+
+    def _etcdctl(self, *args):
+        return subprocess.run(["etcdctl", "--endpoints", self.c.endpoint] + list(args),
+                              capture_output=True, text=True, timeout=30,
+                              env=dict(cluster.base_env(), ETCDCTL_API="3"))
+
+    def etcd_revision(self):
+        """etcd's current revision (the harness's own read: one key of the job's prefix)."""
+        proc = self._etcdctl("get", "--prefix", "--limit=1", "-w", "json", "/efdl/%s/" % self.c.job)
+        assert proc.returncode == 0, proc.stderr
+        return int(json.loads(proc.stdout)["header"]["revision"])
+
+    def etcd_puts_since(self, rev, timeout=30):
+        """Every PUT under the job's keys after etcd revision `rev` up to the revision current
+        now, from etcd's own history (a watch from rev + 1: values since overwritten or deleted
+        show too): [(key, value, mod_revision)]."""
+        upto = self.etcd_revision()
+        if upto <= rev:
+            return []
+        proc = subprocess.Popen(["etcdctl", "--endpoints", self.c.endpoint, "watch", "--prefix",
+                                 "--rev=%d" % (rev + 1), "-w", "json", "/efdl/%s/" % self.c.job],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env=dict(cluster.base_env(), ETCDCTL_API="3"))
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        puts, seen = [], rev
+        try:
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue
+                for ev in json.loads(line).get("Events") or []:
+                    kv = ev["kv"]
+                    seen = max(seen, int(kv["mod_revision"]))
+                    if ev.get("type", 0) == 0 and int(kv["mod_revision"]) <= upto:
+                        puts.append((base64.b64decode(kv["key"]).decode(),
+                                     base64.b64decode(kv.get("value", "")).decode(),
+                                     int(kv["mod_revision"])))
+                if seen >= upto:
+                    break
+        finally:
+            timer.cancel()
+            proc.kill()
+            proc.wait()
+        assert seen >= upto, "etcd's history after revision %d ended at %d, not %d" % (
+            rev, seen, upto)
+        return puts
+
+    def check_no_stale_etcd_writes(self, rev, current_round, node, rejoined_round):
+        """After etcd revision `rev` (taken while round `current_round` trained without node
+        `node`, before it was thawed), no write to the job's keys is for an older round (a
+        record whose "r" or "round" is below `current_round`: round, assign, ack, status,
+        complete), and nothing written as `node` (its ack, a round or status record naming it
+        coordinator) is for a round before `rejoined_round`, the one it came back in. Returns
+        how many writes were read."""
+        puts = self.etcd_puts_since(rev)
+        stale = []
+        for key, value, mod in puts:
+            try:
+                record = json.loads(value)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            r = record.get("r", record.get("round"))
+            if not isinstance(r, int):
+                continue
+            as_node = (key.endswith("/ack/" + node) or record.get("c") == node
+                       or record.get("coordinator") == node)
+            if r < current_round or (as_node and r < rejoined_round):
+                stale.append((mod, key, value[:160]))
+        assert not stale, ("written to etcd after revision %d for a round older than %d, or by "
+                           "%s before its round %d:\n%s\n%s"
+                           % (rev, current_round, node, rejoined_round,
+                              "\n".join(map(str, stale)), self.dump()))
+        return len(puts)
 
     def storage_steps(self):
         """Steps of the intact snapshots in storage, newest first, via `efdl snapshots list`."""

@@ -302,7 +302,9 @@ def test_sigkill_of_all_nodes_restarts_from_storage(make_job, rng, restart):
 @pytest.mark.parametrize("frozen_rank", [2, 0])
 def test_sigstop_past_the_ttl_fences_the_node_and_it_rejoins(make_job, frozen_rank):
     """SIGSTOP for longer than the TTL: the others re-round without it; after SIGCONT it is
-    fenced (never steps in its old round again: no_stale_round) and comes back in a new round.
+    fenced (never steps in its old round again: no_stale_round), writes nothing to etcd for a
+    round older than the one that replaced it nor, as itself, for any round before the one it
+    rejoins (etcd's history of the job's keys from the thaw), and comes back in a new round.
     [0]: the frozen node is the one that writes storage, frozen certainly in the middle of a
     write (its temporary file is there after the stop); after SIGCONT that write must never be
     published (snap-<seq> of it never appears) - the others' newer snapshots would otherwise
@@ -330,11 +332,17 @@ def test_sigstop_past_the_ttl_fences_the_node_and_it_rejoins(make_job, frozen_ra
     else:
         fault = job.signal_nodes([frozen], signal.SIGSTOP)
     others = [n for n in job.nodes if n != frozen]
-    job.wait_round(2, since=fault[1])
+    replaced = job.wait_round(2, since=fault[1])[0]["round"]
     job.wait_step(max(e["step"] for e in job.events({"STEP"})) + 3, world=2)
+    thaw_rev = job.etcd_revision()
     thaw_t = job.signal_nodes([frozen], signal.SIGCONT)[1]
     job.wait_for(lambda: "fenced" in job.nodes[frozen].output(), 30, "the node to be fenced")
-    job.wait_round(3, since=thaw_t)
+    rejoined = job.wait_round(3, since=thaw_t)[0]["round"]
+    # Nothing the thawed node still had in hand reached etcd: no write for its old round, and
+    # none as itself for a round it was not a member of.
+    writes = job.check_no_stale_etcd_writes(thaw_rev, replaced, frozen, rejoined)
+    print("%d etcd writes after SIGCONT: none for a round before %d, none by %s before %d"
+          % (writes, replaced, frozen, rejoined))
     if stale is not None:
         renames.close()
         # The frozen write's own temporary file (its name holds the agent's pid) renamed into
