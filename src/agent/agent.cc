@@ -205,6 +205,12 @@ Agent::~Agent() {
 }
 
 int Agent::Run() {
+  if (auto reaper = GroupReaper::Start(); reaper.ok()) {
+    reaper_ = std::move(reaper).value();
+  } else {
+    EFDL_LOG_WARN("{}: processes the workers start would outlive a SIGKILL of this agent",
+                  reaper.status().message());
+  }
   socket_path_ = options_.control_socket_path;
   if (socket_path_.empty()) {
     const char* tmp = std::getenv("TMPDIR");
@@ -429,6 +435,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   wg.out_fd = options_.out_fd;
   wg.err_fd = options_.err_fd;
   wg.spares = spares_.get();
+  wg.reaper = reaper_.get();
   // --launcher: one process (local rank 0) that starts the node's a.nproc workers itself.
   const int processes = options_.launcher ? 1 : a.nproc;
   for (int lr = 0; lr < processes; ++lr) {
@@ -466,6 +473,7 @@ void Agent::StartSparePool() {
   so.command = options_.command;
   so.nproc = options_.nproc;
   so.requested = options_.prestart_requested;
+  so.reaper = reaper_.get();
   // What a worker's environment will hold apart from the per-round variables (OMP_NUM_THREADS,
   // ...): the spares must start with it, as libraries read some of it while being imported.
   rdzv::Assignment typical;

@@ -21,6 +21,7 @@
 #include "agent/control_server.h"
 #include "agent/spare_pool.h"
 #include "agent/worker_group.h"
+#include "common/group_reaper.h"
 #include "common/net.h"
 #include "rendezvous/rendezvous.h"
 #include "snapshot/arena_dir.h"
@@ -147,6 +148,9 @@ class Agent {
   std::string shm_dir_;                    // EFDL_SHM_DIR
   // Held for the agent's lifetime: the arenas named after it are this agent's (liveness for gc).
   std::unique_ptr<snapshot::HolderLock> holder_lock_;
+  // Kills the workers' and spares' process groups (what they started included) should this
+  // agent die without stopping them; declared before them so it outlives them.
+  std::unique_ptr<GroupReaper> reaper_;
   std::unique_ptr<ControlServer> control_;
   std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
   std::unique_ptr<WorkerGroup> group_;

@@ -199,6 +199,7 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
   so.new_process_group = true;
   so.die_with_parent = true;
   so.inherit_fds = {fds[0], ready[1]};
+  so.reaper = options_.reaper;
   auto proc = Subprocess::Spawn(so);
   ::close(fds[0]);
   ::close(ready[1]);

@@ -65,6 +65,8 @@ struct SparePoolOptions {
   // The user asked for spares (--prestart): falling back to spawned workers is a warning.
   // Otherwise (the default for python commands) it is logged as information.
   bool requested = false;
+  // Kills the spares' process groups if the agent dies without doing it (not owned).
+  GroupReaper* reaper = nullptr;
 };
 
 class SparePool {

@@ -95,6 +95,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
       so.stderr_mode = SpawnOptions::Stdio::kPipe;
       so.new_process_group = true;
       so.die_with_parent = true;
+      so.reaper = opts.reaper;
       proc = Subprocess::Spawn(so);
     }
     if (!proc.ok()) {

@@ -44,6 +44,9 @@ struct WorkerGroupOptions {
   int err_fd = STDERR_FILENO;
   // Pre-started workers to activate instead of spawning (not owned; nullptr: always spawn).
   SparePool* spares = nullptr;
+  // Kills the workers' process groups if the agent dies without doing it (not owned; nullptr:
+  // only PR_SET_PDEATHSIG, which does not reach what the workers started).
+  GroupReaper* reaper = nullptr;
 };
 
 struct WorkerExit {

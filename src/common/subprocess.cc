@@ -13,6 +13,9 @@
 
 #include <fmt/format.h>
 
+#include "common/group_reaper.h"
+#include "common/log.h"
+
 extern char** environ;
 
 namespace efdl {
@@ -201,6 +204,14 @@ Result<Subprocess> Subprocess::Spawn(const SpawnOptions& options) {
     return Status::Internal(fmt::format("cannot start '{}': {} failed: {}", options.argv[0],
                                         kStages[stage], std::strerror(payload[1])));
   }
+  if (options.reaper != nullptr && proc.group_) {
+    if (Status listed = options.reaper->Add(pid); listed.ok()) {
+      proc.reaper_ = options.reaper;
+    } else {
+      EFDL_LOG_WARN("process group {} ({}) would outlive an abrupt exit of this process: {}",
+                    pid, options.argv[0], listed.message());
+    }
+  }
   return proc;
 }
 
@@ -211,6 +222,7 @@ Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {
     Reset();
     pid_ = std::exchange(other.pid_, -1);
     group_ = other.group_;
+    reaper_ = std::exchange(other.reaper_, nullptr);
     stdout_fd_ = std::exchange(other.stdout_fd_, -1);
     stderr_fd_ = std::exchange(other.stderr_fd_, -1);
     exit_status_ = std::exchange(other.exit_status_, std::nullopt);
@@ -226,6 +238,8 @@ void Subprocess::Reset() {
     ::kill(pid_, SIGKILL);
     Wait();
   }
+  if (reaper_ != nullptr && pid_ > 0) (void)reaper_->Remove(pid_);
+  reaper_ = nullptr;
   CloseFd(stdout_fd_);
   CloseFd(stderr_fd_);
   pid_ = -1;

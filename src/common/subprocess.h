@@ -19,6 +19,8 @@
 
 namespace efdl {
 
+class GroupReaper;
+
 struct SpawnOptions {
   enum class Stdio { kInherit, kPipe, kNull, kFile };
   std::vector<std::string> argv;                  // argv[0] is looked up in PATH
@@ -36,6 +38,10 @@ struct SpawnOptions {
   // Descriptors of ours the child keeps under the same numbers (close-on-exec cleared in the
   // child only), e.g. a pipe end it is told about on its command line. Must not be 0-2.
   std::vector<int> inherit_fds;
+  // Not owned, must outlive the Subprocess; with new_process_group: the child's group is listed
+  // with it from the start until the Subprocess is destroyed, so that the group (the child and
+  // whatever it started) is killed even when this process dies without doing it.
+  GroupReaper* reaper = nullptr;
 };
 
 class Subprocess {
@@ -75,6 +81,7 @@ class Subprocess {
   void Reset();
   pid_t pid_ = -1;
   bool group_ = false;
+  GroupReaper* reaper_ = nullptr;   // lists our group while set
   int stdout_fd_ = -1;
   int stderr_fd_ = -1;
   std::optional<int> exit_status_;

@@ -22,7 +22,8 @@ What the checks mean (docs/reliability.md has the same definitions):
   ran in an agent's session (agents lead their own sessions; workers and their children inherit
   them) is gone: those alive at the end and every one seen while the job ran (sampled 10x/s).
 
-Every process started here is killed by pid / process group in close(), whatever happened.
+Every process started here is killed by pid / process group in close(), whatever happened,
+after the checks: the checks see what the product left, never what the harness killed.
 """
 
 import base64
@@ -96,6 +97,12 @@ class ProcessTracker:
     def _run(self):
         while not self._stop.wait(0.1):
             self._scan()
+
+    def of_session(self, sid):
+        """Processes of session `sid` alive now (zombies excluded), as pids."""
+        return sorted(pid for pid, st in ((int(e), _stat(int(e))) for e in os.listdir("/proc")
+                                          if e.isdigit())
+                      if st is not None and st[1] == sid and st[0] != "Z")
 
     def leftovers(self):
         """Processes of the watched sessions alive now (zombies excluded), as pids."""
@@ -263,6 +270,13 @@ class Job:
 
     def close(self):
         self.c.close()
+        # A case that failed may leave processes of a dead agent's session (the checks ran
+        # first and reported them): kill each by pid, if it is still the process seen.
+        for pid in self.tracker.leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.tracker.stop()
         if self.mem_dir:
             shutil.rmtree(self.mem_dir, ignore_errors=True)

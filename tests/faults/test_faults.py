@@ -252,6 +252,47 @@ def test_sigkill_of_a_worker_inside_commit_restores_the_previous_snapshot_from_m
     job.check_acked_kept(fault, ["node-a"])
 
 
+def test_sigkill_of_an_agent_alone_ends_everything_its_workers_started(make_job):
+    """SIGKILL of one node's agent process only, as the OOM killer would do it: nothing of the
+    harness touches its workers. They die with the agent (PR_SET_PDEATHSIG), and so do the
+    helper processes they started (FAULT_HELPER: no PDEATHSIG of their own): the agent's group
+    reaper kills the workers' process groups. Checked first, before any cleanup: within 10 s
+    every process of that agent's session is gone by itself. Then the others re-round, the
+    node is restarted, and the job finishes with every check."""
+    job = make_job("agent-alone", steps=60, env={"FAULT_HELPER": "1"})
+    three_nodes(job)
+    job.wait_step(8, world=3)
+    victim = node_of_rank(job, 1)
+    agent = job.nodes[victim]
+    before = job.tracker.of_session(agent.proc.pid)
+    # The agent, its reaper, its worker and the worker's helper (and a spare, pre-started).
+    assert len(before) >= 4, "processes of %s's session: %s" % (victim, before)
+    t0 = time.time()
+    os.kill(agent.proc.pid, signal.SIGKILL)
+    fault = (t0, time.time())
+    agent.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while job.tracker.of_session(agent.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = job.tracker.of_session(agent.proc.pid)
+    details = []
+    for pid in left:
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                details.append("%d %s" % (pid, f.read().replace(b"\0", b" ")[:120]))
+        except OSError:
+            pass
+    assert not left, ("10 s after a SIGKILL of %s's agent alone, processes of its session live "
+                      "on: %s (of %d before)" % (victim, details, len(before)))
+    others = [n for n in job.nodes if n != victim]
+    job.wait_round(2, since=fault[1])
+    job.start_node(victim)
+    job.wait_round(3, since=fault[1])
+    job.check_acked_kept(fault, others)
+    job.check_all(list(job.nodes))
+    job.check_no_leftovers()
+
+
 def test_sigkill_of_two_nodes_at_once(make_job, rng):
     job = make_job("kill-two", steps=40, nnodes="1:3")
     three_nodes(job)

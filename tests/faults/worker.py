@@ -39,6 +39,9 @@ environment so every node runs the same command line:
                      returned; unlike the stdout lines (relayed by the agent) these survive a
                      SIGKILL of the whole node, so the harness can tell at a kill whether
                      commit() had begun and not returned
+  FAULT_HELPER       1: start a helper process (a sleeping python child, as a program starts a
+                     data-preparation or upload process) that nothing ends but its process group
+                     being killed
 """
 
 import os
@@ -126,6 +129,10 @@ def main():
     ignore_term = os.environ.get("FAULT_IGNORE_TERM")
     if ignore_term in ("all", os.environ.get("RANK")):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    if os.environ.get("FAULT_HELPER") == "1":
+        import subprocess
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
     efdl.init(timeout=float(os.environ.get("FAULT_PG_TIMEOUT", "30")))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -90,7 +90,8 @@ class Agent:
         return out
 
     def worker_pids(self):
-        """Pids of the agent's live children (its workers)."""
+        """Pids of the agent's live children but its group reaper (named efdl-reaper): its
+        workers and pre-started spares."""
         pids = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
@@ -100,9 +101,18 @@ class Agent:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
+            if (int(fields[1]) == self.proc.pid and fields[0] != "Z"
+                    and not self._is_reaper(int(entry))):
                 pids.append(int(entry))
         return pids
+
+    @staticmethod
+    def _is_reaper(pid):
+        try:
+            with open("/proc/%d/comm" % pid) as f:
+                return f.read().strip() == "efdl-reaper"
+        except OSError:
+            return False
 
     def signal_group(self, sig):
         """`sig` to the agent's process group and to each worker's (they lead their own)."""
