@@ -229,80 +229,79 @@ TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
   EXPECT_EQ(code, 0);
 }
 
+// An agent of node-a, rank 0 of round 5 (OnePlusTwo) whose members' addresses are `clients`,
+// serving the round's Gloo rendezvous until Finish().
+class RankZeroAgentOfRoundFive {
+ public:
+  explicit RankZeroAgentOfRoundFive(std::vector<std::string> clients) {
+    auto dir = TempDir::Create("efdl-hvd-agent");
+    auto port = PickFreePort("127.0.0.1");
+    if (!dir.ok() || !port.ok()) return;
+    dir_ = std::move(dir).value();
+    port_ = *port;
+    AgentOptions opts;
+    opts.job_id = "job-1";
+    opts.node_id = "node-a";
+    opts.nproc = 1;
+    opts.stop_grace = 5s;
+    opts.poll_interval = 20ms;
+    opts.snapshot_dir = dir_.path() + "/snap";
+    opts.command = {"sleep", "60"};
+    opts.job_secret = kSecret;
+    agent_ = std::make_unique<Agent>(opts, rdzv_);
+    run_ = std::thread([this] { code_ = agent_->Run(); });
+    Event e;
+    e.type = Event::Type::kRoundStarted;
+    e.round = 5;
+    e.assignment = OnePlusTwo(0, port_);
+    e.assignment.horovod_clients = std::move(clients);
+    rdzv_.Push(e);
+  }
+  uint16_t port() const { return port_; }
+  bool Serving() const {
+    return port_ != 0 && WaitUntil([&] { return TcpConnectable("127.0.0.1", port_, 100); }, 20s);
+  }
+  // Ends the job; the agent's exit code.
+  int Finish() {
+    if (!run_.joinable()) return -1;
+    Event done;
+    done.type = Event::Type::kJobComplete;
+    done.round = 5;
+    rdzv_.Push(done);
+    run_.join();
+    return code_;
+  }
+  ~RankZeroAgentOfRoundFive() { Finish(); }
+
+ private:
+  TempDir dir_;
+  uint16_t port_ = 0;
+  testing::QueuedRendezvous rdzv_;  // plays the rest of the job
+  std::unique_ptr<Agent> agent_;
+  int code_ = -1;
+  std::thread run_;
+};
+
 TEST(HorovodRendezvousTest, ClientsOutsideTheRoundAreRefused) {
-  auto dir = TempDir::Create("efdl-hvd-agent");
-  ASSERT_TRUE(dir.ok());
-  auto port = PickFreePort("127.0.0.1");
-  ASSERT_TRUE(port.ok());
-  AgentOptions opts;
-  opts.job_id = "job-1";
-  opts.node_id = "node-a";
-  opts.nproc = 1;
-  opts.stop_grace = 5s;
-  opts.poll_interval = 20ms;
-  opts.snapshot_dir = dir->path() + "/snap";
-  opts.command = {"sleep", "60"};
-  opts.job_secret = kSecret;
-  testing::QueuedRendezvous rdzv;  // plays the rest of the job
-  Agent agent(opts, rdzv);
-  int code = -1;
-  std::thread run([&] { code = agent.Run(); });
-  Event e;
-  e.type = Event::Type::kRoundStarted;
-  e.round = 5;
-  e.assignment = OnePlusTwo(0, *port);
-  e.assignment.horovod_clients = {"127.0.0.2"};   // the members: we (127.0.0.1) are not one
-  rdzv.Push(e);
-  EXPECT_TRUE(WaitUntil([&] { return TcpConnectable("127.0.0.1", *port, 100); }, 20s));
+  RankZeroAgentOfRoundFive node({"127.0.0.2"});   // the members: we (127.0.0.1) are not one
+  ASSERT_TRUE(node.Serving());
   // Refused even with the token.
-  const std::string reply = HttpGet(*port, WithToken(5, "/rank_and_size/node-a:0"));
+  const std::string reply = HttpGet(node.port(), WithToken(5, "/rank_and_size/node-a:0"));
   EXPECT_EQ(reply.find("0,3,0,1,0,2"), std::string::npos) << reply;
   EXPECT_NE(reply.find("not a member"), std::string::npos) << reply;
-  Event done;
-  done.type = Event::Type::kJobComplete;
-  done.round = 5;
-  rdzv.Push(done);
-  run.join();
-  EXPECT_EQ(code, 0);
+  EXPECT_EQ(node.Finish(), 0);
 }
 
 // A member's name that does not resolve on the rank-0 node turns the address filter off for
 // the round; the token still guards the server: it fails closed, never open.
 TEST(HorovodRendezvousTest, AnUnresolvableMemberLeavesTheTokenGuardingTheServer) {
-  auto dir = TempDir::Create("efdl-hvd-agent");
-  ASSERT_TRUE(dir.ok());
-  auto port = PickFreePort("127.0.0.1");
-  ASSERT_TRUE(port.ok());
-  AgentOptions opts;
-  opts.job_id = "job-1";
-  opts.node_id = "node-a";
-  opts.nproc = 1;
-  opts.stop_grace = 5s;
-  opts.poll_interval = 20ms;
-  opts.snapshot_dir = dir->path() + "/snap";
-  opts.command = {"sleep", "60"};
-  opts.job_secret = kSecret;
-  testing::QueuedRendezvous rdzv;  // plays the rest of the job
-  Agent agent(opts, rdzv);
-  int code = -1;
-  std::thread run([&] { code = agent.Run(); });
-  Event e;
-  e.type = Event::Type::kRoundStarted;
-  e.round = 5;
-  e.assignment = OnePlusTwo(0, *port);
-  e.assignment.horovod_clients = {"no-such-member.invalid"};
-  rdzv.Push(e);
-  EXPECT_TRUE(WaitUntil([&] { return TcpConnectable("127.0.0.1", *port, 100); }, 20s));
-  const std::string stranger = HttpGet(*port, "/rank_and_size/node-a:0");
+  RankZeroAgentOfRoundFive node({"no-such-member.invalid"});
+  ASSERT_TRUE(node.Serving());
+  const std::string stranger = HttpGet(node.port(), "/rank_and_size/node-a:0");
   EXPECT_EQ(stranger.find("0,3,0,1,0,2"), std::string::npos) << stranger;
   EXPECT_NE(stranger.find("token"), std::string::npos) << stranger;
-  EXPECT_EQ(HttpGet(*port, WithToken(5, "/rank_and_size/node-a:0")), "0,3,0,1,0,2");
-  Event done;
-  done.type = Event::Type::kJobComplete;
-  done.round = 5;
-  rdzv.Push(done);
-  run.join();
-  EXPECT_EQ(code, 0);
+  EXPECT_EQ(HttpGet(node.port(), WithToken(5, "/rank_and_size/node-a:0")), "0,3,0,1,0,2");
+  EXPECT_EQ(node.Finish(), 0);
 }
 
 }  // namespace

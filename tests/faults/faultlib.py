@@ -55,6 +55,19 @@ def efdl_bin():
     return cluster.efdl_bin()
 
 
+def describe(pids):
+    """"<pid> <command line>" of each process still there, for a failure message."""
+    out = []
+    for pid in pids:
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                out.append("%d %s" % (pid, f.read().replace(b"\0", b" ")[:200].decode(
+                    errors="replace")))
+        except OSError:
+            pass
+    return out
+
+
 def _stat(pid):
     """(state, session id, start time) of a live process, or None."""
     try:
@@ -204,15 +217,11 @@ class Job:
                 pass
         return t0, time.time()
 
-    def kill_while_persisting(self, victims, writer, timeout=60):
-        """SIGKILLs the nodes `victims` the moment the agent of node `writer` is writing a
-        snapshot to storage (its temporary file .tmp-<host>-<agent pid>-<seq>.efdl exists).
-        Returns (fault, seq): seq is the snapshot whose write the kill interrupted (its
-        temporary file is still there afterwards, never renamed into place), or None when the
-        write finished between the look and the kill (the caller tries again)."""
+    def _wait_persisting(self, node, timeout):
+        """Waits until the agent of node `node` writes a snapshot to storage (its temporary file
+        .tmp-<host>-<agent pid>-<seq>.efdl exists); returns (directory, temporary file name)."""
         d = os.path.join(self.snapshot_dir, self.c.job)
-        mark = "-%d-" % self.nodes[writer].proc.pid
-        groups = self.groups_of(victims)
+        mark = "-%d-" % self.nodes[node].proc.pid
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -221,40 +230,41 @@ class Job:
             except OSError:
                 tmp = None
             if tmp is not None:
-                fault = self.signal_groups(groups)
-                for v in victims:
-                    self.nodes[v].wait(10)
-                interrupted = os.path.exists(os.path.join(d, tmp))
-                seq = int(tmp[:-len(".efdl")].rsplit("-", 1)[1])
-                return fault, (seq if interrupted else None)
+                return d, tmp
             time.sleep(0.0005)
         raise AssertionError("node %s wrote no snapshot to storage within %d s\n%s"
-                             % (writer, timeout, self.dump()))
+                             % (node, timeout, self.dump()))
+
+    @staticmethod
+    def _seq_of(tmp):
+        return int(tmp[:-len(".efdl")].rsplit("-", 1)[1])
+
+    def kill_while_persisting(self, victims, writer, timeout=60):
+        """SIGKILLs the nodes `victims` the moment the agent of node `writer` is writing a
+        snapshot to storage. Returns (fault, seq): seq is the snapshot whose write the kill
+        interrupted (its temporary file is still there afterwards, never renamed into place),
+        or None when the write finished between the look and the kill (the caller tries
+        again)."""
+        groups = self.groups_of(victims)
+        d, tmp = self._wait_persisting(writer, timeout)
+        fault = self.signal_groups(groups)
+        for v in victims:
+            self.nodes[v].wait(10)
+        interrupted = os.path.exists(os.path.join(d, tmp))
+        return fault, (self._seq_of(tmp) if interrupted else None)
 
     def freeze_while_persisting(self, node, timeout=60):
         """SIGSTOPs node `node` (agent and workers) the moment its agent is writing a snapshot
         to storage. Returns (fault, tmp name, seq) once the write is certainly frozen half-done
         (its temporary file still there, not renamed, after the stop), else (fault, None, None)
         with the node left stopped (the caller decides)."""
-        d = os.path.join(self.snapshot_dir, self.c.job)
-        mark = "-%d-" % self.nodes[node].proc.pid
         groups = self.groups_of([node])
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                tmp = next((n for n in os.listdir(d) if n.startswith(".tmp-") and mark in n),
-                           None)
-            except OSError:
-                tmp = None
-            if tmp is not None:
-                fault = self.signal_groups(groups, signal.SIGSTOP)
-                time.sleep(0.2)   # a rename in flight at the stop has landed by now
-                if os.path.exists(os.path.join(d, tmp)):
-                    return fault, tmp, int(tmp[:-len(".efdl")].rsplit("-", 1)[1])
-                return fault, None, None
-            time.sleep(0.0005)
-        raise AssertionError("node %s wrote no snapshot to storage within %d s\n%s"
-                             % (node, timeout, self.dump()))
+        d, tmp = self._wait_persisting(node, timeout)
+        fault = self.signal_groups(groups, signal.SIGSTOP)
+        time.sleep(0.2)   # a rename in flight at the stop has landed by now
+        if os.path.exists(os.path.join(d, tmp)):
+            return fault, tmp, self._seq_of(tmp)
+        return fault, None, None
 
     def storage_files(self):
         """{seq: step} of the complete snapshot files in storage (names and manifests read
@@ -613,14 +623,7 @@ class Job:
         while self.tracker.leftovers() and time.monotonic() < deadline:
             time.sleep(0.1)
         left = self.tracker.leftovers()
-        details = []
-        for pid in left:
-            try:
-                with open("/proc/%d/cmdline" % pid, "rb") as f:
-                    details.append("%d %s" % (pid, f.read().replace(b"\0", b" ")[:200]))
-            except OSError:
-                pass
-        assert not left, "processes left behind: %s" % details
+        assert not left, "processes left behind: %s" % describe(left)
 
     def check_intact(self):
         commits = {}
