@@ -1,7 +1,9 @@
 // efdl._efdl: the Python face of the C++ core (today: the snapshot engine).
 //
 // Statuses become Python exceptions only here: SnapshotError (a RuntimeError) carrying the
-// Status message. Long operations (commit, restore, flush) release the GIL.
+// Status message. Long operations (commit, restore, flush, candidates) run without the GIL
+// (py::call_guard): their bodies make no Python call, and an error leaves them as a C++
+// StatusError that the translator below turns into SnapshotError once the GIL is back.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -24,10 +26,14 @@ namespace {
 // Set once at module import; the exception type object lives as long as the module.
 PyObject* g_snapshot_error = nullptr;  // NOLINT: Python exception types are process-wide
 
-[[noreturn]] void Raise(const efdl::Status& s) {
-  PyErr_SetString(g_snapshot_error, s.message().c_str());
-  throw py::error_already_set();
-}
+// A failed Status on its way out of a binding; needs no GIL to throw.
+struct StatusError {
+  efdl::Status status;
+};
+
+[[noreturn]] void Raise(const efdl::Status& s) { throw StatusError{s}; }
+
+using ReleaseGil = py::call_guard<py::gil_scoped_release>;
 
 template <class T>
 T Unwrap(efdl::Result<T> r) {
@@ -53,6 +59,13 @@ PYBIND11_MODULE(_efdl, m) {
   m.doc() = "EFDL's C++ core: in-memory snapshots with asynchronous persistence";
   static py::exception<std::runtime_error> snapshot_error(m, "SnapshotError");
   g_snapshot_error = snapshot_error.ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      PyErr_SetString(g_snapshot_error, e.status.message().c_str());
+    }
+  });
 
   py::class_<snap::SnapshotRef>(m, "SnapshotRef")
       .def_property_readonly("source",
@@ -135,52 +148,34 @@ PYBIND11_MODULE(_efdl, m) {
                 return efdl::Status::OK();
               };
             }
-            efdl::Result<uint64_t> r = efdl::Status::Internal("not run");
-            {
-              py::gil_scoped_release release;
-              r = e.Commit(sources, step, meta_json, fill_fn);
-            }
-            return Unwrap(std::move(r));
+            return Unwrap(e.Commit(sources, step, meta_json, fill_fn));
           },
-          py::arg("ptrs"), py::arg("step"), py::arg("meta_json"), py::arg("fill") = py::none(),
+          ReleaseGil(), py::arg("ptrs"), py::arg("step"), py::arg("meta_json"),
+          py::arg("fill") = py::none(),
           "Copies the tensors at ptrs (0: call fill(index, address)) into shared memory and "
           "publishes them; returns the snapshot's seq.")
       .def(
           "flush",
           [](snap::SnapshotEngine& e, double timeout_s) {
-            efdl::Status s;
-            {
-              py::gil_scoped_release release;
-              s = e.Flush(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
-            }
-            Check(s);
+            Check(e.Flush(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))));
           },
-          py::arg("timeout_s") = 60.0)
+          ReleaseGil(), py::arg("timeout_s") = 60.0)
       .def("last_persist_error",
            [](const snap::SnapshotEngine& e) -> py::object {
              efdl::Status s = e.LastPersistStatus();
              if (s.ok()) return py::none();
              return py::str(s.message());
            })
-      .def("candidates",
-           [](snap::SnapshotEngine& e) {
-             py::gil_scoped_release release;
-             return e.Candidates();
-           })
+      .def("candidates", &snap::SnapshotEngine::Candidates, ReleaseGil())
       .def(
           "restore",
           [](snap::SnapshotEngine& e, const snap::SnapshotRef& ref,
              const std::vector<uintptr_t>& ptrs) {
             std::vector<void*> dst(ptrs.size());
             for (size_t i = 0; i < ptrs.size(); ++i) dst[i] = reinterpret_cast<void*>(ptrs[i]);
-            efdl::Status s;
-            {
-              py::gil_scoped_release release;
-              s = e.Restore(ref, dst);
-            }
-            Check(s);
+            Check(e.Restore(ref, dst));
           },
-          py::arg("ref"), py::arg("ptrs"))
+          ReleaseGil(), py::arg("ref"), py::arg("ptrs"))
       .def_property_readonly("next_seq", &snap::SnapshotEngine::next_seq)
       .def("advance_seq", &snap::SnapshotEngine::AdvanceSeq, py::arg("seq"),
            "Makes the next commit's seq at least `seq` (aligns the ranks of a round).");

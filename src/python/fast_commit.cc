@@ -303,11 +303,11 @@ Result<std::optional<uint64_t>> FastCommit::Commit(int64_t step, const py::dict&
     ++misses_;
     return std::optional<uint64_t>();
   }
-  Result<uint64_t> r = Status::Internal("not run");
-  {
+  // The copy runs without the GIL; everything above needed it (it reads Python objects).
+  Result<uint64_t> r = [&] {
     py::gil_scoped_release release;
-    r = engine_->Commit(sources_, step, *meta, {});
-  }
+    return engine_->Commit(sources_, step, *meta, {});
+  }();
   if (!r.ok()) return r.status();
   ++hits_;
   return std::optional<uint64_t>(*r);
