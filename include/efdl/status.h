@@ -12,7 +12,7 @@
 
 namespace efdl {
 
-class Status {
+class [[nodiscard]] Status {
  public:
   // A handful of generic codes, like leveldb's; subsystems say the rest in the message.
   enum class Code {

@@ -15,6 +15,7 @@
 #include "common/net.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
+#include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "security/job_secret.h"
 

@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "rendezvous/protocol.h"
+#include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "rendezvous/suspend.h"
 

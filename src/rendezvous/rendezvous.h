@@ -14,7 +14,6 @@
 #include <utility>
 #include <vector>
 
-#include "efdl/etcd.h"
 #include "efdl/status.h"
 
 namespace efdl::rdzv {
@@ -139,10 +138,6 @@ class Rendezvous {
   }
 };
 
-// `client` must outlive the returned object. The protocol is described in
-// src/rendezvous/protocol.h. Destroying the object leaves the job (as Leave()).
-// kRoundStarted with assignment.standby = true means: registered, but the job is at MAX; start
-// no workers and wait for the next event.
-std::unique_ptr<Rendezvous> NewEtcdRendezvous(etcd::Client& client, RendezvousOptions options);
+// The etcd implementation: NewEtcdRendezvous in rendezvous/etcd_rendezvous.h.
 
 }  // namespace efdl::rdzv

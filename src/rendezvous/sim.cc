@@ -15,6 +15,7 @@
 
 #include "common/log.h"
 #include "rendezvous/protocol.h"
+#include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 
 namespace efdl::rdzv {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "rendezvous/protocol.h"
+#include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "support/memory_etcd.h"
 #include "support/rendezvous_events.h"

@@ -10,6 +10,7 @@
 
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
+#include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "rendezvous/sim.h"
 #include "support/real_etcd_fixture.h"

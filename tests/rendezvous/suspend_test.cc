@@ -6,6 +6,7 @@
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
 #include "rendezvous/protocol.h"
+#include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "rendezvous/suspend.h"
 #include "support/real_etcd_fixture.h"
