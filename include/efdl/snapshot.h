@@ -78,7 +78,7 @@ struct EngineOptions {
   bool persist = true;         // run the background persister in this process
   int copy_threads = 0;        // 0: min(4, hardware threads)
   std::chrono::milliseconds persist_min_interval{0};
-  Env* env = nullptr;          // file access for storage; nullptr: POSIX
+  Env* env = nullptr;          // storage access and arena reads (not the mapping); nullptr: POSIX
   // Non-empty (the job's secret): stored snapshots carry an HMAC-SHA256 with this key, and a
   // storage snapshot restores only when its HMAC verifies (snapshot/hmac.h).
   std::string hmac_key;

@@ -54,19 +54,15 @@ class Engine final : public SnapshotEngine {
  public:
   explicit Engine(EngineOptions options)
       : options_(std::move(options)),
+        env_(options_.env != nullptr ? options_.env : Env::Posix()),
         runner_(options_.copy_threads > 0
                     ? options_.copy_threads
                     : static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())))) {
     if (!options_.storage_dir.empty()) {
-      store_ = std::make_unique<SnapshotStore>(options_.env, options_.storage_dir, options_.keep);
+      store_ = std::make_unique<SnapshotStore>(env_, options_.storage_dir, options_.keep);
       if (options_.persist) {
-        PersisterOptions p;
-        p.arena_path = options_.arena_path;
-        p.storage_dir = options_.storage_dir;
-        p.keep = options_.keep;
-        p.env = options_.env;
+        PersisterOptions p = PersistOptions();
         p.min_interval = options_.persist_min_interval;
-        p.hmac_key = options_.hmac_key;
         persister_ = std::make_unique<Persister>(std::move(p));
         persister_->Start();
       }
@@ -189,13 +185,7 @@ class Engine final : public SnapshotEngine {
   Status Flush(std::chrono::milliseconds timeout) override {
     if (persister_) return persister_->Flush(timeout);
     if (!store_) return Status::OK();
-    PersisterOptions p;
-    p.arena_path = options_.arena_path;
-    p.storage_dir = options_.storage_dir;
-    p.keep = options_.keep;
-    p.env = options_.env;
-    p.hmac_key = options_.hmac_key;
-    Persister once(std::move(p));
+    Persister once(PersistOptions());
     return once.Flush(timeout);
   }
 
@@ -258,8 +248,7 @@ class Engine final : public SnapshotEngine {
     }
     // The data is read with pread, not through the mapping: a fresh mapping faults on every
     // page (about 20 us each in a VM), while read() copies straight from the shared pages.
-    Env* env = Env::Posix();
-    auto file = env->NewRandomAccessFile(ref.path);
+    auto file = env_->NewRandomAccessFile(ref.path);
     if (!file.ok()) {
       if (pinned) arena.Unpin(ref.slot);
       return file.status();
@@ -327,8 +316,7 @@ class Engine final : public SnapshotEngine {
   }
 
   Status RestoreFromStorage(const SnapshotRef& ref, const std::vector<void*>& dst) {
-    Env* env = options_.env != nullptr ? options_.env : Env::Posix();
-    auto file = env->NewRandomAccessFile(ref.path);
+    auto file = env_->NewRandomAccessFile(ref.path);
     if (!file.ok()) return file.status();
     auto info = ReadSnapshotInfo(**file, ref.path);
     if (!info.ok()) return info.status();
@@ -350,7 +338,19 @@ class Engine final : public SnapshotEngine {
     return ReadSnapshotTensors(**file, *info, dst, &runner_);
   }
 
+  // What a persister of this engine writes, and how.
+  PersisterOptions PersistOptions() const {
+    PersisterOptions p;
+    p.arena_path = options_.arena_path;
+    p.storage_dir = options_.storage_dir;
+    p.keep = options_.keep;
+    p.env = env_;
+    p.hmac_key = options_.hmac_key;
+    return p;
+  }
+
   EngineOptions options_;
+  Env* const env_;   // options_.env, or POSIX: storage and arena reads go through it
   ParallelRunner runner_;
   std::unique_ptr<SnapshotStore> store_;
   std::unique_ptr<Persister> persister_;  // declared after runner_/store_: stopped first
