@@ -105,13 +105,13 @@ AgentPersister::AgentPersister(AgentPersisterOptions options) : options_(std::mo
 AgentPersister::~AgentPersister() {
   std::deque<FlushJob> left;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     stop_ = true;
   }
   cv_.notify_all();
   if (flusher_.joinable()) flusher_.join();
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     left.swap(jobs_);
   }
   for (auto& job : left) {
@@ -162,7 +162,7 @@ void AgentPersister::SetTargets(std::vector<PersistTarget> targets) {
     }
   }
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     targets_ = std::move(targets);
     persisters_ = std::move(next);
   }
@@ -171,7 +171,7 @@ void AgentPersister::SetTargets(std::vector<PersistTarget> targets) {
 
 void AgentPersister::Clear() {
   std::vector<std::shared_ptr<snapshot::Persister>> dropped;
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   dropped.swap(persisters_);
   targets_.clear();
 }
@@ -188,7 +188,7 @@ Status AgentPersister::Flush(std::chrono::milliseconds timeout) {
 void AgentPersister::FlushAsync(const std::string& scope, std::chrono::milliseconds timeout,
                                 FlushDone done) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     jobs_.push_back({ArenaPath(options_, scope), timeout, std::move(done)});
     if (!flusher_.joinable()) flusher_ = std::thread([this] { FlusherLoop(); });
   }
@@ -196,9 +196,9 @@ void AgentPersister::FlushAsync(const std::string& scope, std::chrono::milliseco
 }
 
 void AgentPersister::FlusherLoop() {
-  std::unique_lock lock(mutex_);
+  MutexLock lock(mutex_);
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    cv_.wait(lock, [&]() EFDL_REQUIRES(mutex_) { return stop_ || !jobs_.empty(); });
     if (stop_) return;
     FlushJob job = std::move(jobs_.front());
     jobs_.pop_front();

@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "efdl/snapshot.h"
 #include "efdl/status.h"
 
@@ -119,10 +120,10 @@ class AgentPersister {
   const AgentPersisterOptions options_;
   std::vector<PersistTarget> targets_;  // written under mutex_ (read by the flusher)
   std::vector<std::shared_ptr<snapshot::Persister>> persisters_;  // parallel to targets_, ditto
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<FlushJob> jobs_;     // GUARDED_BY(mutex_)
-  bool stop_ = false;             // GUARDED_BY(mutex_)
+  Mutex mutex_;
+  std::condition_variable_any cv_;
+  std::deque<FlushJob> jobs_ EFDL_GUARDED_BY(mutex_);
+  bool stop_ EFDL_GUARDED_BY(mutex_) = false;
   std::thread flusher_;           // started by the first FlushAsync
 };
 

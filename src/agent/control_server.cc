@@ -107,13 +107,13 @@ ControlServer::~ControlServer() {
 }
 
 void ControlServer::SetRound(int64_t round) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   round_ = round;
   stopping_.erase(stopping_.begin(), stopping_.lower_bound(round - 1));  // keep it bounded
 }
 
 bool ControlServer::IsConnected(int64_t round, int local_rank) const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   for (const auto& [fd, c] : clients_) {
     if (c.said_hello && c.round == round && c.local_rank == local_rank) return true;
   }
@@ -124,7 +124,7 @@ std::vector<int> ControlServer::RequestStop(int64_t round, bool graceful,
                                             const std::string& reason) {
   std::string line = Line({{"type", "stop"}, {"round", round}, {"graceful", graceful},
                            {"reason", reason}});
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   std::vector<int> reached;
   for (const auto& [fd, c] : clients_) {
     if (!c.said_hello || c.round != round) continue;
@@ -135,17 +135,17 @@ std::vector<int> ControlServer::RequestStop(int64_t round, bool graceful,
 }
 
 std::optional<int64_t> ControlServer::newest_step() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   return newest_step_;
 }
 
 std::optional<int64_t> ControlServer::newest_persisted_step() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   return newest_persisted_;
 }
 
 std::vector<FlushRequest> ControlServer::TakeFlushRequests() {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   std::vector<FlushRequest> out;
   out.swap(flushes_);
   return out;
@@ -158,7 +158,7 @@ void ControlServer::AnswerFlush(const FlushRequest& request, const Status& statu
   std::string line = status.ok()
                          ? Line({{"type", "reply"}, {"id", id}, {"persisted", persisted}})
                          : Line({{"type", "error"}, {"id", id}, {"message", status.message()}});
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   for (const auto& [fd, c] : clients_) {
     if (c.connection == request.connection) {
       SendLocked(fd, line);
@@ -168,7 +168,7 @@ void ControlServer::AnswerFlush(const FlushRequest& request, const Status& statu
 }
 
 std::vector<int> ControlServer::StoppingRanks(int64_t round) const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(mutex_);
   auto it = stopping_.find(round);
   return it == stopping_.end() ? std::vector<int>{} : it->second;
 }
@@ -268,7 +268,7 @@ void ControlServer::Serve() {
     fds.push_back({wake_read_, POLLIN, 0});
     fds.push_back({listen_fd_, POLLIN, 0});
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(mutex_);
       for (const auto& [fd, c] : clients_) fds.push_back({fd, POLLIN, 0});
     }
     int n = ::poll(fds.data(), fds.size(), -1);
@@ -282,7 +282,7 @@ void ControlServer::Serve() {
       while (true) {
         int cfd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (cfd < 0) break;
-        std::lock_guard lock(mutex_);
+        MutexLock lock(mutex_);
         Client client;
         client.connection = next_connection_++;
         clients_.emplace(cfd, std::move(client));
@@ -293,7 +293,7 @@ void ControlServer::Serve() {
       int fd = fds[i].fd;
       bool keep = true;
       bool eof = false;
-      std::lock_guard lock(mutex_);
+      MutexLock lock(mutex_);
       auto it = clients_.find(fd);
       if (it == clients_.end()) continue;
       Client& client = it->second;

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "efdl/status.h"
 
 namespace efdl::agent {
@@ -77,8 +78,8 @@ class ControlServer {
   explicit ControlServer(ControlServerOptions options) : options_(std::move(options)) {}
   void Serve();
   // Handles one line from client `fd`; returns false when the connection must be closed.
-  bool HandleLine(int fd, Client& client, const std::string& line);
-  void SendLocked(int fd, const std::string& json_line);
+  bool HandleLine(int fd, Client& client, const std::string& line) EFDL_REQUIRES(mutex_);
+  void SendLocked(int fd, const std::string& json_line) EFDL_REQUIRES(mutex_);
 
   const ControlServerOptions options_;
   int listen_fd_ = -1;
@@ -86,14 +87,15 @@ class ControlServer {
   int wake_write_ = -1;
   std::thread thread_;
 
-  mutable std::mutex mutex_;
-  std::map<int, Client> clients_;          // by fd; GUARDED_BY(mutex_); fds closed by Serve only
-  int64_t round_ = -1;                     // GUARDED_BY(mutex_)
-  std::optional<int64_t> newest_step_;     // GUARDED_BY(mutex_)
-  std::optional<int64_t> newest_persisted_;  // GUARDED_BY(mutex_)
-  std::map<int64_t, std::vector<int>> stopping_;  // by round; GUARDED_BY(mutex_)
-  std::vector<FlushRequest> flushes_;      // not yet taken; GUARDED_BY(mutex_)
-  uint64_t next_connection_ = 1;           // GUARDED_BY(mutex_)
+  mutable Mutex mutex_;
+  // By fd; fds closed by Serve only.
+  std::map<int, Client> clients_ EFDL_GUARDED_BY(mutex_);
+  int64_t round_ EFDL_GUARDED_BY(mutex_) = -1;
+  std::optional<int64_t> newest_step_ EFDL_GUARDED_BY(mutex_);
+  std::optional<int64_t> newest_persisted_ EFDL_GUARDED_BY(mutex_);
+  std::map<int64_t, std::vector<int>> stopping_ EFDL_GUARDED_BY(mutex_);   // by round
+  std::vector<FlushRequest> flushes_ EFDL_GUARDED_BY(mutex_);             // not yet taken
+  uint64_t next_connection_ EFDL_GUARDED_BY(mutex_) = 1;
 };
 
 }  // namespace efdl::agent

@@ -111,7 +111,7 @@ Status GroupReaper::Remove(pid_t pgid) { return Send('-', pgid); }
 Status GroupReaper::Send(char op, pid_t pgid) {
   if (pgid <= 1) return Status::InvalidArgument(fmt::format("not a process group: {}", pgid));
   std::string msg = fmt::format("{}{}\n", op, pgid);
-  std::lock_guard<std::mutex> lock(send_mu_);
+  MutexLock lock(send_mu_);
   size_t off = 0;
   while (off < msg.size()) {
     ssize_t n = ::send(fd_, msg.data() + off, msg.size() - off, MSG_NOSIGNAL);

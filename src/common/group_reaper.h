@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 
+#include "common/thread_annotations.h"
 #include "efdl/status.h"
 
 namespace efdl {
@@ -47,7 +48,7 @@ class GroupReaper {
 
   const pid_t pid_;
   const int fd_;
-  std::mutex send_mu_;   // one message at a time on the socket
+  Mutex send_mu_;   // one message at a time on the socket
 };
 
 }  // namespace efdl

@@ -3,7 +3,7 @@
 namespace efdl::horovod {
 
 void RendezvousStore::Reset(const std::vector<SlotInfo>& round) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   data_.clear();
   finished_.clear();
   scope_size_.clear();
@@ -18,7 +18,7 @@ void RendezvousStore::Reset(const std::vector<SlotInfo>& round) {
 
 std::optional<std::string> RendezvousStore::Get(const std::string& scope,
                                                 const std::string& key) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (scope == kRankAndSizeScope) {
     // Horovod answers a worker it does not know (removed host, extra local rank) with -1s, not
     // 404: the worker must stop polling and fail with "removed from the job".
@@ -33,12 +33,12 @@ std::optional<std::string> RendezvousStore::Get(const std::string& scope,
 }
 
 void RendezvousStore::Put(const std::string& scope, const std::string& key, std::string value) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   data_[scope][key] = std::move(value);
 }
 
 void RendezvousStore::Delete(const std::string& scope, const std::string& key) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   auto size = scope_size_.find(scope);
   if (size != scope_size_.end()) {
     // A set, not a list: a client that retries its DELETE must not count twice.
@@ -57,13 +57,13 @@ void RendezvousStore::Delete(const std::string& scope, const std::string& key) {
 }
 
 size_t RendezvousStore::KeyCount(const std::string& scope) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   auto s = data_.find(scope);
   return s == data_.end() ? 0 : s->second.size();
 }
 
 std::optional<int> RendezvousStore::ScopeSize(const std::string& scope) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   auto it = scope_size_.find(scope);
   if (it == scope_size_.end()) return std::nullopt;
   return it->second;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "horovod/slots.h"
 
 namespace efdl::horovod {
@@ -42,11 +43,11 @@ class RendezvousStore {
   std::optional<int> ScopeSize(const std::string& scope) const;
 
  private:
-  mutable std::mutex mu_;
-  std::map<std::string, std::map<std::string, std::string>> data_;  // GUARDED_BY(mu_)
-  std::map<std::string, int> scope_size_;                           // GUARDED_BY(mu_)
-  std::map<std::string, std::set<std::string>> finished_;           // GUARDED_BY(mu_)
-  std::map<std::string, SlotInfo> slot_by_host_rank_;               // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<std::string, std::map<std::string, std::string>> data_ EFDL_GUARDED_BY(mu_);
+  std::map<std::string, int> scope_size_ EFDL_GUARDED_BY(mu_);
+  std::map<std::string, std::set<std::string>> finished_ EFDL_GUARDED_BY(mu_);
+  std::map<std::string, SlotInfo> slot_by_host_rank_ EFDL_GUARDED_BY(mu_);
 };
 
 }  // namespace efdl::horovod

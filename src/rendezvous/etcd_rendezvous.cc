@@ -17,6 +17,7 @@
 
 #include "common/log.h"
 #include "common/net.h"
+#include "common/thread_annotations.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
@@ -172,15 +173,15 @@ class EtcdRendezvous final : public Rendezvous {
   const RendezvousOptions opt_;
   const JobKeys keys_;
 
-  std::mutex in_mu_;
-  std::condition_variable in_cv_;
-  std::deque<Input> inputs_;            // GUARDED_BY(in_mu_)
-  bool stop_ = false;                   // GUARDED_BY(in_mu_)
-  bool left_ = false;                   // GUARDED_BY(in_mu_)
+  Mutex in_mu_;
+  std::condition_variable_any in_cv_;
+  std::deque<Input> inputs_ EFDL_GUARDED_BY(in_mu_);
+  bool stop_ EFDL_GUARDED_BY(in_mu_) = false;
+  bool left_ EFDL_GUARDED_BY(in_mu_) = false;
 
-  std::mutex ev_mu_;
-  std::condition_variable ev_cv_;
-  std::deque<Event> events_;            // GUARDED_BY(ev_mu_)
+  Mutex ev_mu_;
+  std::condition_variable_any ev_cv_;
+  std::deque<Event> events_ EFDL_GUARDED_BY(ev_mu_);
 
   std::thread driver_;
 
@@ -188,10 +189,10 @@ class EtcdRendezvous final : public Rendezvous {
   // by Leave after it stopped).
   uint64_t generation_ = 0;             // bumped at each (re)registration and resync
   int64_t lease_ = 0;
-  std::unique_ptr<etcd::LeaseKeeper> keeper_;   // swapped under keeper_mu_ (MayPublish reads it)
-  mutable std::mutex keeper_mu_;
-  bool fenced_ = false;                         // keeper_mu_: the lease was lost; until re-registered
-  double fenced_at_wall_ = 0;                   // keeper_mu_: when it was last fenced (epoch s)
+  mutable Mutex keeper_mu_;   // MayPublish reads these from the persister's thread
+  std::unique_ptr<etcd::LeaseKeeper> keeper_ EFDL_GUARDED_BY(keeper_mu_);
+  bool fenced_ EFDL_GUARDED_BY(keeper_mu_) = false;   // the lease was lost; until re-registered
+  double fenced_at_wall_ EFDL_GUARDED_BY(keeper_mu_) = 0;   // when last fenced (epoch s)
   std::unique_ptr<etcd::Watch> round_watch_, assign_watch_, deputy_watch_;
   // gaveup/ of the job from the first registration on; lives as long as the rendezvous.
   std::unique_ptr<etcd::Watch> gaveup_watch_;
@@ -241,7 +242,7 @@ class EtcdRendezvous final : public Rendezvous {
 
 void EtcdRendezvous::Push(Input in) {
   {
-    std::lock_guard<std::mutex> lock(in_mu_);
+    MutexLock lock(in_mu_);
     if (stop_) return;
     inputs_.push_back(std::move(in));
   }
@@ -252,7 +253,7 @@ void EtcdRendezvous::Emit(Event e) {
   EFDL_LOG_DEBUG("rdzv {}: event {} round {} {}", opt_.node_id, static_cast<int>(e.type), e.round,
                  e.message);
   {
-    std::lock_guard<std::mutex> lock(ev_mu_);
+    MutexLock lock(ev_mu_);
     events_.push_back(std::move(e));
   }
   ev_cv_.notify_all();
@@ -260,8 +261,10 @@ void EtcdRendezvous::Emit(Event e) {
 }
 
 std::optional<Event> EtcdRendezvous::WaitEvent(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(ev_mu_);
-  if (!ev_cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+  MutexLock lock(ev_mu_);
+  if (!ev_cv_.wait_for(lock, timeout, [&]() EFDL_REQUIRES(ev_mu_) { return !events_.empty(); })) {
+    return std::nullopt;
+  }
   Event e = std::move(events_.front());
   events_.pop_front();
   return e;
@@ -300,7 +303,7 @@ void EtcdRendezvous::ReportWorkersSucceeded(int64_t round) {
 }
 
 void EtcdRendezvous::DriverLoop() {
-  std::unique_lock<std::mutex> lock(in_mu_);
+  MutexLock lock(in_mu_);
   bool first = true;   // Join may have made us coordinator of a job that needs no more input
   while (!stop_) {
     auto deadline = NextDeadline();
@@ -1027,7 +1030,7 @@ void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
 
 void EtcdRendezvous::SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced) {
   std::unique_ptr<etcd::LeaseKeeper> old;
-  std::lock_guard<std::mutex> lock(keeper_mu_);
+  MutexLock lock(keeper_mu_);
   old = std::move(keeper_);   // destroyed after the lock is released
   keeper_ = std::move(keeper);
   fenced_ = fenced;
@@ -1039,7 +1042,7 @@ void EtcdRendezvous::SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool f
 }
 
 bool EtcdRendezvous::MayPublish(double committed_at) const {
-  std::lock_guard<std::mutex> lock(keeper_mu_);
+  MutexLock lock(keeper_mu_);
   if (fenced_ || committed_at < fenced_at_wall_) return false;
   // Without a lease (before the first registration, after leaving) nothing newer can be fenced
   // against it; with one, only until its local expiry.
@@ -1107,7 +1110,7 @@ void EtcdRendezvous::HandOverCoordination() {
 
 void EtcdRendezvous::Leave() {
   {
-    std::lock_guard<std::mutex> lock(in_mu_);
+    MutexLock lock(in_mu_);
     if (left_) return;
     left_ = true;
     stop_ = true;

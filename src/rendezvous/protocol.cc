@@ -156,18 +156,18 @@ std::string SuspendReport::Encode() const {
 Result<SuspendReport> SuspendReport::Decode(const std::string& text) {
   return ParseWith<SuspendReport>("suspend report", text, [](const json& j, SuspendReport& s) {
     int64_t value = -1;
-    uint64_t seq = 0;
-    int64_t epoch = 0;
-    if (!(Field(j, "step", value) && Field(j, "t", s.time) && Field(j, "seq", seq) &&
-          Field(j, "epoch", epoch))) {
+    uint64_t seq_value = 0;
+    int64_t epoch_value = 0;
+    if (!(Field(j, "step", value) && Field(j, "t", s.time) && Field(j, "seq", seq_value) &&
+          Field(j, "epoch", epoch_value))) {
       return false;
     }
     if (j.contains("step") && !j["step"].is_null()) {
       if (value < 0) return false;
       s.step = value;
     }
-    if (j.contains("seq") && !j["seq"].is_null()) s.seq = seq;
-    if (j.contains("epoch") && !j["epoch"].is_null()) s.epoch = epoch;
+    if (j.contains("seq") && !j["seq"].is_null()) s.seq = seq_value;
+    if (j.contains("epoch") && !j["epoch"].is_null()) s.epoch = epoch_value;
     return true;
   });
 }

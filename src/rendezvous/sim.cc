@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/thread_annotations.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
@@ -211,7 +212,7 @@ class Harness {
     o.liveness_window = opt_.liveness_window;
     o.on_event = [this, index] {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         ready_.push_back(index);
       }
       cv_.notify_one();
@@ -227,10 +228,10 @@ class Harness {
     while (true) {
       Drain();
       if (Formed(expect)) return Status::OK();
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (Clock::now() >= deadline) break;
       cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)),
-                     [&] { return !ready_.empty(); });
+                     [&]() EFDL_REQUIRES(mu_) { return !ready_.empty(); });
     }
     int started = 0;
     for (const auto& n : nodes_) started += n->alive && n->nnodes == expect ? 1 : 0;
@@ -329,7 +330,7 @@ class Harness {
   void Drain() {
     std::deque<int> ready;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       ready.swap(ready_);
     }
     for (int index : ready) {
@@ -376,9 +377,9 @@ class Harness {
   std::vector<std::unique_ptr<SimNode>> nodes_;
   std::vector<int64_t> pending_revokes_;
   std::string last_killed_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<int> ready_;   // GUARDED_BY(mu_): nodes with queued events
+  Mutex mu_;
+  std::condition_variable_any cv_;
+  std::deque<int> ready_ EFDL_GUARDED_BY(mu_);   // nodes with queued events
 };
 
 }  // namespace
