@@ -150,6 +150,9 @@ class EtcdRendezvous final : public Rendezvous {
   // P round says suspended: emit kSuspended once and stop all protocol work; the lease stays
   // until the agent's Leave(), so `efdl suspend` sees the node until its workers are down.
   void OnSuspended(const RoundRecord& rec);
+  // Out of every round (fenced, suspended): no started round, no coordination, no watch of the
+  // round, the assignment or the coordinator; the lease is the caller's business.
+  void StopTakingPart();
 
   // --- coordinator side ---
   void BecomeCoordinator();
@@ -980,18 +983,10 @@ void EtcdRendezvous::Fence(const std::string& why) {
   Emit(MakeEvent(Event::Type::kFenced, round, false,
                  fmt::format("node {} was fenced out of round {}: {}", opt_.node_id, round, why)));
   fenced_round_ = std::max(round, round_.round);
-  started_round_ = 0;
-  started_standby_ = false;
-  StopCoordinating();
-  round_watch_.reset();
-  assign_watch_.reset();
-  deputy_watch_.reset();
-  deputy_target_.clear();
-  takeover_at_.reset();
+  StopTakingPart();
   lease_ = 0;
   ++generation_;
   fenced_since_ = Clock::now();
-  unplaced_since_.reset();
   rejoin_at_ = Clock::now();
 }
 
@@ -1146,6 +1141,11 @@ void EtcdRendezvous::OnSuspended(const RoundRecord& rec) {
                  rec.message.empty() ? fmt::format("job {} is suspended", opt_.job_id)
                                      : rec.message));
   finished_ = true;
+  StopTakingPart();
+  rejoin_at_.reset();
+}
+
+void EtcdRendezvous::StopTakingPart() {
   started_round_ = 0;
   started_standby_ = false;
   StopCoordinating();
@@ -1154,7 +1154,6 @@ void EtcdRendezvous::OnSuspended(const RoundRecord& rec) {
   deputy_watch_.reset();
   deputy_target_.clear();
   takeover_at_.reset();
-  rejoin_at_.reset();
   unplaced_since_.reset();
 }
 
