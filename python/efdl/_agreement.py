@@ -35,8 +35,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from efdl import _unpickle
-from efdl.backend import _dist
+from efdl import _dist, _unpickle
 
 _ALIGN = 64
 

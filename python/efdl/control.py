@@ -10,6 +10,8 @@ import os
 import socket
 import time
 
+from efdl import _env
+
 PROTOCOL_VERSION = 1
 ENV_SOCKET = "EFDL_CONTROL_SOCKET"
 
@@ -46,13 +48,9 @@ class StopRequest:
 
 
 def _env_int(name, default):
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ControlError("%s=%r is not an integer" % (name, value)) from None
+    # Unset or empty: the default; anything else, blanks too, must be an integer (ControlError).
+    return _env.env_int(name, default, strip=False, blank_is_default=False,
+                        message="%(name)s=%(value)r is not an integer", error=ControlError)
 
 
 class ControlClient:

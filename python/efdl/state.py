@@ -9,35 +9,36 @@ commit() copies every tensor (model, optimizer and scheduler state, tensor-value
 arguments) as raw bytes into a shared-memory arena of the node (efdl._efdl, C++), together with
 a manifest; non-tensor values travel in the manifest: plain keyword arguments (int, float, str,
 ...) as JSON, the others, optimizer hyper-parameters and the scheduler's state as a small pickle.
-It returns as soon as the copy is done; a
-background thread persists the newest snapshot to <EFDL_SNAPSHOT_DIR>/<job id>/ (default
-./efdl-snapshots) - under `efdl run` the node agent does that instead, from the same arena.
-Constructing a State restores the newest snapshot of the job: from shared memory when this node
-holds it (it survives the death of the process that wrote it), else from storage. See
-docs/snapshots.md.
+It returns as soon as the copy is done; a background thread persists the newest snapshot to
+<EFDL_SNAPSHOT_DIR>/<job id>/ (default ./efdl-snapshots) - under `efdl run` the node agent does
+that instead, from the same arena. Constructing a State restores the newest snapshot of the job:
+from shared memory when this node holds it (it survives the death of the process that wrote it),
+else from storage. See docs/snapshots.md.
 
-Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_SNAPSHOT_DIR, EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node,
-written by local rank 0, for data-parallel jobs where all ranks hold the same state; 1: one per
-rank, for sharded states), EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS,
-EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is written at most once a second; exit,
-SIGTERM and graceful stops persist the newest at once), EFDL_AGENT_PERSISTS (1, set by
-`efdl run`: the node agent persists, the worker never writes storage and flush() asks the
-agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry an HMAC-SHA256 keyed with the job's
-secret EFDL_JOB_SECRET and restore only when it verifies), EFDL_COMMIT_CHECKSUM (0; 1: every
-commit stores its data checksum, so a restore from memory always verifies it, at a cost per
-commit: docs/snapshots.md), EFDL_UNPICKLE_ALLOW (types a snapshot's metadata may hold beyond
-the allow-list of efdl/_unpickle.py, `module.Name,...`), EFDL_RESTORE_OTHER_PROGRAM (1: restore
-a snapshot another program wrote under the same job id; refused by default).
-The arena's name comes from efdl._efdl.arena_path (EFDL_ARENA_HOLDER, set by `efdl run`, or
-"<host>.0" without an agent); a standalone program removes its arena once its final snapshot is
-persisted at exit.
+Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_SNAPSHOT_DIR,
+EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node, written by local rank 0,
+for data-parallel jobs where all ranks hold the same state; 1: one per rank, for sharded states),
+EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS, EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is
+written at most once a second; exit, SIGTERM and graceful stops persist the newest at once),
+EFDL_AGENT_PERSISTS (1, set by `efdl run`: the node agent persists, the worker never writes
+storage and flush() asks the agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry
+an HMAC-SHA256 keyed with the job's secret EFDL_JOB_SECRET and restore only when it verifies),
+EFDL_COMMIT_CHECKSUM (0; 1: every commit stores its data checksum, so a restore from memory
+always verifies it, at a cost per commit: docs/snapshots.md), EFDL_UNPICKLE_ALLOW (types a
+snapshot's metadata may hold beyond the allow-list of efdl/_unpickle.py, `module.Name,...`),
+EFDL_RESTORE_OTHER_PROGRAM (1: restore a snapshot another program wrote under the same job id;
+refused by default). The arena's name comes from efdl._efdl.arena_path (EFDL_ARENA_HOLDER, set by
+`efdl run`, or "<host>.0" without an agent); a standalone program removes its arena once its
+final snapshot is persisted at exit.
+
+Here: State's construction, commit(), flush(), the restore and the graceful stop. What varies by
+kind of value (model, optimizer, scheduler, keyword arguments) is in efdl/_parts.py, the meta
+text in efdl/_manifest.py, the commit's tensor plan and the compiled path's inputs in
+efdl/_commit.py.
 """
 
 import atexit
-import base64
-import json
 import os
-import pickle
 import re
 import signal
 import socket
@@ -47,41 +48,28 @@ import time
 import warnings
 import weakref
 
-import torch
-
-from efdl import _agreement, _efdl, _unpickle
+from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts
+from efdl._manifest import program_name
+from efdl._parts import SnapshotMismatchError
 
 __all__ = ["State", "SnapshotMismatchError", "SnapshotError"]
 
 SnapshotError = _efdl.SnapshotError
-
-
-class SnapshotMismatchError(ValueError):
-    """A snapshot does not fit the objects it should be restored into (keys, shapes, counts)."""
-
+RESTORE_OTHER_PROGRAM_ENV = _manifest.RESTORE_OTHER_PROGRAM_ENV  # offered here as before
 
 _RESERVED = frozenset(("model", "optimizer", "scheduler"))
 _FLUSH_TIMEOUT_S = 600.0
 
 
-def _env_int(name, default):
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError("environment variable %s=%r is not an integer" % (name, value)) from None
-
-
 def _safe_name(text):
+    # The job id as arena names hold it (snapshot/arena_dir.h); bench/snapshot.py uses it.
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:80]
 
 
 def _snapshot_hmac_key():
     """The key of the stored snapshots' HMAC: the job's secret when EFDL_SNAPSHOT_HMAC=1, else
     "" (no HMAC). Stored snapshots then restore only when their HMAC verifies."""
-    if os.environ.get("EFDL_SNAPSHOT_HMAC", "0").strip().lower() not in ("1", "true", "yes", "on"):
+    if not _env.env_flag("EFDL_SNAPSHOT_HMAC", False, words=_env.ON_WORDS):
         return ""
     secret = os.environ.get("EFDL_JOB_SECRET", "")
     if not secret:
@@ -103,17 +91,6 @@ def _remove_arena(path, shm_dir, box, key):
     _efdl.remove_orphan_locks(shm_dir)
 
 
-RESTORE_OTHER_PROGRAM_ENV = "EFDL_RESTORE_OTHER_PROGRAM"
-
-
-def program_name():
-    """The running program's file name ("train.py"), or "" when there is none (python -c, an
-    interactive session): recorded in each snapshot as its writer, so a different program that
-    shares the job id is not silently restored into (docs/snapshots.md)."""
-    arg = sys.argv[0] if sys.argv else ""
-    return "" if arg in ("", "-c", "-m") else os.path.basename(arg)
-
-
 def default_job_id():
     """EFDL_JOB_ID, or a stable id for this script (so re-running it restores its snapshots)."""
     job = os.environ.get("EFDL_JOB_ID", "").strip()
@@ -124,113 +101,34 @@ def default_job_id():
     return _efdl.local_job_id(os.path.realpath(script) if script else "")
 
 
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def _dtype_of(name):
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise SnapshotMismatchError("snapshot holds a tensor of unknown dtype %r" % name)
-    return dtype
-
-
-def _host_view(address, nbytes, dtype, shape):
-    """A CPU tensor over `nbytes` of memory at `address` (arena memory owned by the engine)."""
-    import ctypes
-    buf = (ctypes.c_char * nbytes).from_address(address)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
-
-
-class _Plan:
-    """The tensors of the last commit: names, objects and addresses. Rebuilt when they change.
-
-    `fast_key` (State._fast_key) describes where the tensors came from; while it and the data
-    pointers are unchanged, a commit reuses the plan without collecting the tensors again.
-    None: every commit collects (the optimizer state holds non-tensor values, which may change
-    in place)."""
-
-    __slots__ = ("key", "names", "tensors", "ptrs", "raw_ptrs", "originals", "restage",
-                 "fast_key", "scalars")
-
-    def __init__(self, names, tensors):
-        self.names = names
-        self.tensors = tensors
-        self.raw_ptrs = None
-        # 0: not host memory, filled through State._fill (device-to-host into the arena)
-        self.ptrs = [0 if t.is_cuda else t.data_ptr() for t in tensors]
-        self.key = [id(t) for t in tensors]
-        self.restage = ()    # indexes of non-contiguous originals, copied to tensors[i] per commit
-        self.fast_key = None
-        self.scalars = {}
-
-
-# Keyword arguments of these types are written as JSON in the manifest and read back from it
-# exactly (ints only in the range a JSON parser keeps exact); others are pickled.
-_INT_LIMIT = 1 << 63
-_IMMUTABLE = frozenset((int, float, bool, str, bytes, type(None), complex))
-
-
-def _utf8_encodable(text):
-    # False for a str holding a lone surrogate: its JSON escape (\ud800) is not valid JSON text
-    # for the manifest's parser, so such a value is pickled like any other JSON cannot carry.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _display_json(value):
-    """The manifest's readable JSON of a keyword argument that is pickled for the restore."""
-    try:
-        text = json.dumps(value, allow_nan=False)
-        if "\\ud" not in text:  # no surrogate escape at all (json.dumps writes lower case)
-            return text
-        json.dumps(value, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
-        return text
-    except (TypeError, ValueError):  # UnicodeEncodeError is a ValueError
-        return json.dumps(repr(value))
-
-
-def _immutable(v):
-    t = type(v)
-    return t in _IMMUTABLE or (t is tuple and all(_immutable(x) for x in v))
-
-
 class State:
     """Training state that survives restarts. See the module docstring."""
 
     def __init__(self, model=None, optimizer=None, scheduler=None, **kwargs):
         d = self.__dict__
-        d["_values"] = dict(kwargs)
-        d["model"] = None
-        d["optimizer"] = None
-        d["scheduler"] = None
+        # The parts (efdl/_parts.py); State's model, optimizer and scheduler are their objects.
+        d["_model"] = _parts.ModelPart()
+        d["_optimizer"] = _parts.OptimizerPart()
+        d["_scheduler"] = _parts.SchedulerPart()
+        d["_kwargs"] = _parts.KwargsPart(dict(kwargs))
+        d["_values"] = d["_kwargs"].obj   # the keyword arguments: the same dict, read per step
         d["_interval"] = 1
         d["_commits"] = 0
-        d["_plan"] = None
-        d["_model_cache"] = None
-        d["_model_split"] = None   # (_model_cache it was made from, names, tensors)
-        d["_param_cache"] = None   # see _param_index
+        d["_plan"] = None          # efdl._commit.Plan of the last commit
         d["_restored"] = None
         d["_restored_meta"] = None
         d["_lock"] = threading.Lock()
-        d["_meta_cache"] = None    # (fingerprint, pickled metadata): see _meta
         d["_program"] = program_name()   # recorded in every snapshot; checked at restore
-        d["_program_field"] = (',"program":%s' % json.dumps(d["_program"])
-                               if d["_program"] else "")
-        d["_kw_heads"] = {}        # keyword argument name: its JSON key text
+        d["_manifest"] = _manifest.MetaWriter(d["_program"])
         d["_vote"] = None
         d["_vote_checked"] = False
         d["_fast"] = None          # efdl._efdl.FastCommit of the current plan, see _snapshot
-        d["_fast_enabled"] = _env_int("EFDL_FAST_COMMIT", 1) != 0
+        d["_fast_enabled"] = _env.env_flag("EFDL_FAST_COMMIT", True)
         d["_fast_strikes"] = 0     # fast paths dropped after < 4 commits, in a row: _make_fast
         d["_fast_retry"] = 0       # no fast path before this many commits
 
-        from efdl.backend import _env
         rank, local_rank = _env.rank(), _env.local_rank()
-        per_rank = _env_int("EFDL_SNAPSHOT_PER_RANK", 0) != 0
+        per_rank = _env.env_flag("EFDL_SNAPSHOT_PER_RANK", False)
         self._per_rank = per_rank
         self._job = default_job_id()
         scope = "rank%d" % rank if per_rank else "node"
@@ -255,18 +153,19 @@ class State:
         # One writer per arena: local rank 0 for a node copy, every rank for per-rank copies.
         # Storage gets one copy per job (global rank 0) or one per rank.
         self._writer = per_rank or local_rank == 0
-        self._agent_persists = _env_int("EFDL_AGENT_PERSISTS", 0) != 0
+        self._agent_persists = _env.env_flag("EFDL_AGENT_PERSISTS", False)
         persist = (per_rank or rank == 0) and not self._agent_persists
         self._persists = persist and self._writer
         self._last_step = None  # step of this process' newest commit (for "persisted" reports)
         self._engine = _efdl.SnapshotEngine(
             self._job, scope, self._arena_path, self._storage_dir,
-            num_slots=_env_int("EFDL_SNAPSHOT_SLOTS", _efdl.DEFAULT_SNAPSHOT_SLOTS),
-            keep=_env_int("EFDL_SNAPSHOT_KEEP", 2),
-            persist=persist and self._writer, copy_threads=_env_int("EFDL_SNAPSHOT_THREADS", 0),
-            persist_min_interval_ms=_env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000),
+            num_slots=_env.env_int("EFDL_SNAPSHOT_SLOTS", _efdl.DEFAULT_SNAPSHOT_SLOTS),
+            keep=_env.env_int("EFDL_SNAPSHOT_KEEP", 2),
+            persist=persist and self._writer,
+            copy_threads=_env.env_int("EFDL_SNAPSHOT_THREADS", 0),
+            persist_min_interval_ms=_env.env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000),
             hmac_key=_snapshot_hmac_key(),
-            commit_checksum=_env_int("EFDL_COMMIT_CHECKSUM", 0) != 0)
+            commit_checksum=_env.env_flag("EFDL_COMMIT_CHECKSUM", False))
         self._control = self._connect_control()
 
         world = _agreement.group_size()
@@ -276,8 +175,10 @@ class State:
             self._restore_newest()
         if self._restored is not None and rank == 0:
             self._announce_restore()
-        d["model"], d["optimizer"], d["scheduler"] = model, optimizer, scheduler
-        given = [p for p in ("model", "optimizer", "scheduler") if d[p] is not None]
+        self._model.set(model)
+        self._optimizer.set(optimizer)
+        self._scheduler.set(scheduler)
+        given = [p for p in ("model", "optimizer", "scheduler") if getattr(self, p) is not None]
         if self._restored is not None and given:
             self._restore_parts(given)  # one pass over the snapshot for all of them
         self._install_exit_hooks()
@@ -305,24 +206,36 @@ class State:
         else:
             object.__delattr__(self, name)
 
+    # Setting one (state.model = ...) restores it: __setattr__, set_and_restore_*.
+    @property
+    def model(self):
+        return self._model.obj
+
+    @property
+    def optimizer(self):
+        return self._optimizer.obj
+
+    @property
+    def scheduler(self):
+        return self._scheduler.obj
+
     # -- setters that restore ------------------------------------------------------------------
 
     def set_and_restore_model(self, model):
         """Sets the model (the unwrapped module, not DDP) and restores it from the snapshot."""
-        self.__dict__["model"] = model
-        self.__dict__["_model_cache"] = None
+        self._model.set(model)
         self._plan = None
         if self._restored is not None and model is not None:
             self._restore_parts(["model"])
 
     def set_and_restore_optimizer(self, optimizer):
-        self.__dict__["optimizer"] = optimizer
+        self._optimizer.set(optimizer)
         self._plan = None
         if self._restored is not None and optimizer is not None:
             self._restore_parts(["optimizer"])
 
     def set_and_restore_scheduler(self, scheduler):
-        self.__dict__["scheduler"] = scheduler
+        self._scheduler.set(scheduler)
         self._plan = None
         if self._restored is not None and scheduler is not None:
             self._restore_parts(["scheduler"])
@@ -438,16 +351,22 @@ class State:
         d = self.__dict__
         with d["_lock"]:
             fast = d["_fast"]
-            if fast is None or fast.commit(step, d) is None:
+            if fast is None or fast.commit(step, self._fast_view()) is None:
                 self._snapshot_collect(step)
             d["_last_step"] = step
         if d["_control"] is not None:
             d["_control"].notify_committed(step)
 
+    def _fast_view(self):
+        """The State's parts as FastCommit reads them now (efdl._commit.fast_view)."""
+        model = self._model
+        return _commit.fast_view(model.obj, self._optimizer.obj, self._scheduler.obj, self._plan,
+                                 model.cache, self._values)
+
     def _snapshot_collect(self, step):
         """The Python path of a commit: finds the tensors (or proves them unchanged), formats the
         meta text, copies; then prepares the compiled path for the next commits (_make_fast)."""
-        sched_sd = self.scheduler.state_dict() if self.scheduler is not None else None
+        sched_sd = self._scheduler.state_dict()
         plan = self._plan
         # The per-commit path (docs/snapshots.md, "Measured"): while the tensors come from
         # the same objects at the same addresses, nothing is collected again.
@@ -456,13 +375,13 @@ class State:
             names, tensors, scalars = self._collect_tensors(sched_sd)
             if (plan is None or plan.key != [id(t) for t in tensors]
                     or plan.raw_ptrs != [t.data_ptr() for t in tensors]):
-                plan = self._make_plan(names, tensors)
+                plan = self._plan = _commit.make_plan(self._engine, names, tensors)
             plan.scalars = scalars
             plan.fast_key = None if scalars else self._fast_key(sched_sd)
         for i in plan.restage:
             plan.tensors[i].copy_(plan.originals[i])
         meta = self._meta(plan.scalars, sched_sd)
-        fill = self._fill if 0 in plan.ptrs else None
+        fill = plan.fill if 0 in plan.ptrs else None
         self._engine.commit(plan.ptrs, step, meta, fill)
         self._make_fast(plan, sched_sd)
 
@@ -480,204 +399,41 @@ class State:
             if self._fast_strikes >= 4:
                 self._fast_strikes = 0
                 self._fast_retry = self._commits + 100
-        cached = self._meta_cache
+        cached = self._manifest.cache
         if (self._fast_enabled and self._commits >= self._fast_retry and cached is not None
                 and sched_sd is None and plan.fast_key is not None and not plan.restage
                 and 0 not in plan.ptrs):
-            try:
-                self._fast = _efdl.FastCommit(
-                    self._engine, self.__dict__, plan, plan.originals, plan.ptrs,
-                    self._model_cache, cached[0], cached[1], torch.Tensor,
-                    self._program_field)
-            except _efdl.SnapshotError:
-                self._fast = None  # a state it does not cover: the Python path it is
+            self._fast = _commit.make_fast_commit(self._engine, self._fast_view(), plan,
+                                                  self._model.cache, cached,
+                                                  self._manifest.program_field)
 
     def _fast_key(self, sched_sd):
         """Identities that fix the tensor list of a commit: the model's cached entries, the
         optimizer's parameters and state values, tensor-valued scheduler state and keyword
         arguments (-1 separates the parts)."""
-        key = [id(self._model_cache) if self.model is not None else 0]
-        opt = self.optimizer
-        if opt is not None:
-            key.append(id(opt))
-            key += [(id(g["params"]), len(g["params"])) for g in opt.param_groups]
-            key.append(-1)
-            key += [id(x) for p, st in opt.state.items() for x in (p, *st.values())]
+        key = []
+        self._model.fingerprint(key)
+        self._optimizer.fingerprint(key)
         key.append(-1)
-        if sched_sd is not None:
-            key += [id(v) for v in sched_sd.values() if isinstance(v, torch.Tensor)]
+        self._scheduler.fingerprint(sched_sd, key)
         key.append(-1)
-        key += [(k, id(v)) for k, v in self._values.items() if isinstance(v, torch.Tensor)]
+        self._kwargs.fingerprint(key)
         return key
-
-    def _make_plan(self, names, tensors):
-        staged, restage = [], []
-        for i, t in enumerate(tensors):
-            if not t.is_cuda and not t.is_contiguous():
-                t = t.contiguous()  # a staging copy, refreshed from the original every commit
-                restage.append(i)
-            staged.append(t)
-        plan = _Plan(names, staged)
-        plan.restage = tuple(restage)
-        plan.key = [id(t) for t in tensors]
-        plan.raw_ptrs = [t.data_ptr() for t in tensors]
-        plan.originals = tensors  # keeps the ids in plan.key from being reused
-        self._engine.set_layout([(n, _dtype_name(t.dtype), list(t.shape),
-                                  t.numel() * t.element_size()) for n, t in zip(names, staged)])
-        self._plan = plan
-        return plan
-
-    def _fill(self, index, address):
-        # Device tensors: copy device-to-host straight into the arena slot.
-        t = self._plan.tensors[index]
-        view = _host_view(address, t.numel() * t.element_size(), t.dtype, t.shape)
-        view.copy_(t.detach())
-        if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-
-    def _model_entries(self):
-        cache = self._model_cache
-        if cache is None:
-            sd = self.model.state_dict(keep_vars=True)
-            cache = [("model/" + k, v) for k, v in sd.items() if isinstance(v, torch.Tensor)]
-            self.__dict__["_model_cache"] = cache
-        return cache
-
-    def _optimizer_params(self):
-        params = []
-        for group in self.optimizer.param_groups:
-            params.extend(group["params"])
-        return params
-
-    def _param_index(self):
-        """({id(param): index in the optimizer's param_groups}, name cache), rebuilt when the
-        optimizer or its groups change."""
-        opt = self.optimizer
-        key = [id(opt)]
-        for g in opt.param_groups:
-            key += (id(g["params"]), len(g["params"]))
-        cached = self._param_cache
-        if cached is None or cached[0] != key:
-            index = {id(p): i for i, p in enumerate(self._optimizer_params())}
-            cached = self.__dict__["_param_cache"] = (key, index, {})
-        return cached[1], cached[2]
 
     def _collect_tensors(self, sched_sd):
         """(names, tensors, {param index: non-tensor optimizer state}) of a commit; `sched_sd`:
-        the scheduler's state_dict() (None without a scheduler).
-
-        On the path of every commit, so: one pass over the optimizer state, iterated rather than
-        looked up (a lookup hashes the parameter through Python-level Tensor.__hash__), and each
-        name formatted once."""
+        the scheduler's state_dict() (None without a scheduler)."""
         names, tensors, scalars = [], [], {}
-        if self.model is not None:
-            split = self._model_split
-            if split is None or split[0] is not self._model_cache:
-                entries = self._model_entries()
-                split = (entries, [n for n, _ in entries], [t for _, t in entries])
-                self.__dict__["_model_split"] = split
-            names.extend(split[1])
-            tensors.extend(split[2])
-        if self.optimizer is not None:
-            index, opt_names = self._param_index()
-            for p, s in self.optimizer.state.items():
-                i = index.get(id(p))
-                if i is None or not s:
-                    continue
-                for key, v in s.items():
-                    if isinstance(v, torch.Tensor):
-                        name = opt_names.get((i, key))
-                        if name is None:
-                            name = opt_names[(i, key)] = "optimizer/%d/%s" % (i, key)
-                        names.append(name)
-                        tensors.append(v)
-                    else:
-                        scalars.setdefault(i, {})[key] = v
-        if sched_sd is not None:
-            for key, v in sched_sd.items():
-                if isinstance(v, torch.Tensor):
-                    names.append("scheduler/" + key)
-                    tensors.append(v)
-        for key, v in self._values.items():
-            if isinstance(v, torch.Tensor):
-                names.append("kw/" + key)
-                tensors.append(v)
+        self._model.collect(names, tensors)
+        self._optimizer.collect(names, tensors, scalars)
+        self._scheduler.collect(sched_sd, names, tensors)
+        self._kwargs.collect(names, tensors)
         return names, tensors, scalars
 
     def _meta(self, scalars, sched_sd):
-        """The manifest's meta text; `scalars`: non-tensor optimizer state by parameter index,
-        `sched_sd`: the scheduler's state_dict() or None.
-
-        {"kwargs": {...}, "kwargs_exact": true, "pickle": base64 pickle of {"kwargs": the
-        keyword arguments JSON cannot carry exactly, "optimizer": ..., "scheduler": ...}}: the
-        plain ones (ints, floats, strings, ...: epoch, step) are JSON, formatted here rather
-        than pickled, and the pickle is reused while the optimizer's hyper-parameters are
-        unchanged - this runs on every commit (docs/snapshots.md, "Measured")."""
-        parts, rest = [], None
-        heads = self._kw_heads
-        for k, v in self._values.items():
-            t = type(v)
-            if t is int and -_INT_LIMIT <= v < _INT_LIMIT:
-                text = str(v)
-            elif t is float and v - v == 0.0:  # finite
-                text = repr(v)
-            elif t is bool:
-                text = "true" if v else "false"
-            elif v is None:
-                text = "null"
-            elif t is str and (v.isascii() or _utf8_encodable(v)):
-                text = json.dumps(v)
-            elif isinstance(v, torch.Tensor):
-                continue
-            else:
-                if rest is None:
-                    rest = {}
-                rest[k] = v
-                text = _display_json(v)
-            head = heads.get(k)
-            if head is None:
-                head = heads[k] = json.dumps(str(k)) + ":"
-            parts.append(head + text)
-        kwargs_json = "{" + ",".join(parts) + "}"
-        fingerprint = None
-        if rest is None and sched_sd is None and not scalars:
-            opt = self.optimizer
-            fingerprint = (id(opt), None if opt is None else [
-                (len(g["params"]),) + tuple(g.values()) for g in opt.param_groups])
-            cached = self._meta_cache
-            try:
-                if cached is not None and cached[0] == fingerprint:
-                    return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"%s}' % (
-                        kwargs_json, cached[1], self._program_field)
-            except Exception:  # noqa: BLE001 - a hyper-parameter without a plain ==: re-pickle
-                pass
-        meta = {"kwargs": rest or {}}
-        if self.optimizer is not None:
-            groups = []
-            for g in self.optimizer.param_groups:
-                g = dict(g)
-                g["num_params"] = len(g.pop("params"))
-                groups.append(g)
-            meta["optimizer"] = {"param_groups": groups, "state": scalars}
-        if sched_sd is not None:
-            meta["scheduler"] = {k: v for k, v in sched_sd.items()
-                                 if not isinstance(v, torch.Tensor)}
-        raw = pickle.dumps(meta, protocol=4)
-        try:  # what a restore would refuse fails now, not after a crash (efdl/_unpickle.py)
-            _unpickle.check(raw)
-        except _unpickle.RefusedType as e:
-            raise TypeError("State.commit: the snapshot's metadata (keyword arguments, optimizer "
-                            "hyper-parameters, scheduler state) cannot be restored: %s" % e
-                            ) from None
-        blob = base64.b64encode(raw).decode()
-        # Reused only while every hyper-parameter is immutable: one changed in place would
-        # still compare equal to the fingerprint's reference to it.
-        groups = meta["optimizer"]["param_groups"] if "optimizer" in meta else ()
-        if not all(_immutable(v) for g in groups for v in g.values()):
-            fingerprint = None
-        self._meta_cache = None if fingerprint is None else (fingerprint, blob)
-        return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"%s}' % (kwargs_json, blob,
-                                                                       self._program_field)
+        """The manifest's meta text (efdl._manifest); `scalars`: non-tensor optimizer state by
+        parameter index, `sched_sd`: the scheduler's state_dict() or None."""
+        return self._manifest.text(self._values, self._optimizer.obj, scalars, sched_sd)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -693,37 +449,8 @@ class State:
         """The unpickled metadata of `ref` when it can be restored (metadata readable; a storage
         file's checksum verified, so a corrupt one is skipped before anything is restored from
         it), else None with a warning."""
-        try:
-            meta_doc = json.loads(ref.meta_json)
-            writer = meta_doc.get("program", "") if isinstance(meta_doc, dict) else ""
-        except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
-            warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
-                          % (ref.seq, ref.path, e))
-            return None
-        if (writer and self._program and writer != self._program
-                and os.environ.get(RESTORE_OTHER_PROGRAM_ENV, "") != "1"):
-            raise SnapshotError(
-                "job %r: snapshot seq %d (step %d) in %s was written by the program %r, not by "
-                "this one (%r): two programs share the job id. Give this one its own (--job, or "
-                "EFDL_JOB_ID), start the job over with `efdl reset --job %s`, or set %s=1 to "
-                "restore it anyway" % (self._job, ref.seq, ref.step, ref.path, writer,
-                                       self._program, self._job, RESTORE_OTHER_PROGRAM_ENV))
-        try:
-            meta = _unpickle.loads(base64.b64decode(meta_doc["pickle"]))
-            if meta_doc.get("kwargs_exact"):  # see _meta; older snapshots pickled every kwarg
-                kwargs = dict(meta_doc["kwargs"])
-                kwargs.update(meta.get("kwargs") or {})
-                meta["kwargs"] = kwargs
-        except _unpickle.RefusedType as e:
-            # Not damage: every snapshot of this program holds it. Stop rather than fall back
-            # to older ones or start over (a restore must never lose trained steps silently).
-            raise SnapshotError("job %r: snapshot seq %d in %s: %s"
-                                % (self._job, ref.seq, ref.path, e)) from None
-        except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
-            warnings.warn("efdl: skipping snapshot seq %d in %s: unreadable metadata (%s)"
-                          % (ref.seq, ref.path, e))
-            return None
-        if ref.source == "storage":
+        meta = _manifest.read(ref, self._program, self._job)
+        if meta is not None and ref.source == "storage":
             try:
                 self._engine.restore(ref, [0] * len(ref.tensors))
             except SnapshotError as e:
@@ -733,14 +460,12 @@ class State:
 
     def _adopt(self, ref, meta):
         """Makes `ref` the snapshot this State restores from; restores the user values now."""
-        kw = [t for t in ref.tensors if t[0].startswith("kw/")]
-        tensors = self._read_tensors(ref, kw) if kw else {}
+        ptrs, finish = self._kwargs.prepare_restore(ref, meta, self._job)
+        if ptrs:
+            self._read(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
         self._restored = ref
         self._restored_meta = meta
-        values = dict(meta.get("kwargs", {}))
-        for name, t in tensors.items():
-            values[name[len("kw/"):]] = t
-        self._values.update(values)
+        finish()
 
     def _announce_restore(self):
         """One line on stderr (global rank 0): the snapshot this run continues from, its age and
@@ -760,7 +485,7 @@ class State:
             ago = "at an unknown time"
         epoch = self._values.get("epoch")
         detail = "step %d%s" % (ref.step, ", epoch %s" % epoch if isinstance(epoch, int) else "")
-        agent = _env_int("EFDL_AGENT_PERSISTS", 0) != 0
+        agent = _env.env_flag("EFDL_AGENT_PERSISTS", False)
         sys.stderr.write(
             "efdl: job '%s' continues from snapshot %d (%s) in %s, written %s; to start "
             "over: `efdl reset --job %s%s` first, or use another job id\n"
@@ -825,43 +550,13 @@ class State:
         self._adopt(ref, meta)
         return True
 
-    def _existing_optimizer_buffers(self, params):
-        """Optimizer state tensors that already exist, by snapshot name: restored in place."""
-        out = {}
-        for i, p in enumerate(params):
-            for key, v in (self.optimizer.state.get(p) or {}).items():
-                if isinstance(v, torch.Tensor):
-                    out["optimizer/%d/%s" % (i, key)] = v
-        return out
-
-    def _destinations(self, ref, entries, reuse=None):
-        """CPU tensors to receive the given (name, dtype, shape, nbytes) entries of ref: those in
-        `reuse` (by name) when CPU, contiguous and of the same dtype/shape (no allocation: fresh
-        memory costs a page fault per 4 KiB), else new ones. Returns ({name: tensor},
-        {name: address})."""
-        out, ptrs = {}, {}
-        reuse = reuse or {}
-        for name, dtype, shape, _ in entries:
-            t = reuse.get(name)
-            if (t is None or t.device.type != "cpu" or not t.is_contiguous()
-                    or _dtype_name(t.dtype) != dtype or list(t.shape) != list(shape)):
-                t = torch.empty(shape, dtype=_dtype_of(dtype))
-            out[name] = t
-            ptrs[name] = t.data_ptr()
-        return out, ptrs
-
-    def _read_tensors(self, ref, entries):
-        out, ptrs = self._destinations(ref, entries)
-        self._read(ref, [ptrs.get(t[0], 0) for t in ref.tensors])
-        return out
-
     def _restore_parts(self, parts):
         """Restores the given parts from the chosen snapshot with one engine call: every check
         (keys, shapes, counts) runs before any byte is written."""
         ref, meta = self._restored, self._restored_meta
         ptrs, finishes = {}, []
         for part in parts:
-            part_ptrs, finish = getattr(self, "_prepare_" + part)(ref, meta)
+            part_ptrs, finish = getattr(self, "_" + part).prepare_restore(ref, meta, self._job)
             ptrs.update(part_ptrs)
             finishes.append(finish)
         try:
@@ -873,110 +568,6 @@ class State:
                                 % (" and ".join(parts), ref.seq, ref.path, e, self._job)) from None
         for finish in finishes:
             finish()
-
-    def _mismatch(self, ref, what):
-        return SnapshotMismatchError(
-            "snapshot seq %d of job %r (%s) does not match: %s. It was written by another "
-            "program or model under the same job id; restore into the model/optimizer it was "
-            "taken from, or start over: `efdl reset --job %s` (it moves the snapshots aside), or "
-            "another job id (--job / EFDL_JOB_ID)" % (ref.seq, self._job, ref.path, what,
-                                                     self._job))
-
-    def _prepare_model(self, ref, meta):
-        saved = [(n[len("model/"):], d, s, b) for n, d, s, b in ref.tensors
-                 if n.startswith("model/")]
-        current = [(k[len("model/"):], t) for k, t in self._model_entries()]
-        if not saved:
-            raise self._mismatch(ref, "the snapshot holds no model state but a model was given")
-        saved_keys = {s[0] for s in saved}
-        current_keys = {k for k, _ in current}
-        for key, _ in current:
-            if key not in saved_keys:
-                raise self._mismatch(ref, "model key %r is missing from the snapshot" % key)
-        for key, *_ in saved:
-            if key not in current_keys:
-                raise self._mismatch(ref, "snapshot key %r is not in the model" % key)
-        by_name = dict(current)
-        for key, dtype, shape, _ in saved:
-            t = by_name[key]
-            if list(t.shape) != list(shape):
-                raise self._mismatch(ref, "model key %r has shape %s in the snapshot but %s in "
-                                          "the model" % (key, list(shape), list(t.shape)))
-            if _dtype_name(t.dtype) != dtype:
-                raise self._mismatch(ref, "model key %r has dtype %s in the snapshot but %s in "
-                                          "the model" % (key, dtype, _dtype_name(t.dtype)))
-        ptrs, copies = {}, []
-        for key, dtype, shape, _ in saved:
-            t = by_name[key]
-            if t.device.type == "cpu" and t.is_contiguous():
-                ptrs["model/" + key] = t.data_ptr()  # straight into the parameter's memory
-            else:
-                tmp = torch.empty(shape, dtype=_dtype_of(dtype))
-                copies.append((t, tmp))
-                ptrs["model/" + key] = tmp.data_ptr()
-
-        def finish():
-            with torch.no_grad():
-                for t, tmp in copies:
-                    t.copy_(tmp)
-        return ptrs, finish
-
-    def _prepare_optimizer(self, ref, meta):
-        saved = meta.get("optimizer")
-        if saved is None:
-            raise self._mismatch(ref, "the snapshot holds no optimizer state but an optimizer "
-                                      "was given")
-        opt = self.optimizer
-        groups = saved["param_groups"]
-        if len(groups) != len(opt.param_groups):
-            raise self._mismatch(ref, "the optimizer has %d parameter groups, the snapshot %d"
-                                 % (len(opt.param_groups), len(groups)))
-        for i, (g, sg) in enumerate(zip(opt.param_groups, groups)):
-            if len(g["params"]) != sg["num_params"]:
-                raise self._mismatch(ref, "optimizer parameter group %d has %d parameters, the "
-                                          "snapshot's %d" % (i, len(g["params"]), sg["num_params"]))
-        params = self._optimizer_params()
-        entries = [e for e in ref.tensors if e[0].startswith("optimizer/")]
-        for name, dtype, shape, _ in entries:
-            index = int(name.split("/")[1])
-            if index >= len(params):
-                raise self._mismatch(ref, "snapshot tensor %r refers to parameter %d of %d"
-                                     % (name, index, len(params)))
-        tensors, ptrs = self._destinations(ref, entries, self._existing_optimizer_buffers(params))
-
-        def finish():
-            new_state = {}
-            for i, small in saved.get("state", {}).items():
-                new_state.setdefault(int(i), {}).update(small)
-            for name, t in tensors.items():
-                _, index, key = name.split("/", 2)
-                p = params[int(index)]
-                if t.is_floating_point() and key != "step":
-                    t = t.to(dtype=p.dtype)
-                new_state.setdefault(int(index), {})[key] = t.to(device=p.device)
-            opt.state.clear()
-            for index, st in new_state.items():
-                opt.state[params[index]] = st
-            for g, sg in zip(opt.param_groups, groups):
-                for k, v in sg.items():
-                    if k != "num_params":
-                        g[k] = v
-        return ptrs, finish
-
-    def _prepare_scheduler(self, ref, meta):
-        saved = meta.get("scheduler")
-        if saved is None:
-            raise self._mismatch(ref, "the snapshot holds no scheduler state but a scheduler "
-                                      "was given")
-        entries = [e for e in ref.tensors if e[0].startswith("scheduler/")]
-        tensors, ptrs = self._destinations(ref, entries)
-
-        def finish():
-            sd = dict(saved)
-            for name, t in tensors.items():
-                sd[name[len("scheduler/"):]] = t
-            self.scheduler.load_state_dict(sd)
-        return ptrs, finish
 
     # -- stopping ------------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ bool FastCommit::OptimizerUnchanged() const {
     if (!PyDict_Check(g) || !PyTuple_Check(fp)) return false;
     PyObject* params = Item(g, params_key_);
     if (params != param_lists_[i].ptr() || !PyList_Check(params)) return false;
-    // The fingerprint: (len(params), *values) as State._meta made it.
+    // The fingerprint: (len(params), *values) as efdl._manifest.MetaWriter made it.
     if (PyTuple_GET_SIZE(fp) != PyDict_Size(g) + 1) return false;
     const long len = PyLong_AsLong(PyTuple_GET_ITEM(fp, 0));
     if (len != PyList_GET_SIZE(params)) {

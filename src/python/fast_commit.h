@@ -10,7 +10,7 @@
 // builds a new FastCommit. So it decides nothing on its own; it only repeats a commit whose
 // inputs are proven unchanged.
 //
-// What "unchanged" means, exactly as State._fast_key and State._meta define it:
+// What "unchanged" means, exactly as State._fast_key and efdl._manifest.MetaWriter define it:
 //  - the State's model, optimizer, scheduler (None), model cache and plan are the same objects;
 //  - the optimizer's param_groups: the same "params" lists, of the same lengths, and every
 //    group's values equal to the fingerprint of the cached meta (hyper-parameters, e.g. lr);
@@ -19,9 +19,11 @@
 //    is an int, float, bool, None or str (formatted as JSON here), nothing else;
 //  - every tensor's data_ptr() is the address the plan copies from.
 // Every object compared by identity is held by a reference, so an address cannot be reused.
-// State's __dict__ is not held: it is passed to each call (holding it would make a reference
-// cycle through State._fast that Python's collector cannot see, keeping the engine and its
-// persister thread alive after the State is gone).
+// The State's parts come as a "view" dict (efdl._commit.fast_view: the keys model, optimizer,
+// scheduler, _plan, _model_cache and _values, made anew for each call) that is not kept: holding
+// the State's objects through it would make a reference cycle through State._fast that
+// Python's collector cannot see, keeping the engine and its persister thread alive after the
+// State is gone.
 //
 // Needs the GIL for everything except the copy, which releases it.
 #pragma once
@@ -40,20 +42,20 @@ namespace efdl::python {
 
 struct FastCommitInputs {
   pybind11::object engine;       // the SnapshotEngine (a pybind11 object)
-  pybind11::object plan;         // State._plan the commit used
+  pybind11::object plan;         // the efdl._commit.Plan the commit used
   pybind11::list tensors;        // plan.originals: the tensors copied, in layout order
   std::vector<uintptr_t> ptrs;   // their data_ptr() values
-  pybind11::object model_cache;  // State._model_cache (None without a model)
-  pybind11::object fingerprint;  // State._meta_cache[0]: (id(opt), [(len(params), *values)])
-  std::string pickle_blob;       // State._meta_cache[1]
+  pybind11::object model_cache;  // the model part's cached entries (None without a model)
+  pybind11::object fingerprint;  // the MetaWriter's cache[0]: (id(opt), [(len(params), *values)])
+  std::string pickle_blob;       // the MetaWriter's cache[1]
   pybind11::object tensor_type;  // torch.Tensor
-  std::string meta_tail;         // State._program_field: appended to the meta object's members
+  std::string meta_tail;         // the program field: appended to the meta object's members
 };
 
 class FastCommit {
  public:
   // Fails (InvalidArgument) when the inputs do not describe a state the fast path can repeat.
-  // `state_dict`: State.__dict__ now (read, not kept).
+  // `state_dict`: the view dict now (efdl._commit.fast_view; read, not kept).
   static Result<std::unique_ptr<FastCommit>> Create(FastCommitInputs in,
                                                     const pybind11::dict& state_dict);
 

@@ -46,6 +46,15 @@ def run(argv, timeout, cwd=REPO, **extra):
     return proc.returncode, out
 
 
+def comm(pid):
+    """The process name of `pid` ("" when gone)."""
+    try:
+        with open("/proc/%d/comm" % pid) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def processes_naming(text):
     """Pids of live processes whose command line contains `text` (read-only scan of /proc)."""
     found = []
@@ -139,15 +148,23 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
             if "== round 1 started" in line:
                 break
             assert time.monotonic() < deadline + 90, "".join(lines)
-        agents = [pid for pid, _ in processes_naming(job)]
+        # Each agent forks a group reaper (efdl-reaper) that keeps the agent's command line.
+        named = [pid for pid, _ in processes_naming(job)]
+        reapers = [pid for pid in named if comm(pid) == "efdl-reaper"]
+        agents = [pid for pid in named if pid not in reapers]
         workers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                   if parent(pid) in agents]
+                   if parent(pid) in agents and pid not in reapers]
         # Each agent's worker, and its pre-started spare once refilled (the demo uses --prestart).
         assert len(agents) == 3 and 3 <= len(workers) <= 6, (agents, workers, "".join(lines))
+        assert len(reapers) == 3 and {parent(pid) for pid in reapers} == set(agents), reapers
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, "".join(lines) + rest
         assert "interrupted" in rest
+        # The reapers end right after their agents (a few ms: they kill what is left first).
+        gone_by = time.monotonic() + 10
+        while processes_naming(job) and time.monotonic() < gone_by:
+            time.sleep(0.05)
         assert not processes_naming(job), processes_naming(job)
         # The demo SIGKILLs whole nodes and waits for the agents only: a worker (torch loaded)
         # may take a moment to finish dying.

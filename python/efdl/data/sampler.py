@@ -26,7 +26,7 @@ import math
 import torch
 from torch.utils.data import Sampler
 
-from efdl.backend import _dist
+from efdl import _dist
 
 
 def _check_int(name, value, minimum):

@@ -9,7 +9,7 @@ Horovod), `torch` (always the layer).
 import importlib
 import os
 
-from efdl.backend import _env
+from efdl import _env
 
 _CHOICES = ("auto", "native", "torch")
 

@@ -9,8 +9,7 @@ The get_* functions work with or without init(): before it they read the launche
 (1-process defaults: rank 0 of 1).
 """
 
-from efdl import data, resume
-from efdl.backend import _dist, _env
+from efdl import _dist, _env, data, resume
 from efdl.resume import exact_resume, resume_step
 
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_local_rank",

@@ -10,7 +10,7 @@ Horovod-API layer over torch.distributed (see _layer.py and docs/horovod.md).
 
 import warnings
 
-from efdl.backend import _env
+from efdl import _env
 from efdl.backend.horovod import choice, import_native, native_env_problem
 
 _INSTALL_HINT = ("install Horovod built with PyTorch (HOROVOD_WITH_PYTORCH=1 pip install horovod) "
@@ -64,25 +64,25 @@ def is_initialized():
 
 
 def get_rank():
-    return hvd.rank() if hvd.is_initialized() else _env.env_int("HOROVOD_RANK", _env.rank())
+    return hvd.rank() if hvd.is_initialized() else _env.launcher_int("HOROVOD_RANK", _env.rank())
 
 
 def get_world_size():
     if hvd.is_initialized():
         return hvd.size()
-    return _env.env_int("HOROVOD_SIZE", _env.world_size(), minimum=1)
+    return _env.launcher_int("HOROVOD_SIZE", _env.world_size(), minimum=1)
 
 
 def get_local_rank():
     if hvd.is_initialized():
         return hvd.local_rank()
-    return _env.env_int("HOROVOD_LOCAL_RANK", _env.local_rank())
+    return _env.launcher_int("HOROVOD_LOCAL_RANK", _env.local_rank())
 
 
 def get_local_world_size():
     if hvd.is_initialized():
         return hvd.local_size()
-    return _env.env_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(), minimum=1)
+    return _env.launcher_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(), minimum=1)
 
 
 def __getattr__(name):

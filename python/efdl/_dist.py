@@ -1,4 +1,6 @@
-"""Process-group creation and the "no agent yet" re-execution, shared by every torch-based backend.
+"""torch.distributed's default group for every torch-based backend: its creation and teardown,
+this process' rank and world size with or without it (the sampler's defaults, the agreement's
+group size), and the "no agent yet" re-execution.
 
 Contract: init_process_group() is idempotent and safe to call from the main thread only (it
 creates torch.distributed's default group, which is process-global by torch's design).
@@ -14,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from efdl.backend import _env
+from efdl import _env
 
 # Set on the re-executed command so that a second arrival without agent env is an error, not a loop.
 _REEXEC_MARKER = "EFDL_REEXECUTED"
