@@ -162,22 +162,29 @@ std::string HttpGet(uint16_t port, const std::string& path) {
   return body == std::string::npos ? "" : reply.substr(body + 4);
 }
 
-TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
-  auto dir = TempDir::Create("efdl-hvd-agent");
-  ASSERT_TRUE(dir.ok());
-  const std::string d = dir->path();
-  auto port = PickFreePort("127.0.0.1");
-  ASSERT_TRUE(port.ok());
+// node-a of job-1, one process, with the job's secret; snapshots below `dir`.
+AgentOptions NodeAOptions(const std::string& dir, std::vector<std::string> command) {
   AgentOptions opts;
   opts.job_id = "job-1";
   opts.node_id = "node-a";
   opts.nproc = 1;
   opts.stop_grace = 5s;
   opts.poll_interval = 20ms;
-  opts.snapshot_dir = d + "/snap";
+  opts.snapshot_dir = dir + "/snap";
   opts.job_secret = kSecret;
+  opts.command = std::move(command);
+  return opts;
+}
+
+TEST(HorovodRendezvousTest, RankZeroNodeServesItForExactlyItsRound) {
+  auto dir = TempDir::Create("efdl-hvd-agent");
+  ASSERT_TRUE(dir.ok());
+  const std::string d = dir->path();
+  auto port = PickFreePort("127.0.0.1");
+  ASSERT_TRUE(port.ok());
   // The worker records its environment and runs until its round is stopped.
-  opts.command = {"sh", "-c", "env > " + d + "/env.$EFDL_ROUND; exec sleep 60"};
+  AgentOptions opts =
+      NodeAOptions(d, {"sh", "-c", "env > " + d + "/env.$EFDL_ROUND; exec sleep 60"});
   testing::QueuedRendezvous rdzv;  // plays the rest of the job
   Agent agent(opts, rdzv);
   int code = -1;
@@ -239,16 +246,7 @@ class RankZeroAgentOfRoundFive {
     if (!dir.ok() || !port.ok()) return;
     dir_ = std::move(dir).value();
     port_ = *port;
-    AgentOptions opts;
-    opts.job_id = "job-1";
-    opts.node_id = "node-a";
-    opts.nproc = 1;
-    opts.stop_grace = 5s;
-    opts.poll_interval = 20ms;
-    opts.snapshot_dir = dir_.path() + "/snap";
-    opts.command = {"sleep", "60"};
-    opts.job_secret = kSecret;
-    agent_ = std::make_unique<Agent>(opts, rdzv_);
+    agent_ = std::make_unique<Agent>(NodeAOptions(dir_.path(), {"sleep", "60"}), rdzv_);
     run_ = std::thread([this] { code_ = agent_->Run(); });
     Event e;
     e.type = Event::Type::kRoundStarted;

@@ -451,9 +451,7 @@ class Job:
         prefix = "/efdl/%s/nodes/" % self.c.job
 
         def gone():
-            proc = subprocess.run(["etcdctl", "--endpoints", self.c.endpoint, "get", "--prefix",
-                                   "--keys-only", prefix], capture_output=True, text=True,
-                                  timeout=10, env=dict(cluster.base_env(), ETCDCTL_API="3"))
+            proc = self._etcdctl("get", "--prefix", "--keys-only", prefix)
             return proc.returncode == 0 and not any(
                 line.strip() == prefix + n for line in proc.stdout.splitlines() for n in names)
         self.wait_for(gone, timeout, "the registrations of %s to expire" % names)
