@@ -16,11 +16,11 @@
 #include <chrono>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "common/log.h"
+#include "common/thread_annotations.h"
 #include "etcd/channel_set.h"
 
 namespace efdl::etcd {
@@ -35,8 +35,8 @@ class BidiStreamLoop {
   BidiStreamLoop& operator=(const BidiStreamLoop&) = delete;
 
   // Makes the loop run its OnTick soon (new work from another thread).
-  void Wake() {
-    std::lock_guard<std::mutex> lock(wake_mu_);
+  void Wake() EFDL_EXCLUDES(wake_mu_) {
+    MutexLock lock(wake_mu_);
     if (wake_pending_ || stopping_) return;
     wake_pending_ = true;
     wake_alarm_.Set(&cq_, gpr_now(GPR_CLOCK_MONOTONIC), &wake_tag_);
@@ -53,9 +53,9 @@ class BidiStreamLoop {
 
   void StartThread() { thread_ = std::thread([this] { Run(); }); }
   // Idempotent; must not be called on the loop thread.
-  void StopThread() {
+  void StopThread() EFDL_EXCLUDES(wake_mu_) {
     {
-      std::lock_guard<std::mutex> lock(wake_mu_);
+      MutexLock lock(wake_mu_);
       if (stopping_) return;  // the queue may be shut down already: no more alarms
       stopping_ = true;
       if (!wake_pending_) {
@@ -117,7 +117,7 @@ class BidiStreamLoop {
     bool stop = false;
     while (true) {
       {
-        std::lock_guard<std::mutex> lock(wake_mu_);
+        MutexLock lock(wake_mu_);
         stop = stopping_;
       }
       if (stop) break;
@@ -179,7 +179,7 @@ class BidiStreamLoop {
 
   void Handle(Tag* tag, bool ok) {
     if (tag == &wake_tag_) {
-      std::lock_guard<std::mutex> lock(wake_mu_);
+      MutexLock lock(wake_mu_);
       wake_pending_ = false;
       return;
     }
@@ -295,10 +295,10 @@ class BidiStreamLoop {
   bool shutting_down_ = false;       // loop thread only
   std::chrono::milliseconds backoff_{kMinBackoff};
 
-  std::mutex wake_mu_;
-  bool wake_pending_ = false;  // guarded by wake_mu_
-  bool stopping_ = false;      // guarded by wake_mu_
-  grpc::Alarm wake_alarm_;     // set under wake_mu_
+  Mutex wake_mu_;
+  bool wake_pending_ EFDL_GUARDED_BY(wake_mu_) = false;
+  bool stopping_ EFDL_GUARDED_BY(wake_mu_) = false;
+  grpc::Alarm wake_alarm_ EFDL_GUARDED_BY(wake_mu_);  // set under wake_mu_
   Tag wake_tag_{Op::kWake};
 
   std::thread thread_;

@@ -112,7 +112,7 @@ ChannelSet::ChannelSet(const std::vector<std::string>& endpoints,
 }
 
 std::string ChannelSet::token() const {
-  std::lock_guard<std::mutex> lock(token_mu_);
+  MutexLock lock(token_mu_);
   return token_;
 }
 
@@ -139,7 +139,7 @@ std::string ChannelSet::TokenForStream(Duration timeout) {
 
 Status ChannelSet::Authenticate(const std::string& stale, Duration timeout) {
   if (!auth_enabled()) return Status::OK();
-  std::lock_guard<std::mutex> lock(token_mu_);
+  MutexLock lock(token_mu_);
   if (token_ != stale) return Status::OK();  // another thread got a fresh one meanwhile
   const auto deadline = SteadyClock::now() + timeout;
   std::string errors;

@@ -10,10 +10,10 @@
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "rpc.grpc.pb.h"
 
@@ -75,8 +75,8 @@ class ChannelSet {
   std::atomic<size_t> preferred_{0};
   const std::string user_;
   const std::string password_;
-  mutable std::mutex token_mu_;   // also serializes Authenticate calls
-  std::string token_;             // guarded by token_mu_
+  mutable Mutex token_mu_;        // also serializes Authenticate calls
+  std::string token_ EFDL_GUARDED_BY(token_mu_);
   std::atomic<int64_t> token_used_ns_{0};  // steady clock of the last proof the token is good
 };
 

@@ -5,7 +5,7 @@
 #include <grpc/support/log.h>
 
 #include <algorithm>
-#include <mutex>
+#include <mutex>  // std::call_once
 #include <thread>
 
 #include "common/log.h"
@@ -184,19 +184,19 @@ GrpcClient::GrpcClient(const ClientOptions& options, const std::vector<std::stri
 }
 
 GrpcClient::~GrpcClient() {
-  std::lock_guard<std::mutex> lock(engines_mu_);
+  MutexLock lock(engines_mu_);
   if (watch_) watch_->Shutdown();
   if (keepalive_) keepalive_->Shutdown();
 }
 
 std::shared_ptr<WatchEngine> GrpcClient::watch_engine() {
-  std::lock_guard<std::mutex> lock(engines_mu_);
+  MutexLock lock(engines_mu_);
   if (!watch_) watch_ = std::make_shared<WatchEngine>(channels_);
   return watch_;
 }
 
 std::shared_ptr<KeepAliveEngine> GrpcClient::keepalive_engine() {
-  std::lock_guard<std::mutex> lock(engines_mu_);
+  MutexLock lock(engines_mu_);
   if (!keepalive_) keepalive_ = std::make_shared<KeepAliveEngine>(channels_);
   return keepalive_;
 }

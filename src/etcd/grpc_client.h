@@ -5,8 +5,8 @@
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 
+#include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "etcd/channel_set.h"
 
@@ -57,9 +57,9 @@ class GrpcClient final : public Client {
 
   const ClientOptions options_;
   const std::shared_ptr<ChannelSet> channels_;
-  std::mutex engines_mu_;
-  std::shared_ptr<WatchEngine> watch_;          // guarded by engines_mu_
-  std::shared_ptr<KeepAliveEngine> keepalive_;  // guarded by engines_mu_
+  Mutex engines_mu_;
+  std::shared_ptr<WatchEngine> watch_ EFDL_GUARDED_BY(engines_mu_);
+  std::shared_ptr<KeepAliveEngine> keepalive_ EFDL_GUARDED_BY(engines_mu_);
   // Our etcd user may not read the linearizable ping's key: ping with Maintenance.Status.
   std::atomic<bool> ping_denied_{false};
 };

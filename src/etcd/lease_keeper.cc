@@ -21,7 +21,7 @@ int64_t KeepAliveEngine::Add(int64_t lease_id, int64_t ttl_seconds, TimePoint ex
                              std::shared_ptr<std::atomic<int64_t>> expires_ns) {
   int64_t token = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     token = next_token_++;
     expires_ns->store(expires_at.time_since_epoch().count());
     entries_.emplace(token,
@@ -34,20 +34,22 @@ int64_t KeepAliveEngine::Add(int64_t lease_id, int64_t ttl_seconds, TimePoint ex
 }
 
 void KeepAliveEngine::Remove(int64_t token) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   entries_.erase(token);
-  if (!OnLoopThread()) notified_.wait(lock, [&] { return notifying_ != token; });
+  if (!OnLoopThread()) {
+    notified_.wait(lock, [&]() EFDL_REQUIRES(mu_) { return notifying_ != token; });
+  }
 }
 
 bool KeepAliveEngine::WantStream() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return !entries_.empty();
 }
 
 bool KeepAliveEngine::ReconnectUrgently() {
   // Every kept lease is at stake while the stream is down: its local expiry only moves with an
   // answer. To a dead local port or an unreachable member, a try every 100 ms costs little.
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return !entries_.empty();
 }
 
@@ -64,21 +66,20 @@ void KeepAliveEngine::MarkLost(int64_t token, std::vector<std::pair<int64_t, Ent
   entries_.erase(it);
 }
 
-void KeepAliveEngine::NotifyLost(std::unique_lock<std::mutex>& lock,
-                                 std::vector<std::pair<int64_t, Entry>>& lost) {
+void KeepAliveEngine::NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) {
   for (auto& [token, entry] : lost) {
     EFDL_LOG_WARN("etcd lease {:x} lost", entry.lease_id);
     notifying_ = token;
-    lock.unlock();
+    mu_.unlock();  // the caller's MutexLock holds it again once this returns
     if (*entry.on_lost) (*entry.on_lost)();
-    lock.lock();
+    mu_.lock();
     notifying_ = 0;
     notified_.notify_all();
   }
 }
 
 TimePoint KeepAliveEngine::OnTick(TimePoint now) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<std::pair<int64_t, Entry>> lost;
   TimePoint wake = TimePoint::max();
   const bool up = stream_up();
@@ -102,12 +103,12 @@ TimePoint KeepAliveEngine::OnTick(TimePoint now) {
     wake = std::min(wake, tick.wake);
   }
   for (int64_t token : expired) MarkLost(token, lost);
-  NotifyLost(lock, lost);
+  NotifyLost(lost);
   return wake;
 }
 
 void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& response) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<std::pair<int64_t, Entry>> lost;
   const TimePoint now = SteadyClock::now();
   std::vector<int64_t> gone;
@@ -129,11 +130,11 @@ void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& res
     e.expires_ns->store(e.clock.expires_at().time_since_epoch().count());
   }
   for (int64_t token : gone) MarkLost(token, lost);
-  NotifyLost(lock, lost);
+  NotifyLost(lost);
 }
 
 void KeepAliveEngine::OnStreamDown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const TimePoint now = SteadyClock::now();
   for (auto& [token, e] : entries_) e.clock.OnStreamDown(now);
 }

@@ -14,8 +14,8 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 
+#include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "etcd/bidi_stream_loop.h"
 #include "etcd/lease_clock.h"
@@ -61,14 +61,16 @@ class KeepAliveEngine final
   bool ReconnectUrgently() override;
 
   // Moves `token` out of the table as lost; its callback is then run by NotifyLost.
-  void MarkLost(int64_t token, std::vector<std::pair<int64_t, Entry>>& out);
-  void NotifyLost(std::unique_lock<std::mutex>& lock, std::vector<std::pair<int64_t, Entry>>& lost);
+  void MarkLost(int64_t token, std::vector<std::pair<int64_t, Entry>>& out) EFDL_REQUIRES(mu_);
+  // Runs the callbacks of `lost` one by one: mu_ is held on entry and exit, released while a
+  // callback runs.
+  void NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) EFDL_REQUIRES(mu_);
 
-  std::mutex mu_;
-  std::condition_variable notified_;
-  std::map<int64_t, Entry> entries_;  // by token; guarded by mu_
-  int64_t next_token_ = 1;            // mu_
-  int64_t notifying_ = 0;             // token whose on_lost runs now; mu_
+  Mutex mu_;
+  std::condition_variable_any notified_;
+  std::map<int64_t, Entry> entries_ EFDL_GUARDED_BY(mu_);  // by token
+  int64_t next_token_ EFDL_GUARDED_BY(mu_) = 1;
+  int64_t notifying_ EFDL_GUARDED_BY(mu_) = 0;  // token whose on_lost runs now
 };
 
 }  // namespace efdl::etcd

@@ -21,7 +21,7 @@ int64_t WatchEngine::Add(std::string key, std::string range_end, int64_t start_r
                          bool progress_notify, WatchCallback callback) {
   int64_t id = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     id = next_id_++;
     Entry& e = entries_[id];
     e.key = std::move(key);
@@ -35,8 +35,8 @@ int64_t WatchEngine::Add(std::string key, std::string range_end, int64_t start_r
 }
 
 Status WatchEngine::WaitCreated(int64_t id, std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  const bool done = delivered_.wait_for(lock, timeout, [&] {
+  MutexLock lock(mu_);
+  const bool done = delivered_.wait_for(lock, timeout, [&]() EFDL_REQUIRES(mu_) {
     auto it = entries_.find(id);
     return it == entries_.end() || it->second.ever_created;
   });
@@ -47,19 +47,21 @@ Status WatchEngine::WaitCreated(int64_t id, std::chrono::milliseconds timeout) {
 
 void WatchEngine::Remove(int64_t id) {
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = entries_.find(id);
     if (it != entries_.end()) {
       if (it->second.server_id >= 0) cancels_.push_back(it->second.server_id);
       entries_.erase(it);
     }
-    if (!OnLoopThread()) delivered_.wait(lock, [&] { return delivering_ != id; });
+    if (!OnLoopThread()) {
+      delivered_.wait(lock, [&]() EFDL_REQUIRES(mu_) { return delivering_ != id; });
+    }
   }
   Wake();
 }
 
 bool WatchEngine::WantStream() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return !entries_.empty();
 }
 
@@ -77,7 +79,7 @@ void WatchEngine::SendCancel(int64_t server_id) {
 
 TimePoint WatchEngine::OnTick(TimePoint /*now*/) {
   if (!stream_up()) return TimePoint::max();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (int64_t server_id : cancels_) {
     local_by_server_id_.erase(server_id);
     SendCancel(server_id);
@@ -99,7 +101,7 @@ TimePoint WatchEngine::OnTick(TimePoint /*now*/) {
 }
 
 void WatchEngine::OnStreamDown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (auto& [id, e] : entries_) {
     e.phase = Phase::kWaiting;
     e.server_id = -1;
@@ -110,7 +112,7 @@ void WatchEngine::OnStreamDown() {
 }
 
 void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const int64_t server_id = response.watch_id();
   int64_t id = 0;
   if (response.created()) {
@@ -157,7 +159,7 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
           response.cancel_reason().empty() ? "no reason given" : response.cancel_reason()));
     }
     local_by_server_id_.erase(server_id);
-    Deliver(lock, id, update);
+    Deliver(id, update);
     entries_.erase(id);
     delivered_.notify_all();
     return;
@@ -166,7 +168,7 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
     // Progress notification: every event up to the header revision has been sent.
     if (e.phase == Phase::kActive) {
       e.next_revision = std::max(e.next_revision, update.revision + 1);
-      if (e.progress_notify) Deliver(lock, id, update);
+      if (e.progress_notify) Deliver(id, update);
     }
     return;
   }
@@ -182,18 +184,17 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
   }
   if (update.events.empty()) return;
   e.next_revision = update.events.back().kv.mod_revision + 1;
-  Deliver(lock, id, update);
+  Deliver(id, update);
 }
 
-void WatchEngine::Deliver(std::unique_lock<std::mutex>& lock, int64_t id,
-                          const WatchUpdate& update) {
+void WatchEngine::Deliver(int64_t id, const WatchUpdate& update) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   std::shared_ptr<WatchCallback> callback = it->second.callback;
   delivering_ = id;
-  lock.unlock();
+  mu_.unlock();  // the caller's MutexLock holds it again once this returns
   (*callback)(update);
-  lock.lock();
+  mu_.lock();
   delivering_ = 0;
   delivered_.notify_all();
 }

@@ -12,9 +12,9 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "etcd/bidi_stream_loop.h"
 #include "rpc.grpc.pb.h"
@@ -60,16 +60,17 @@ class WatchEngine final
   void OnStreamDown() override;
   TimePoint OnTick(TimePoint now) override;
 
-  // Runs the callback of `id` with `update` outside the lock; `lock` is held on entry and exit.
-  void Deliver(std::unique_lock<std::mutex>& lock, int64_t id, const WatchUpdate& update);
+  // Runs the callback of `id` with `update` outside the lock: mu_ is held on entry and exit,
+  // released while the callback runs.
+  void Deliver(int64_t id, const WatchUpdate& update) EFDL_REQUIRES(mu_);
   void SendCancel(int64_t server_id);
 
-  std::mutex mu_;
-  std::condition_variable delivered_;
-  std::map<int64_t, Entry> entries_;  // guarded by mu_
-  std::deque<int64_t> cancels_;       // server ids to cancel on the current stream; mu_
-  int64_t next_id_ = 1;               // mu_
-  int64_t delivering_ = 0;            // id whose callback runs now; mu_
+  Mutex mu_;
+  std::condition_variable_any delivered_;
+  std::map<int64_t, Entry> entries_ EFDL_GUARDED_BY(mu_);
+  std::deque<int64_t> cancels_ EFDL_GUARDED_BY(mu_);  // server ids to cancel on this stream
+  int64_t next_id_ EFDL_GUARDED_BY(mu_) = 1;
+  int64_t delivering_ EFDL_GUARDED_BY(mu_) = 0;       // id whose callback runs now
 
   // Loop thread only: local ids in the order their create requests went out on this stream
   // (etcd answers creates in order), and the server's ids of the created ones.

@@ -8,7 +8,7 @@ ParallelRunner::ParallelRunner(int threads) {
 
 ParallelRunner::~ParallelRunner() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
@@ -26,7 +26,7 @@ void ParallelRunner::Run(size_t n, const std::function<void(size_t)>& fn) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     fn_ = &fn;
     n_ = n;
     next_.store(0);
@@ -34,17 +34,17 @@ void ParallelRunner::Run(size_t n, const std::function<void(size_t)>& fn) {
   }
   cv_.notify_all();
   Drain(fn, n);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   // Workers that woke for this generation are counted in busy_; wait until all have left Drain().
-  done_cv_.wait(lock, [&] { return busy_ == 0; });
+  done_cv_.wait(lock, [&]() EFDL_REQUIRES(mu_) { return busy_ == 0; });
   fn_ = nullptr;
 }
 
 void ParallelRunner::WorkerLoop() {
   uint64_t seen = 0;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    cv_.wait(lock, [&]() EFDL_REQUIRES(mu_) { return stop_ || generation_ != seen; });
     if (stop_) return;
     seen = generation_;
     if (fn_ == nullptr) continue;  // woke after that run had finished

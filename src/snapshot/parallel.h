@@ -8,9 +8,10 @@
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "common/thread_annotations.h"
 
 namespace efdl::snapshot {
 
@@ -28,14 +29,14 @@ class ParallelRunner {
   void WorkerLoop();
   void Drain(const std::function<void(size_t)>& fn, size_t n);
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::condition_variable done_cv_;
-  const std::function<void(size_t)>* fn_ = nullptr;  // guarded by mu_ (set per Run)
-  size_t n_ = 0;
-  uint64_t generation_ = 0;                           // guarded by mu_
-  int busy_ = 0;                                      // guarded by mu_
-  bool stop_ = false;                                 // guarded by mu_
+  Mutex mu_;
+  std::condition_variable_any cv_;
+  std::condition_variable_any done_cv_;
+  const std::function<void(size_t)>* fn_ EFDL_GUARDED_BY(mu_) = nullptr;  // set per Run
+  size_t n_ EFDL_GUARDED_BY(mu_) = 0;
+  uint64_t generation_ EFDL_GUARDED_BY(mu_) = 0;
+  int busy_ EFDL_GUARDED_BY(mu_) = 0;
+  bool stop_ EFDL_GUARDED_BY(mu_) = false;
   std::atomic<size_t> next_{0};
   std::vector<std::thread> workers_;
 };

@@ -25,7 +25,7 @@ Persister::Persister(PersisterOptions options)
 
 Persister::~Persister() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
@@ -39,7 +39,7 @@ void Persister::Start() {
 void Persister::Notify() {
   bool wake;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ++notified_;
     wake = idle_;  // while it sleeps out the rate limit, a wake-up per commit would be wasted
   }
@@ -47,12 +47,12 @@ void Persister::Notify() {
 }
 
 Status Persister::last_status() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return last_status_;
 }
 
 uint64_t Persister::persisted_seq() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return persisted_seq_;
 }
 
@@ -67,18 +67,19 @@ void Persister::Loop() {
   uint64_t seen = 0;
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       idle_ = true;
-      cv_.wait_for(lock, options_.poll_interval, [&] { return stop_ || notified_ != seen; });
+      cv_.wait_for(lock, options_.poll_interval,
+                   [&]() EFDL_REQUIRES(mu_) { return stop_ || notified_ != seen; });
       idle_ = false;
       if (stop_) return;
       seen = notified_;
     }
     if (options_.min_interval.count() > 0) {
       // Rate limit: sleep out the rest of the interval (interruptible by stop).
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto due = last_write_ + options_.min_interval;
-      cv_.wait_until(lock, due, [&] { return stop_; });
+      cv_.wait_until(lock, due, [&]() EFDL_REQUIRES(mu_) { return stop_; });
       if (stop_) return;
     }
     (void)PersistNewestOnce();
@@ -86,9 +87,9 @@ void Persister::Loop() {
 }
 
 Result<bool> Persister::PersistNewestOnce() {
-  std::lock_guard<std::mutex> lock(persist_mu_);
+  MutexLock lock(persist_mu_);
   auto r = PersistLocked();
-  std::lock_guard<std::mutex> state(mu_);
+  MutexLock state(mu_);
   if (r.ok()) {
     last_status_ = Status::OK();
     last_logged_error_.clear();
@@ -114,7 +115,7 @@ Result<bool> Persister::PersistLocked() {
   }
   uint64_t done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     done = persisted_seq_;
   }
   for (const SlotInfo& slot : arena_->ReadySlots()) {
@@ -137,12 +138,12 @@ Result<bool> Persister::PersistLocked() {
         arena_->SetChecksum(slot.slot, slot.seq, *checksum);
       }
       s = store_.Write(*manifest, data, *checksum, options_.before_publish);
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       last_write_ = std::chrono::steady_clock::now();
     }
     arena_->Unpin(slot.slot);
     if (!s.ok()) return s;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     persisted_seq_ = std::max(persisted_seq_, slot.seq);
     cv_.notify_all();
     EFDL_LOG_DEBUG("snapshot seq {} step {} persisted to {}", slot.seq, slot.step, store_.dir());

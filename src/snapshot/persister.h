@@ -14,10 +14,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "common/thread_annotations.h"
 #include "efdl/status.h"
 #include "snapshot/arena.h"
 #include "snapshot/parallel.h"
@@ -57,21 +57,21 @@ class Persister {
 
  private:
   void Loop();
-  Result<bool> PersistLocked();  // persist_mu_ held
+  Result<bool> PersistLocked() EFDL_REQUIRES(persist_mu_);
 
   PersisterOptions options_;
   SnapshotStore store_;
-  std::mutex persist_mu_;                     // one persist at a time (thread or Flush)
-  std::unique_ptr<SnapshotArena> arena_;      // guarded by persist_mu_
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;                         // guarded by mu_
-  uint64_t notified_ = 0;                     // guarded by mu_
-  bool idle_ = false;                         // guarded by mu_: waiting for a commit
-  uint64_t persisted_seq_ = 0;                // guarded by mu_
-  Status last_status_;                        // guarded by mu_
-  std::string last_logged_error_;             // guarded by mu_
-  std::chrono::steady_clock::time_point last_write_{};  // guarded by mu_
+  Mutex persist_mu_;                          // one persist at a time (thread or Flush)
+  std::unique_ptr<SnapshotArena> arena_ EFDL_GUARDED_BY(persist_mu_);
+  mutable Mutex mu_;                          // taken after persist_mu_, never before
+  std::condition_variable_any cv_;
+  bool stop_ EFDL_GUARDED_BY(mu_) = false;
+  uint64_t notified_ EFDL_GUARDED_BY(mu_) = 0;
+  bool idle_ EFDL_GUARDED_BY(mu_) = false;    // waiting for a commit
+  uint64_t persisted_seq_ EFDL_GUARDED_BY(mu_) = 0;
+  Status last_status_ EFDL_GUARDED_BY(mu_);
+  std::string last_logged_error_ EFDL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point last_write_ EFDL_GUARDED_BY(mu_){};
   std::thread thread_;
 };
 

@@ -4,10 +4,10 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
-#include <mutex>
 
 #include <fmt/format.h>
 
+#include "common/thread_annotations.h"
 #include "snapshot/hash.h"
 #include "snapshot/layout.h"
 
@@ -40,15 +40,17 @@ static_assert(sizeof(FileHeader) == 64);
 // Runs fn over pieces with the first failure kept.
 Status ForEachPiece(const std::vector<Piece>& pieces, ParallelRunner* runner,
                     const std::function<Status(size_t)>& fn) {
-  std::mutex mu;
-  Status first;
+  struct {
+    Mutex mu;
+    Status first EFDL_GUARDED_BY(mu);
+  } result;
   std::atomic<bool> failed{false};
   auto body = [&](size_t i) {
     if (failed.load(std::memory_order_relaxed)) return;
     Status s = fn(i);
     if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (first.ok()) first = s;
+      MutexLock lock(result.mu);
+      if (result.first.ok()) result.first = s;
       failed = true;
     }
   };
@@ -57,7 +59,8 @@ Status ForEachPiece(const std::vector<Piece>& pieces, ParallelRunner* runner,
   } else {
     for (size_t i = 0; i < pieces.size(); ++i) body(i);
   }
-  return first;
+  MutexLock lock(result.mu);
+  return result.first;
 }
 
 }  // namespace
