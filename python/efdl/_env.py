@@ -15,9 +15,6 @@ NOT_AN_INTEGER = "environment variable %(name)s=%(value)r is not an integer"
 NOT_AN_INTEGER_WITH_MINIMUM = ("environment variable %(name)s=%(value)r is not an integer; unset "
                                "it or set it to an integer >= %(minimum)d")
 
-# The words that turn a word flag on (EFDL_SNAPSHOT_HMAC), compared without blanks or case.
-ON_WORDS = ("1", "true", "yes", "on")
-
 
 def env_int(name, default, minimum=None, *, strip=True, blank_is_default=True, message=None,
             error=ValueError):

@@ -66,19 +66,6 @@ def _safe_name(text):
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:80]
 
 
-def _snapshot_hmac_key():
-    """The key of the stored snapshots' HMAC: the job's secret when EFDL_SNAPSHOT_HMAC=1, else
-    "" (no HMAC). Stored snapshots then restore only when their HMAC verifies."""
-    if not _env.env_flag("EFDL_SNAPSHOT_HMAC", False, words=_env.ON_WORDS):
-        return ""
-    secret = os.environ.get("EFDL_JOB_SECRET", "")
-    if not secret:
-        raise ValueError("EFDL_SNAPSHOT_HMAC=1 needs the job's secret in EFDL_JOB_SECRET, which "
-                         "`efdl run` gives its workers: run under efdl run, or unset "
-                         "EFDL_SNAPSHOT_HMAC")
-    return secret
-
-
 def _remove_arena(path, shm_dir, box, key):
     """Removes a standalone program's arena, then drops its shared holder lock box[key] (the
     only reference to it); the lock file goes once no process holds it (any lock file nobody
@@ -128,7 +115,10 @@ class State:
         d["_fast_retry"] = 0       # no fast path before this many commits
 
         rank, local_rank = _env.rank(), _env.local_rank()
-        per_rank = _env.env_flag("EFDL_SNAPSHOT_PER_RANK", False)
+        # EFDL_SNAPSHOT_PER_RANK, _KEEP, EFDL_PERSIST_MIN_INTERVAL_MS and EFDL_SNAPSHOT_HMAC: one
+        # parser with the agent (snapshot/persist_settings.h); ValueError for a refused value.
+        settings = _efdl.persist_settings()
+        per_rank = settings.per_rank
         self._per_rank = per_rank
         self._job = default_job_id()
         scope = "rank%d" % rank if per_rank else "node"
@@ -160,11 +150,11 @@ class State:
         self._engine = _efdl.SnapshotEngine(
             self._job, scope, self._arena_path, self._storage_dir,
             num_slots=_env.env_int("EFDL_SNAPSHOT_SLOTS", _efdl.DEFAULT_SNAPSHOT_SLOTS),
-            keep=_env.env_int("EFDL_SNAPSHOT_KEEP", 2),
+            keep=settings.keep,
             persist=persist and self._writer,
             copy_threads=_env.env_int("EFDL_SNAPSHOT_THREADS", 0),
-            persist_min_interval_ms=_env.env_int("EFDL_PERSIST_MIN_INTERVAL_MS", 1000),
-            hmac_key=_snapshot_hmac_key(),
+            persist_min_interval_ms=settings.min_interval_ms,
+            hmac_key=settings.hmac_key,
             commit_checksum=_env.env_flag("EFDL_COMMIT_CHECKSUM", False))
         self._control = self._connect_control()
 

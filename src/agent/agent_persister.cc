@@ -1,8 +1,6 @@
 #include "agent/agent_persister.h"
 
 #include <algorithm>
-#include <cctype>
-#include <charconv>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -10,35 +8,12 @@
 #include "common/log.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
+#include "snapshot/persist_settings.h"
 #include "snapshot/persister.h"
 
 namespace efdl::agent {
 
 namespace {
-
-std::string Trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
-  return std::string(s);
-}
-
-// As state.py's _env_int: unset or blank is the default, anything else must be an integer.
-Result<int64_t> EnvInt(const std::function<const char*(const char*)>& getenv, const char* name,
-                       int64_t fallback) {
-  const char* raw = getenv(name);
-  std::string value = Trim(raw != nullptr ? raw : "");
-  if (value.empty()) return fallback;
-  std::string_view digits = value;
-  if (digits.front() == '+') digits.remove_prefix(1);
-  int64_t out = 0;
-  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), out);
-  if (ec != std::errc() || end != digits.data() + digits.size()) {
-    return Status::InvalidArgument(
-        fmt::format("environment variable {}='{}' is not an integer; set it to a whole number "
-                    "or unset it", name, value));
-  }
-  return out;
-}
 
 std::string ArenaPath(const AgentPersisterOptions& o, const std::string& scope) {
   return snapshot::ArenaPath(o.shm_dir, o.job_id, o.holder, scope);
@@ -54,31 +29,12 @@ Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
   o.holder = std::move(holder);
   o.snapshot_dir = std::move(snapshot_dir);
   if (const char* shm = getenv("EFDL_SHM_DIR"); shm != nullptr && *shm != '\0') o.shm_dir = shm;
-  auto per_rank = EnvInt(getenv, "EFDL_SNAPSHOT_PER_RANK", 0);
-  if (!per_rank.ok()) return per_rank.status();
-  o.per_rank = *per_rank != 0;
-  auto keep = EnvInt(getenv, "EFDL_SNAPSHOT_KEEP", 2);
-  if (!keep.ok()) return keep.status();
-  if (*keep < 1) {
-    return Status::InvalidArgument(fmt::format(
-        "EFDL_SNAPSHOT_KEEP={} keeps no snapshot; set it to 1 or more", *keep));
-  }
-  o.keep = static_cast<int>(std::min<int64_t>(*keep, 1 << 20));
-  auto interval = EnvInt(getenv, "EFDL_PERSIST_MIN_INTERVAL_MS", 1000);
-  if (!interval.ok()) return interval.status();
-  o.min_interval = std::chrono::milliseconds(std::max<int64_t>(*interval, 0));
-  const char* hmac = getenv("EFDL_SNAPSHOT_HMAC");
-  std::string flag = Trim(hmac != nullptr ? hmac : "");
-  std::transform(flag.begin(), flag.end(), flag.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (flag == "1" || flag == "true" || flag == "yes" || flag == "on") {
-    if (job_secret.empty()) {
-      return Status::InvalidArgument(
-          "EFDL_SNAPSHOT_HMAC=1 needs the job's secret, which this agent was not given (efdl "
-          "run keeps it in etcd): run the agent with `efdl run`, or unset EFDL_SNAPSHOT_HMAC");
-    }
-    o.hmac_key = std::move(job_secret);
-  }
+  auto settings = snapshot::PersistSettingsFromEnvironment(getenv, std::move(job_secret));
+  if (!settings.ok()) return settings.status();
+  o.per_rank = settings->per_rank;
+  o.keep = settings->keep;
+  o.min_interval = settings->min_interval;
+  o.hmac_key = std::move(settings->hmac_key);
   return o;
 }
 

@@ -62,9 +62,10 @@ struct AgentPersisterOptions {
   std::function<Status(const snapshot::Manifest&)> before_publish;   // PersisterOptions
 };
 
-// The options from the variables State reads (the workers inherit the agent's environment, so
-// both sides see the same values). `getenv` is injectable for tests. InvalidArgument with one
-// line naming the variable for a value State would refuse as well.
+// The options from the environment: EFDL_SHM_DIR, and the persistence settings through
+// snapshot::PersistSettingsFromEnvironment, which State reads through too (the workers inherit
+// the agent's environment, so both sides see the same values and refuse the same ones).
+// `getenv` is injectable for tests. InvalidArgument with one line naming the variable.
 Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
     std::string job_id, std::string holder, std::string snapshot_dir, std::string job_secret,
     const std::function<const char*(const char*)>& getenv);

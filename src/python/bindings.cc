@@ -17,6 +17,7 @@
 #include "efdl/snapshot.h"
 #include "python/fast_commit.h"
 #include "snapshot/arena_dir.h"
+#include "snapshot/persist_settings.h"
 
 namespace py = pybind11;
 namespace snap = efdl::snapshot;
@@ -96,7 +97,7 @@ PYBIND11_MODULE(_efdl, m) {
   py::class_<snap::SnapshotEngine>(m, "SnapshotEngine")
       .def(py::init([](std::string job_id, std::string scope, std::string arena_path,
                        std::string storage_dir, int num_slots, int keep, bool persist,
-                       int copy_threads, int persist_min_interval_ms, std::string hmac_key,
+                       int copy_threads, int64_t persist_min_interval_ms, std::string hmac_key,
                        bool commit_checksum) {
              snap::EngineOptions o;
              o.job_id = std::move(job_id);
@@ -179,6 +180,31 @@ PYBIND11_MODULE(_efdl, m) {
       .def_property_readonly("next_seq", &snap::SnapshotEngine::next_seq)
       .def("advance_seq", &snap::SnapshotEngine::AdvanceSeq, py::arg("seq"),
            "Makes the next commit's seq at least `seq` (aligns the ranks of a round).");
+
+  // The persistence settings (snapshot/persist_settings.h): one parser, used by state.py and the
+  // agent. A refused value is a ValueError (a setting, not a snapshot, is wrong), as it was when
+  // state.py parsed them itself.
+  py::class_<snap::PersistSettings>(m, "PersistSettings")
+      .def_readonly("per_rank", &snap::PersistSettings::per_rank)
+      .def_readonly("keep", &snap::PersistSettings::keep)
+      .def_property_readonly("min_interval_ms",
+                             [](const snap::PersistSettings& s) {
+                               return static_cast<int64_t>(s.min_interval.count());
+                             })
+      .def_readonly("hmac_key", &snap::PersistSettings::hmac_key);
+  m.def(
+      "persist_settings",
+      [] {
+        const char* secret = std::getenv("EFDL_JOB_SECRET");
+        auto settings = snap::PersistSettingsFromEnvironment(
+            [](const char* name) -> const char* { return std::getenv(name); },
+            secret != nullptr ? secret : "");
+        if (!settings.ok()) throw py::value_error(settings.status().message());
+        return std::move(settings).value();
+      },
+      "EFDL_SNAPSHOT_PER_RANK, EFDL_SNAPSHOT_KEEP, EFDL_PERSIST_MIN_INTERVAL_MS and "
+      "EFDL_SNAPSHOT_HMAC (keyed with EFDL_JOB_SECRET) of this process' environment; "
+      "ValueError with one line for a refused value.");
 
   // The arena naming contract (snapshot/arena_dir.h): one owner, used by state.py and the agent.
   m.def("shm_dir", [] { return snap::ShmDir(std::getenv("EFDL_SHM_DIR")); },
