@@ -120,6 +120,7 @@ std::string RoundRecord::Encode() const {
     j["ma"] = master_addr;
     j["mp"] = master_port;
     if (horovod_port != 0) j["hp"] = horovod_port;
+    if (agent_store) j["as"] = true;
   }
   if (!message.empty()) j["msg"] = message;
   return j.dump();
@@ -132,7 +133,7 @@ Result<RoundRecord> RoundRecord::Decode(const std::string& text) {
               Field(j, "d", r.deputies) && Field(j, "g", r.graceful) &&
               Field(j, "w", r.world_size) && Field(j, "n", r.nnodes) &&
               Field(j, "ma", r.master_addr) && Field(j, "mp", r.master_port) &&
-              Field(j, "hp", r.horovod_port) &&
+              Field(j, "hp", r.horovod_port) && Field(j, "as", r.agent_store) &&
               Field(j, "msg", r.message);
     if (!ok) return false;
     for (int i = 0; i < static_cast<int>(std::size(kPhaseNames)); ++i) {
@@ -297,6 +298,7 @@ std::string AckRecord::Encode() const {
   json j = {{"r", round}, {"st", AckStateName(state)}};
   if (port != 0) j["port"] = port;
   if (horovod_port != 0) j["hp"] = horovod_port;
+  if (agent_store) j["as"] = true;
   if (restarts != 0) j["rs"] = restarts;
   return j.dump();
 }
@@ -305,7 +307,8 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
   return ParseWith<AckRecord>("ack", text, [](const json& j, AckRecord& a) {
     std::string st;
     if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
-          Field(j, "hp", a.horovod_port) && Field(j, "rs", a.restarts))) {
+          Field(j, "hp", a.horovod_port) && Field(j, "as", a.agent_store) &&
+          Field(j, "rs", a.restarts))) {
       return false;
     }
     for (int i = 0; i < 4; ++i) {
@@ -327,6 +330,7 @@ void AddMember(Plan& plan, const Candidate& c) {
   if (plan.members.empty()) {
     plan.master_addr = c.addr;
     plan.master_port = c.port;
+    plan.agent_store = c.agent_store;
   }
   plan.members.push_back(
       {c.id, static_cast<int>(plan.members.size()), plan.world_size, c.nproc, c.addr});

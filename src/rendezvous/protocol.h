@@ -3,11 +3,12 @@
 // KEYS (P = /efdl/<job>/)
 //   P nodes/<node>   lease-bound; {addr, nproc}. create_revision = join order.
 //   P round          the one small record every node watches (~200 bytes, size independent of N):
-//                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, hp, msg}.
+//                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, hp, as,
+//                    msg}; as: mp is the rank-0 node's agent store (src/agent/agent_store.h).
 //   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts, ha}: this
 //                    node's place in round r (cr/cs/hosts/ha: Horovod's layout, see AssignRecord).
 //                    Each node watches only its own assign key.
-//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, rs (restarts)}.
+//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, as, rs (restarts)}.
 //                    Written by the node itself; only the coordinator watches the ack/ prefix.
 //   P status         written by the coordinator once per round for `efdl status` (never watched).
 //   P complete       present once every member of a round reported success.
@@ -22,7 +23,8 @@
 //
 // ROUND LIFE (phases of P round)
 //   gathering(r)  the coordinator waits for >= MIN registered nodes, then for MAX or --last-call.
-//   proposed(r)   every registered node acks r with a freshly picked free port. The coordinator
+//   proposed(r)   every registered node acks r with a freshly picked free port, or the port of
+//                 its agent store (as: true). The coordinator
 //                 waits until every node it knows acked, or until no new ack came for the
 //                 liveness window; nodes that did not ack are left out (they re-announce with a
 //                 late ack, which counts as a join).
@@ -107,6 +109,7 @@ struct RoundRecord {
   std::string master_addr;     // active
   uint16_t master_port = 0;    // active
   uint16_t horovod_port = 0;   // active, "hp": the rank-0 node's Horovod Gloo rendezvous (0: none)
+  bool agent_store = false;    // active, "as": master_port is the rank-0 node's agent store
   std::string message;         // why the round changed (for logs)
 
   std::string Encode() const;
@@ -149,6 +152,9 @@ struct AckRecord {
   uint16_t port = 0;           // kAck: a free port this node offers as MASTER_PORT
   int restarts = 0;            // worker failures this node reported so far
   uint16_t horovod_port = 0;   // kAck, "hp": a second free port, for the Horovod rendezvous
+  // kAck, "as": `port` is this node's agent store (a TCPStore server its agent keeps for its
+  // whole life, src/agent/agent_store.h), not a free port.
+  bool agent_store = false;
   std::string Encode() const;
   static Result<AckRecord> Decode(const std::string& text);
 };
@@ -205,6 +211,7 @@ struct Candidate {
   int nproc = 1;
   std::string addr;
   uint16_t port = 0;             // its offered master port
+  bool agent_store = false;      // `port` is its agent store
 };
 
 struct PlannedNode {
@@ -222,6 +229,7 @@ struct Plan {
   int world_size = 0;
   std::string master_addr;
   uint16_t master_port = 0;
+  bool agent_store = false;      // master_port is the first member's agent store
 };
 
 struct PlanLimits {

@@ -54,6 +54,9 @@ struct Assignment {
   int world_size = 0;                  // sum of nproc over the round
   std::string master_addr;             // rank-0 node's advertise address
   uint16_t master_port = 0;            // chosen fresh by the rank-0 node for this round
+  // master_port is the rank-0 node's agent store (src/agent/agent_store.h), a TCPStore server
+  // that outlives the round: every worker is a client of it (TORCHELASTIC_USE_AGENT_STORE).
+  bool agent_store = false;
   // Horovod (docs/horovod.md). The rank-0 node's agent serves the round's Gloo rendezvous at
   // master_addr:horovod_port (0: not offered).
   uint16_t horovod_port = 0;
@@ -120,6 +123,10 @@ class Rendezvous {
     (void)committed_at;
     return true;
   }
+  // From the next ack on, offers `port` as this node's master port: its agent store, which lives
+  // as long as the agent (0: none; offer a free port per round, which rank 0's worker binds).
+  // Thread-safe. Doubles need not override it.
+  virtual void OfferAgentStore(uint16_t port) { (void)port; }
   // This node leaves the job for good because its workers kept failing: records `reason` and
   // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
   // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.

@@ -181,6 +181,12 @@ TEST(HorovodLayoutTest, RecordsRoundTripAndRejectDamagedLayouts) {
   EXPECT_EQ(ack_back->port, 29500);
   EXPECT_EQ(ack_back->horovod_port, 29501);
   EXPECT_FALSE(AckRecord::Decode(R"({"r":1,"st":"ack","hp":70000})").ok());
+  EXPECT_FALSE(ack_back->agent_store);
+  ack.agent_store = true;
+  ack_back = AckRecord::Decode(ack.Encode());
+  ASSERT_TRUE(ack_back.ok());
+  EXPECT_TRUE(ack_back->agent_store);
+  EXPECT_FALSE(AckRecord::Decode(R"({"r":1,"st":"ack","as":1})").ok());
 
   RoundRecord r;
   r.round = 7;
@@ -195,6 +201,11 @@ TEST(HorovodLayoutTest, RecordsRoundTripAndRejectDamagedLayouts) {
   auto round_back = RoundRecord::Decode(r.Encode());
   ASSERT_TRUE(round_back.ok());
   EXPECT_EQ(round_back->horovod_port, 29501);
+  EXPECT_FALSE(round_back->agent_store);
+  r.agent_store = true;
+  round_back = RoundRecord::Decode(r.Encode());
+  ASSERT_TRUE(round_back.ok());
+  EXPECT_TRUE(round_back->agent_store);
   EXPECT_LT(r.Encode().size(), 200u);   // every node watches it
 }
 

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <functional>
 #include <mutex>
 
 #include "rendezvous/job_status.h"
@@ -110,8 +111,11 @@ struct Node {
   std::vector<Event> seen;
 };
 
-std::unique_ptr<Node> Start(MemoryEtcd& db, RendezvousOptions o) {
+// `before_join`: what the agent tells the rendezvous before it joins (its agent store).
+std::unique_ptr<Node> Start(MemoryEtcd& db, RendezvousOptions o,
+                            const std::function<void(Rendezvous&)>& before_join = {}) {
   auto n = std::make_unique<Node>(db, std::move(o));
+  if (before_join) before_join(*n->rdzv);
   Status s = n->rdzv->Join();
   EXPECT_TRUE(s.ok()) << s.ToString();
   return n;
@@ -548,6 +552,32 @@ TEST(RendezvousTest, OneReroundCostsLinearRequestsAndEvents) {
   // Proposal and activation reach every node; acks reach only the coordinator; each node sees
   // only its own assignment.
   EXPECT_LE(st.watch_events, 4 * kN + 12);
+}
+
+TEST(RendezvousTest, TheRankZeroNodesAgentStoreIsEveryNodesMasterPortUntilItIsWithdrawn) {
+  MemoryEtcd db;
+  auto a = Start(db, Opts("a", 2, 2), [](Rendezvous& r) { r.OfferAgentStore(45678); });
+  auto b = Start(db, Opts("b", 2, 2), [](Rendezvous& r) { r.OfferAgentStore(45679); });
+  auto ea = a->Started();
+  auto eb = b->Started();
+  ASSERT_TRUE(ea && eb);
+  ASSERT_EQ(ea->assignment.node_rank, 0);
+  for (const Assignment* x : {&ea->assignment, &eb->assignment}) {
+    EXPECT_EQ(x->master_port, 45678);
+    EXPECT_TRUE(x->agent_store);
+    EXPECT_NE(x->horovod_port, 45678);
+  }
+  // The store died: the next round's master port is a free port again, for rank 0 to bind.
+  a->rdzv->OfferAgentStore(0);
+  a->rdzv->ReportWorkerFailure(ea->round, "a peer died");
+  auto next_a = a->Started();
+  auto next_b = b->Started();
+  ASSERT_TRUE(next_a && next_b);
+  for (const Assignment* x : {&next_a->assignment, &next_b->assignment}) {
+    EXPECT_FALSE(x->agent_store);
+    EXPECT_NE(x->master_port, 45678);
+    EXPECT_NE(x->master_port, 0);
+  }
 }
 
 TEST(RendezvousTest, HorovodLayoutAndServerPortReachEveryNodeButTheMemberListOnlyRankZero) {

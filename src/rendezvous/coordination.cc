@@ -1,0 +1,427 @@
+#include "rendezvous/coordination.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace efdl::rdzv {
+namespace {
+
+// The Horovod port `id` offered with its ack of `round` (0: none).
+uint16_t OfferedHorovodPort(const std::map<std::string, AckRecord>& acks, const std::string& id,
+                            int64_t round) {
+  auto it = acks.find(id);
+  return it != acks.end() && it->second.round == round ? it->second.horovod_port : 0;
+}
+
+// Whether a node that turns up during an active round gets a re-round (else it is a standby).
+bool RoomForNewMember(const JobView& v, const CoordinatorConfig& cfg) {
+  // Fragmented mode: an active round adds up to exactly world_size, so a newcomer can only
+  // wait; re-planning now could swap running members for fewer, larger nodes (a needless
+  // restart). The set is re-chosen when a member leaves or fails.
+  if (cfg.world_size > 0) return false;
+  return static_cast<int>(v.members.size()) < cfg.max_nodes;
+}
+
+std::vector<std::string> PickDeputies(const JobView& v, const std::vector<std::string>& preferred,
+                                      const std::string& self) {
+  std::vector<std::string> out;
+  for (const auto& id : preferred) {
+    if (out.size() == kMaxDeputies) break;
+    if (id != self && v.registered.count(id)) out.push_back(id);
+  }
+  return out;
+}
+
+bool Excluded(const JobView& v, const std::string& id) {
+  return v.unresponsive.count(id) > 0 || v.leaving.count(id) > 0;
+}
+
+}  // namespace
+
+void JobView::WantReround(bool graceful, std::string why) {
+  reround = true;
+  if (!graceful) reround_graceful = false;
+  reround_why = std::move(why);
+}
+
+JobView LoadJob(const JobSnapshot& snap, const RoundRecord& round, const CoordinatorConfig& cfg,
+                CoordTime now) {
+  JobView v;
+  v.window = cfg.liveness_window;
+  v.last_progress = now;
+  for (const auto& [id, info] : snap.nodes) v.registered[id] = info;
+  for (const auto& [id, ack] : snap.acks) {
+    v.acks[id] = ack;
+    // A node on its way out (e.g. the coordinator that just handed over) is not waited for.
+    if (ack.state == AckState::kLeaving) v.leaving.insert(id);
+  }
+  v.acked_round_ids = {round.round, {}};
+  for (const auto& [id, a] : v.acks) {
+    if (a.round == round.round && a.state == AckState::kAck) v.acked_round_ids.second.insert(id);
+  }
+  int64_t last_formed = 0;
+  std::map<std::string, AssignRecord> assigns;
+  std::set<std::string> restarted;
+  for (const auto& a : snap.assigns) {
+    v.assign_keys.insert(a.id);
+    if (!a.record) continue;
+    // A node registered after its assignment was written is a new incarnation of that id (an
+    // agent restarted with the same --node-id): it runs nothing of that round.
+    if (auto r = v.registered.find(a.id);
+        r != v.registered.end() && r->second.create_revision > a.mod_revision) {
+      if (a.record->round == round.round && !a.record->standby) restarted.insert(a.id);
+      continue;
+    }
+    assigns[a.id] = *a.record;
+    if (!a.record->standby) last_formed = std::max(last_formed, a.record->round);
+  }
+  const bool active = round.phase == Phase::kActive;
+  for (const auto& [id, a] : assigns) {
+    if (a.round != last_formed) continue;
+    if (!a.standby) v.prev_rank[id] = a.node_rank;
+    if (active && a.round == round.round && v.registered.count(id)) {
+      (a.standby ? v.standbys : v.members).insert(id);
+    }
+  }
+  // A coordinator that took over an active round re-checks what it may have missed.
+  if (active) {
+    for (const auto& [id, a] : assigns) {
+      if (a.round == round.round && !a.standby && !v.registered.count(id)) {
+        v.WantReround(false, fmt::format("node {} left", id));
+      }
+    }
+    for (const auto& id : restarted) {   // its old incarnation's workers died with it
+      v.WantReround(false, fmt::format("node {} restarted", id));
+    }
+  }
+  return v;
+}
+
+EventOutcome OnNodeRegistered(JobView& v, const RoundRecord& round, const std::string& id,
+                              const MemberInfo& info, const CoordinatorConfig& cfg) {
+  EventOutcome out;
+  v.registered[id] = info;
+  v.unresponsive.erase(id);
+  if (round.phase == Phase::kActive && !v.members.count(id) && !v.standbys.count(id)) {
+    if (RoomForNewMember(v, cfg)) {
+      v.WantReround(true, fmt::format("node {} joined", id));
+    } else {
+      out.make_standby.push_back(id);
+    }
+  }
+  return out;
+}
+
+EventOutcome OnNodeGone(JobView& v, const RoundRecord& round, const std::string& id) {
+  EventOutcome out;
+  v.registered.erase(id);
+  v.acks.erase(id);
+  v.acked_round_ids.second.erase(id);
+  v.prev_rank.erase(id);   // if it comes back, it is a new member and goes last
+  v.unresponsive.erase(id);
+  const bool was_leaving = v.leaving.erase(id) > 0;
+  v.standbys.erase(id);
+  if (v.members.erase(id) && round.phase == Phase::kActive) {
+    v.WantReround(was_leaving, fmt::format("node {} {}", id, was_leaving ? "left" : "is gone"));
+  }
+  out.history.push_back(
+      fmt::format("node {} {}", id, was_leaving ? "left" : "is gone (lease ended)"));
+  return out;
+}
+
+EventOutcome OnAck(JobView& v, const RoundRecord& round, const std::string& id,
+                   const AckRecord& ack, const CoordinatorConfig& cfg, CoordTime now) {
+  EventOutcome out;
+  v.acks[id] = ack;
+  v.unresponsive.erase(id);
+  if (ack.state == AckState::kAck && ack.round == round.round) {
+    if (v.acked_round_ids.first != round.round) v.acked_round_ids = {round.round, {}};
+    v.acked_round_ids.second.insert(id);
+  }
+  switch (ack.state) {
+    case AckState::kAck:
+      if (round.phase == Phase::kProposed && ack.round == round.round) {
+        v.last_progress = now;
+      } else if (round.phase == Phase::kActive && v.registered.count(id) &&
+                 !v.members.count(id) && !v.standbys.count(id)) {
+        // A node left out for not acking in time announced itself again: treat as a join,
+        // and be more patient with the next proposal.
+        v.window = std::min(v.window * 2, cfg.liveness_window * 8);
+        if (RoomForNewMember(v, cfg)) {
+          v.WantReround(true, fmt::format("node {} is back", id));
+        } else {
+          out.make_standby.push_back(id);
+        }
+      }
+      break;
+    case AckState::kFailed:
+      if (round.phase == Phase::kActive && ack.round == round.round && v.members.count(id)) {
+        v.WantReround(false, fmt::format("workers of node {} failed", id));
+      }
+      break;
+    case AckState::kLeaving:
+      v.leaving.insert(id);
+      break;
+    case AckState::kDone:
+      break;
+  }
+  return out;
+}
+
+void OnAckDeleted(JobView& v, const std::string& id) { v.acks.erase(id); }
+
+std::vector<Candidate> Candidates(const JobView& v, const RoundRecord& round, bool acked_only) {
+  std::vector<Candidate> out;
+  out.reserve(v.registered.size());
+  for (const auto& [id, m] : v.registered) {
+    auto a = v.acks.find(id);
+    const bool acked = a != v.acks.end() && a->second.round == round.round &&
+                       a->second.state == AckState::kAck;
+    if (acked_only && (!acked || v.leaving.count(id))) continue;
+    if (!acked_only && Excluded(v, id)) continue;
+    out.push_back({id, m.create_revision, m.record.nproc, m.record.addr,
+                   acked ? a->second.port : uint16_t{0}, acked && a->second.agent_store});
+  }
+  return out;
+}
+
+StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg,
+                      CoordTime now) {
+  StepAction act;
+  switch (round.phase) {
+    case Phase::kGathering: {
+      // O(N) per step and no allocation beyond the deputies: once per batch of join events.
+      int count = 0;
+      std::vector<std::pair<int64_t, const std::string*>> oldest;
+      for (const auto& [id, m] : v.registered) {
+        if (Excluded(v, id)) continue;
+        ++count;
+        if (id == cfg.self) continue;
+        oldest.push_back({m.create_revision, &id});
+        std::sort(oldest.begin(), oldest.end());
+        if (oldest.size() > kMaxDeputies) oldest.pop_back();
+      }
+      std::vector<std::string> deputies;
+      for (const auto& o : oldest) deputies.push_back(*o.second);
+      bool formed = count >= cfg.min_nodes;
+      bool full = count >= cfg.max_nodes;
+      if (cfg.world_size > 0 && formed) {   // fragmented mode: only the planner knows
+        formed = full = PlanRound(Candidates(v, round, false), v.prev_rank, cfg.plan()).formed;
+      }
+      auto set_deputies = [&] {
+        if (deputies != round.deputies) {
+          act.kind = StepAction::Kind::kSetDeputies;
+          act.deputies = std::move(deputies);
+        }
+      };
+      if (!formed) {
+        v.min_reached_at.reset();
+        set_deputies();
+        return act;
+      }
+      if (!v.min_reached_at) v.min_reached_at = now;
+      const bool survivors = !v.prev_rank.empty();   // a re-round after a formed one: no last call
+      if (full || survivors || now >= *v.min_reached_at + cfg.last_call) {
+        act.kind = StepAction::Kind::kPropose;
+        act.graceful = round.graceful;
+        act.why = round.message.empty() ? "enough nodes registered" : round.message;
+      } else {
+        set_deputies();
+      }
+      return act;
+    }
+    case Phase::kProposed: {
+      // Cheap test first: the full O(N) check runs only once enough acks came.
+      const size_t excluded = v.unresponsive.size() + v.leaving.size();
+      const size_t expected = v.registered.size() - std::min(v.registered.size(), excluded);
+      bool all = v.acked_round_ids.first == round.round &&
+                 v.acked_round_ids.second.size() >= expected;
+      for (auto it = v.registered.begin(); all && it != v.registered.end(); ++it) {
+        if (Excluded(v, it->first)) continue;
+        auto a = v.acks.find(it->first);
+        all = a != v.acks.end() && a->second.round == round.round &&
+              a->second.state == AckState::kAck;
+      }
+      if (all || now >= v.last_progress + v.window) act.kind = StepAction::Kind::kFinalize;
+      return act;
+    }
+    case Phase::kActive: {
+      const bool done =
+          !v.members.empty() &&
+          std::all_of(v.members.begin(), v.members.end(), [&](const std::string& id) {
+            auto a = v.acks.find(id);
+            return a != v.acks.end() && a->second.round == round.round &&
+                   a->second.state == AckState::kDone;
+          });
+      if (done) {
+        act.kind = StepAction::Kind::kComplete;
+      } else if (v.reround) {
+        act.kind = StepAction::Kind::kPropose;
+        act.graceful = v.reround_graceful;
+        act.why = v.reround_why;
+      }
+      return act;
+    }
+    case Phase::kComplete:
+    case Phase::kSuspended:
+      return act;
+  }
+  return act;
+}
+
+std::optional<CoordTime> NextCoordinatorDeadline(const JobView& v, const RoundRecord& round,
+                                                 const CoordinatorConfig& cfg) {
+  if (round.phase == Phase::kGathering && v.min_reached_at) {
+    return *v.min_reached_at + cfg.last_call;
+  }
+  if (round.phase == Phase::kProposed) return v.last_progress + v.window;
+  return std::nullopt;
+}
+
+RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg,
+                          bool graceful, const std::string& why) {
+  RoundRecord next = round;
+  if (round.phase != Phase::kGathering) next.round = round.round + 1;
+  next.phase = Phase::kProposed;
+  next.coordinator = cfg.self;
+  next.graceful = graceful;
+  next.message = why;
+  next.world_size = 0;
+  next.nnodes = 0;
+  next.master_addr.clear();
+  next.master_port = 0;
+  next.horovod_port = 0;
+  next.agent_store = false;
+  v.reround = false;
+  v.reround_graceful = true;
+  v.reround_why.clear();
+  v.min_reached_at.reset();
+  return next;
+}
+
+FinalizeAction DecideFinalize(JobView& v, const RoundRecord& round,
+                              const CoordinatorConfig& cfg) {
+  FinalizeAction act;
+  const std::vector<Candidate> acked = Candidates(v, round, true);
+  const std::vector<Candidate> everyone = Candidates(v, round, false);
+  act.plan = PlanRound(acked, v.prev_rank, cfg.plan());
+  if (!act.plan.formed && PlanRound(everyone, v.prev_rank, cfg.plan()).formed) {
+    // Enough nodes are registered but too few answered yet: a stall (etcd or the machines
+    // slow), not a verdict on the silent ones. Giving up would mark most nodes unresponsive
+    // and cascade into more rounds; wait another window instead (the join timeout still bounds
+    // each node's wait, and leases still remove the dead).
+    return act;
+  }
+  std::set<std::string> answered;
+  for (const auto& c : acked) answered.insert(c.id);
+  for (const auto& c : everyone) {
+    if (!answered.count(c.id)) v.unresponsive.insert(c.id);
+  }
+  act.next = round;
+  if (!act.plan.formed) {
+    act.kind = FinalizeAction::Kind::kNotFormed;
+    act.next.round = round.round + 1;   // a proposal number is never reused
+    act.next.phase = Phase::kGathering;
+    act.next.message = fmt::format("round {} not formed: {} of at least {} nodes answered",
+                                   round.round, acked.size(), cfg.min_nodes);
+    act.history = act.next.message;
+    return act;
+  }
+  act.kind = FinalizeAction::Kind::kForm;
+  const Plan& plan = act.plan;
+  std::vector<AssignRecord> member_assigns = MemberAssignments(round.round, plan);
+  std::vector<std::string> order;
+  for (size_t i = 0; i < plan.members.size(); ++i) {
+    act.writes.push_back({plan.members[i].id, std::move(member_assigns[i])});
+    order.push_back(plan.members[i].id);
+  }
+  for (const auto& id : plan.standbys) {
+    act.writes.push_back({id, {round.round, 0, 0, true}});
+    order.push_back(id);
+  }
+  for (const auto& id : v.assign_keys) {
+    if (!v.registered.count(id)) act.stale.push_back(id);
+  }
+  act.next.phase = Phase::kActive;
+  act.next.world_size = plan.world_size;
+  act.next.nnodes = static_cast<int>(plan.members.size());
+  act.next.master_addr = plan.master_addr;
+  act.next.master_port = plan.master_port;
+  act.next.agent_store = plan.agent_store;
+  act.next.horovod_port =
+      plan.members.empty() ? 0 : OfferedHorovodPort(v.acks, plan.members.front().id, round.round);
+  act.next.deputies = PickDeputies(v, order, cfg.self);
+  act.history = fmt::format("round {} formed: {} nodes, world size {}, {} standby, {} left out",
+                            round.round, plan.members.size(), plan.world_size,
+                            plan.standbys.size(), v.unresponsive.size());
+  return act;
+}
+
+void AssignmentsWritten(JobView& v, const FinalizeAction& formed) {
+  for (const auto& w : formed.writes) v.assign_keys.insert(w.first);
+  for (const auto& id : formed.stale) v.assign_keys.erase(id);
+  v.prev_rank.clear();
+  v.members.clear();
+  for (const auto& m : formed.plan.members) {
+    v.prev_rank[m.id] = m.node_rank;
+    v.members.insert(m.id);
+  }
+  v.standbys = {formed.plan.standbys.begin(), formed.plan.standbys.end()};
+}
+
+std::string StandbyAssigned(JobView& v, const std::string& id, const CoordinatorConfig& cfg) {
+  v.standbys.insert(id);
+  v.assign_keys.insert(id);
+  return cfg.world_size > 0
+             ? fmt::format("node {} is a standby (the round already adds up to world size {})",
+                           id, cfg.world_size)
+             : fmt::format("node {} is a standby (the job is at its maximum of {} nodes)", id,
+                           cfg.max_nodes);
+}
+
+RoundRecord CompletionRecord(const RoundRecord& round) {
+  RoundRecord next = round;
+  next.phase = Phase::kComplete;
+  next.message = fmt::format("job complete: every worker of round {} succeeded", round.round);
+  return next;
+}
+
+RoundRecord TakeOverRecord(const RoundRecord& round, const std::string& self) {
+  RoundRecord next = round;
+  const std::string& gone = round.coordinator;
+  next.coordinator = self;
+  std::erase(next.deputies, self);
+  next.graceful = false;
+  // An empty coordinator is a resumed job's (suspend.h): keep its "resumed ..." message.
+  if (!gone.empty()) next.message = fmt::format("coordinator {} is gone; {} took over", gone, self);
+  if (round.phase != Phase::kGathering) {
+    next.round = round.round + 1;
+    next.phase = Phase::kProposed;
+  }
+  return next;
+}
+
+RoundRecord HandOverRecord(const RoundRecord& round, const std::string& self,
+                           const std::string& successor) {
+  RoundRecord next = round;
+  next.coordinator = successor;
+  std::erase(next.deputies, successor);
+  std::erase(next.deputies, self);
+  next.graceful = true;
+  next.message =
+      fmt::format("node {} left (it was the coordinator; {} took over)", self, successor);
+  if (round.phase != Phase::kGathering) {
+    next.round = round.round + 1;
+    next.phase = Phase::kProposed;
+    next.world_size = 0;
+    next.nnodes = 0;
+    next.master_addr.clear();
+    next.master_port = 0;
+    next.horovod_port = 0;
+    next.agent_store = false;
+  }
+  return next;
+}
+
+}  // namespace efdl::rdzv

@@ -1,0 +1,153 @@
+// The coordinator's decisions as pure functions (no etcd, no clock reads, no logging): what the
+// coordinator knows of the job (JobView), how each event changes that, and what to do next.
+// coordinator.h executes the decisions against etcd; protocol.h describes the protocol.
+//
+// Each function takes the view, the round record the node holds and the time where it needs
+// one, updates the view and returns an action. Nothing here can fail: a decision that the
+// executor cannot carry out (a lost CAS, an etcd error) ends in a re-read of the round record.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rendezvous/protocol.h"
+
+namespace efdl::rdzv {
+
+using CoordClock = std::chrono::steady_clock;
+using CoordTime = CoordClock::time_point;
+
+// At most this many deputies are named in the round record.
+inline constexpr size_t kMaxDeputies = 3;
+
+struct CoordinatorConfig {
+  std::string job_id;
+  std::string self;                    // the coordinating node's id
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int world_size = 0;                  // >0: fragmented mode
+  std::chrono::milliseconds last_call{0};
+  std::chrono::milliseconds liveness_window{0};
+  PlanLimits plan() const { return {min_nodes, max_nodes, world_size}; }
+};
+
+struct MemberInfo {
+  int64_t create_revision = 0;
+  NodeRecord record;
+};
+
+// What the coordinator knows, from etcd's nodes/, ack/ and assign/ keys, and what it has decided
+// to do but not done yet (a re-round). The functions below are its only writers.
+struct JobView {
+  std::map<std::string, MemberInfo> registered;
+  std::map<std::string, AckRecord> acks;
+  std::map<std::string, int> prev_rank;       // members of the last formed round -> node rank
+  std::set<std::string> members, standbys, leaving, unresponsive;
+  std::set<std::string> assign_keys;          // nodes with an assign/ key in etcd
+  // Nodes that acked the proposal of round `first` (a cheap count for the proposed phase).
+  std::pair<int64_t, std::set<std::string>> acked_round_ids;
+  std::optional<CoordTime> min_reached_at;    // gathering: when MIN nodes were first there
+  CoordTime last_progress{};                  // proposed: the last ack (or the proposal)
+  // The liveness window in use: doubled (up to 8x the configured one) each time a node that
+  // was left out for a late ack announces itself again, so a slow machine or etcd does not
+  // cascade into round after round.
+  std::chrono::milliseconds window{0};
+  bool reround = false;                       // an active round must be re-formed
+  bool reround_graceful = true;               // ... at a commit (false once anyone crashed)
+  std::string reround_why;
+
+  void WantReround(bool graceful, std::string why);
+};
+
+// What the coordinator read of the job when it took over (one consistent etcd read).
+struct JobSnapshot {
+  struct Assign {
+    std::string id;
+    int64_t mod_revision = 0;
+    std::optional<AssignRecord> record;       // nullopt: unreadable
+  };
+  std::vector<std::pair<std::string, MemberInfo>> nodes;
+  std::vector<std::pair<std::string, AckRecord>> acks;
+  std::vector<Assign> assigns;
+};
+
+// A fresh view of the job from `snap`, for the round record `round`. A coordinator that takes
+// over an active round also decides whether it must re-form it: a member whose node key is gone,
+// or a member registered again after its assignment (a restarted agent: its workers died).
+JobView LoadJob(const JobSnapshot& snap, const RoundRecord& round, const CoordinatorConfig& cfg,
+                CoordTime now);
+
+// --- Events. Each returns the nodes to make standbys of (written by the executor, one txn
+// each) and the lines for the job's history.
+struct EventOutcome {
+  std::vector<std::string> make_standby;
+  std::vector<std::string> history;
+};
+EventOutcome OnNodeRegistered(JobView& v, const RoundRecord& round, const std::string& id,
+                              const MemberInfo& info, const CoordinatorConfig& cfg);
+EventOutcome OnNodeGone(JobView& v, const RoundRecord& round, const std::string& id);
+EventOutcome OnAck(JobView& v, const RoundRecord& round, const std::string& id,
+                   const AckRecord& ack, const CoordinatorConfig& cfg, CoordTime now);
+void OnAckDeleted(JobView& v, const std::string& id);
+
+// --- The step after a batch of events (or a timer).
+struct StepAction {
+  enum class Kind { kNone, kSetDeputies, kPropose, kFinalize, kComplete };
+  Kind kind = Kind::kNone;
+  std::vector<std::string> deputies;          // kSetDeputies
+  bool graceful = true;                       // kPropose
+  std::string why;                            // kPropose
+};
+StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg,
+                      CoordTime now);
+
+// When DecideStep wants to run next (nullopt: only on an event).
+std::optional<CoordTime> NextCoordinatorDeadline(const JobView& v, const RoundRecord& round,
+                                                 const CoordinatorConfig& cfg);
+
+// The record of a new proposal (round+1 unless gathering), with this node as coordinator; clears
+// the pending re-round.
+RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg,
+                          bool graceful, const std::string& why);
+
+// The end of a proposal: wait another window, give up on this proposal (a gathering record
+// for round+1), or form the round (assignments to write, stale assignments to delete, and the
+// active record to write after them). Marks the nodes that did not answer unresponsive.
+struct FinalizeAction {
+  enum class Kind { kWait, kNotFormed, kForm };
+  Kind kind = Kind::kWait;
+  RoundRecord next;
+  std::vector<std::pair<std::string, AssignRecord>> writes;
+  std::vector<std::string> stale;
+  Plan plan;
+  std::string history;
+};
+FinalizeAction DecideFinalize(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg);
+// The assignments of a kForm action are in etcd: the view takes the new round's members.
+void AssignmentsWritten(JobView& v, const FinalizeAction& formed);
+
+// Standby bookkeeping once its assign key is written; returns the history line.
+std::string StandbyAssigned(JobView& v, const std::string& id, const CoordinatorConfig& cfg);
+
+// The complete record of an active round every member of which reported done.
+RoundRecord CompletionRecord(const RoundRecord& round);
+
+// Candidates for PlanRound: acked_only = the nodes that acked this round's proposal, else every
+// registered node not known unresponsive; leaving nodes never.
+std::vector<Candidate> Candidates(const JobView& v, const RoundRecord& round, bool acked_only);
+
+// Succession, decided by a node that is not (or no longer) the coordinator:
+// - a node that finds the coordinator gone takes over: the record it writes (a new proposal
+//   unless the job is gathering);
+RoundRecord TakeOverRecord(const RoundRecord& round, const std::string& self);
+// - a coordinator that leaves hands over to `successor` (a graceful change).
+RoundRecord HandOverRecord(const RoundRecord& round, const std::string& self,
+                           const std::string& successor);
+
+}  // namespace efdl::rdzv

@@ -1,0 +1,175 @@
+// Private to src/rendezvous: the EtcdRendezvous class, whose driver (etcd_rendezvous.cc) and
+// node side (etcd_rendezvous_node.cc) live in two files. Nothing outside src/rendezvous
+// includes this; the agent makes one through NewEtcdRendezvous (etcd_rendezvous.h).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/thread_annotations.h"
+#include "efdl/etcd.h"
+#include "rendezvous/coordinator.h"
+#include "rendezvous/protocol.h"
+#include "rendezvous/registration.h"
+#include "rendezvous/rendezvous.h"
+
+namespace efdl::rdzv::internal {
+
+using Clock = std::chrono::steady_clock;
+using TimePoint = Clock::time_point;
+
+struct Input {
+  enum class Type {
+    kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
+    kResync, kGaveUp
+  };
+  Type type = Type::kRound;
+  uint64_t generation = 0;              // watch inputs: the registration/watch set they belong to
+  std::vector<etcd::WatchEvent> events;
+  int64_t round = 0;
+  int64_t lease = 0;
+  std::string detail;
+  bool coordinator_watch = false;       // kResync from a coordinator watch (nodes/ or ack/)
+};
+
+inline Event MakeEvent(Event::Type type, int64_t round, bool graceful, std::string message) {
+  Event e;
+  e.type = type;
+  e.round = round;
+  e.graceful = graceful;
+  e.message = std::move(message);
+  return e;
+}
+
+// One node's side of the protocol. Owns the driver thread, this node's Registration and the
+// Coordinator it runs while the round record names it (as that coordinator's host).
+class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
+ public:
+  EtcdRendezvous(etcd::Client& client, RendezvousOptions options)
+      : client_(client),
+        opt_(std::move(options)),
+        keys_(opt_.job_id),
+        registration_(client_, keys_, opt_.job_id, opt_.node_id, RegistrationCallbacks()),
+        coordinator_(client_, keys_,
+                     {opt_.job_id, opt_.node_id, opt_.min_nodes, opt_.max_nodes,
+                      opt_.world_size, opt_.last_call, opt_.liveness_window},
+                     *this) {}
+  ~EtcdRendezvous() override { Leave(); }
+
+  Status Join() override;
+  std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override;
+  void ReportWorkerFailure(int64_t round, const std::string& detail) override;
+  void ReportWorkersSucceeded(int64_t round) override;
+  void Leave() override;
+  Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
+  Status RecordGiveUp(const std::string& reason,
+                      const std::vector<std::string>& stderr_tail) override;
+  bool MayPublish(double committed_at) const override {
+    return registration_.MayPublish(committed_at);
+  }
+  void OfferAgentStore(uint16_t port) override { agent_store_port_.store(port); }
+
+ private:
+  // --- plumbing ---
+  Registration::Callbacks RegistrationCallbacks();
+  void Push(Input in);
+  void Emit(Event e);
+  void DriverLoop();
+  void Handle(Input& in);
+  void Resync();
+  std::optional<TimePoint> NextDeadline() const;
+  void OnTimers();
+  // While this node waits for a round: a line every kWaitNoticeInterval saying for what.
+  void WaitNotice(TimePoint now);
+  // A peer gave up and this node's own workers failed too: end the job here as well when fewer
+  // than MIN nodes remain (no round can form), instead of waiting out the join timeout.
+  void CheckEveryNodeFailed();
+  etcd::WatchCallback WatchInto(Input::Type type, uint64_t generation);
+
+  // --- CoordinatorHost ---
+  const RoundRecord& round() const override { return round_; }
+  int64_t round_revision() const override { return round_mod_rev_; }
+  bool CasRound(const RoundRecord& rec) override { return CasRoundAt(rec, round_mod_rev_); }
+  void RereadRound() override;
+  void ApplyRound(const RoundRecord& rec, int64_t mod_rev) override;
+  etcd::WatchCallback CoordinatorWatch(bool nodes, uint64_t generation) override {
+    return WatchInto(nodes ? Input::Type::kNodes : Input::Type::kAcks, generation);
+  }
+  void RequestResync() override;
+
+  // --- node side ---
+  Status CheckSameProgram();   // Join: refuses a program other than the registered nodes'
+  Status Register();           // Registration::Open, then take the round it read
+  // Join() found the node id taken: waits (up to the join timeout) while the holder's lease is
+  // not being renewed — the registration of a previous agent of this node that died — and
+  // registers once it expired; returns `taken` as soon as the lease is seen renewed (a live
+  // agent uses the id).
+  Status WaitOutStaleRegistration(Status taken);
+  void TryStart();
+  void SendAck(AckState state, int64_t round);
+  bool CasRoundAt(const RoundRecord& rec, int64_t expect_mod_rev);   // true when we won
+  void UpdateDeputyWatch();
+  void OnCoordinatorGone(const std::string& coordinator);
+  void TakeOver();
+  void Fence(const std::string& why);
+  void Fail(const std::string& message);
+  void ReleaseRegistration(bool announce_leaving);
+  // A coordinator that leaves names its successor and proposes the next round itself (graceful).
+  void HandOverCoordination();
+  int64_t CurrentRoundForEvents() const;
+  // P round says suspended: emit kSuspended once and stop all protocol work; the lease stays
+  // until the agent's Leave(), so `efdl suspend` sees the node until its workers are down.
+  void OnSuspended(const RoundRecord& rec);
+  // Out of every round (fenced, suspended): no started round, no coordination, no watch of the
+  // round, the assignment or the coordinator; the lease is the caller's business.
+  void StopTakingPart();
+
+  etcd::Client& client_;
+  const RendezvousOptions opt_;
+  const JobKeys keys_;
+
+  Mutex in_mu_;
+  std::condition_variable_any in_cv_;
+  std::deque<Input> inputs_ EFDL_GUARDED_BY(in_mu_);
+  bool stop_ EFDL_GUARDED_BY(in_mu_) = false;
+  bool left_ EFDL_GUARDED_BY(in_mu_) = false;
+
+  Mutex ev_mu_;
+  std::condition_variable_any ev_cv_;
+  std::deque<Event> events_ EFDL_GUARDED_BY(ev_mu_);
+
+  std::thread driver_;
+
+  // Everything below is owned by the driver thread (and by Join before the thread starts, and
+  // by Leave after it stopped).
+  Registration registration_;
+  Coordinator coordinator_;
+  std::optional<std::string> peer_gave_up_;     // "node X gave up: why", the newest
+  std::optional<std::string> own_failure_;      // this node's last worker failure, until a success
+  TimePoint last_wait_notice_{};
+  TimePoint next_failed_check_{};
+  std::optional<TimePoint> takeover_at_;
+  RoundRecord round_;
+  int64_t round_mod_rev_ = 0;
+  std::optional<AssignRecord> assign_;
+  int64_t acked_round_ = 0;
+  int64_t started_round_ = 0;
+  bool started_standby_ = false;
+  int64_t fenced_round_ = 0;
+  int restarts_ = 0;
+  std::atomic<uint16_t> agent_store_port_{0};   // OfferAgentStore (set by the agent's thread)
+  bool finished_ = false;               // complete, failed or left: no more protocol work
+  std::optional<TimePoint> unplaced_since_;
+  std::optional<TimePoint> rejoin_at_;
+  std::optional<TimePoint> fenced_since_;
+};
+
+}  // namespace efdl::rdzv::internal

@@ -1,0 +1,450 @@
+// The node's part of the round (protocol.h): joining, taking the round record, acking,
+// starting, fencing, taking over from a vanished coordinator, handing coordination over when
+// leaving, and suspension. Runs on the driver thread (etcd_rendezvous.cc).
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <thread>
+#include <utility>
+
+#include "common/log.h"
+#include "common/net.h"
+#include "rendezvous/coordination.h"
+#include "rendezvous/etcd_rendezvous_impl.h"
+#include "rendezvous/suspend.h"
+
+namespace efdl::rdzv::internal {
+namespace {
+
+using nlohmann::json;
+
+// --- Horovod (docs/horovod.md): a second port offered in each ack, the rank-0 node's offer in
+// the round record (coordination.cc), each node's cross layout (and, for rank 0, the member
+// list) from its assign.
+
+// A free port for the Horovod rendezvous, distinct from the master port offered with it.
+uint16_t OfferHorovodPort(const std::string& advertise_addr, uint16_t master_port) {
+  const std::string host = advertise_addr.empty() ? "127.0.0.1" : advertise_addr;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto port = PickFreePort(host);
+    if (!port.ok()) port = PickFreePort("0.0.0.0");
+    if (port.ok() && *port != master_port) return *port;
+  }
+  return 0;
+}
+
+void AddHorovodPlace(const RoundRecord& round, const AssignRecord& assign, Assignment& a) {
+  a.horovod_port = round.horovod_port;
+  if (assign.standby) return;
+  a.cross_rank = assign.cross_rank;
+  a.cross_size = assign.cross_size;
+  a.horovod_hosts = assign.hosts;
+  a.horovod_clients = assign.host_addrs;
+}
+
+}  // namespace
+
+Status EtcdRendezvous::Join() {
+  EFDL_RETURN_IF_ERROR(ValidateId("job id", opt_.job_id));
+  EFDL_RETURN_IF_ERROR(ValidateId("node id", opt_.node_id));
+  if (opt_.min_nodes < 1 || opt_.max_nodes < opt_.min_nodes) {
+    return Status::InvalidArgument(fmt::format(
+        "--nnodes {}:{} is invalid: need 1 <= MIN <= MAX", opt_.min_nodes, opt_.max_nodes));
+  }
+  if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
+  if (driver_.joinable()) return Status::FailedPrecondition("Join() was already called");
+  EFDL_RETURN_IF_ERROR(CheckSameProgram());
+  Status s = Register();
+  if (s.code() == Status::Code::kAlreadyExists) s = WaitOutStaleRegistration(std::move(s));
+  EFDL_RETURN_IF_ERROR(s);
+  driver_ = std::thread([this] { DriverLoop(); });
+  return Status::OK();
+}
+
+Status EtcdRendezvous::CheckSameProgram() {
+  if (opt_.program.empty()) return Status::OK();
+  auto nodes = client_.Range(keys_.nodes, {.prefix = true});
+  if (!nodes.ok()) return nodes.status().WithContext("cannot read the job's nodes");
+  for (const auto& kv : nodes->kvs) {
+    auto rec = NodeRecord::Decode(kv.value);
+    const std::string id = kv.key.substr(keys_.nodes.size());
+    if (!rec.ok() || rec->program.empty() || rec->program == opt_.program ||
+        id == opt_.node_id) {
+      continue;
+    }
+    return Status::FailedPrecondition(fmt::format(
+        "job '{}' runs {} (node {}), this node {}: the nodes of one job run one program. Give "
+        "this one its own --job, or start it with the same command as the others",
+        opt_.job_id, rec->program, id, opt_.program));
+  }
+  return Status::OK();
+}
+
+Status EtcdRendezvous::WaitOutStaleRegistration(Status taken) {
+  // A dead holder's lease runs down with the clock; a live one's is renewed (every TTL/3), so
+  // its remaining time stays above that line. Seconds granularity: allow 2 s of slack.
+  const auto start = Clock::now();
+  const auto deadline = start + opt_.join_timeout;
+  std::optional<int64_t> first_left;
+  while (Clock::now() < deadline) {
+    auto kv = client_.Get(keys_.Node(opt_.node_id));
+    if (!kv.ok()) return kv.status().WithContext("cannot read the node's registration");
+    if (kv->has_value()) {
+      auto left = client_.LeaseTimeToLive((*kv)->lease);
+      if (left.ok()) {
+        double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+        if (!first_left) {
+          first_left = *left;
+          EFDL_LOG_INFO("rdzv {}: node id '{}' is still registered in job {} ({} s left on its "
+                        "lease): waiting for it to expire, in case it is a previous agent of "
+                        "this node that died", opt_.node_id, opt_.node_id, opt_.job_id, *left);
+        } else if (static_cast<double>(*left) > static_cast<double>(*first_left) - elapsed + 2.0) {
+          return taken;   // renewed meanwhile: another live agent
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    Status s = Register();
+    if (s.code() != Status::Code::kAlreadyExists) {
+      if (s.ok() && first_left) {
+        EFDL_LOG_INFO("rdzv {}: the previous registration expired; registered", opt_.node_id);
+      }
+      return s;
+    }
+  }
+  return taken;
+}
+
+Status EtcdRendezvous::Register() {
+  assign_.reset();
+  RoundRecord fresh;
+  fresh.round = 1;
+  fresh.phase = Phase::kGathering;
+  fresh.coordinator = opt_.node_id;
+  fresh.message = "job started";
+  auto joined =
+      registration_.Open(NodeRecord{opt_.advertise_addr, opt_.nproc, opt_.program}, opt_.ttl, fresh);
+  if (!joined.ok()) return joined.status();
+  acked_round_ = 0;
+  round_mod_rev_ = 0;
+  unplaced_since_ = Clock::now();
+  ApplyRound(joined->round, joined->round_revision);
+  // A coordinator that is gone (crashed before anyone was around to be its deputy) is replaced
+  // by whoever notices first; the CAS makes that safe.
+  if (!finished_ && round_.coordinator != opt_.node_id && round_.phase != Phase::kComplete) {
+    auto ck = client_.Get(keys_.Node(round_.coordinator));
+    if (ck.ok() && !ck->has_value()) TakeOver();
+  }
+  return Status::OK();
+}
+
+void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
+  if (mod_rev <= round_mod_rev_) return;
+  round_ = rec;
+  round_mod_rev_ = mod_rev;
+  if (rec.phase == Phase::kSuspended) {
+    OnSuspended(rec);
+    return;
+  }
+  if (rec.phase == Phase::kComplete) {
+    std::string when;
+    if (auto done = client_.Get(keys_.complete); done.ok() && done->has_value()) {
+      auto j = json::parse((*done)->value, nullptr, false);
+      if (j.is_object() && j.contains("time") && j["time"].is_string()) {
+        when = " at " + j["time"].get<std::string>();
+      }
+    }
+    Emit(MakeEvent(Event::Type::kJobComplete, rec.round, false,
+                   fmt::format("every worker of the job succeeded; completed{}", when)));
+    coordinator_.Stop();
+    ReleaseRegistration(false);
+    return;
+  }
+  if (started_round_ != 0 && (rec.round != started_round_ || rec.phase != Phase::kActive)) {
+    if (!started_standby_) {
+      Emit(MakeEvent(Event::Type::kRoundClosing, started_round_, rec.graceful, rec.message));
+    }
+    started_round_ = 0;
+    started_standby_ = false;
+    unplaced_since_ = Clock::now();
+  }
+  if (rec.phase == Phase::kProposed && rec.round > acked_round_ && rec.round > fenced_round_) {
+    SendAck(AckState::kAck, rec.round);
+  }
+  if (rec.coordinator == opt_.node_id && !coordinator_.active()) {
+    coordinator_.Start();
+  } else if (rec.coordinator != opt_.node_id && coordinator_.active()) {
+    coordinator_.Stop();
+  }
+  TryStart();            // first: a member that starts now must not set up a waiter's watch
+  UpdateDeputyWatch();
+}
+
+void EtcdRendezvous::TryStart() {
+  if (round_.phase != Phase::kActive || !assign_ || assign_->round != round_.round ||
+      started_round_ == round_.round || round_.round <= fenced_round_) {
+    return;
+  }
+  Event e;
+  e.type = Event::Type::kRoundStarted;
+  e.round = round_.round;
+  e.graceful = round_.graceful;
+  Assignment& a = e.assignment;
+  a.round = round_.round;
+  a.standby = assign_->standby;
+  a.nnodes = round_.nnodes;
+  a.world_size = round_.world_size;
+  a.master_addr = round_.master_addr;
+  a.master_port = round_.master_port;
+  a.agent_store = round_.agent_store;
+  if (!a.standby) {
+    a.node_rank = assign_->node_rank;
+    a.rank_offset = assign_->rank_offset;
+    a.nproc = opt_.nproc;
+  }
+  AddHorovodPlace(round_, *assign_, a);
+  e.message = !a.standby             ? round_.message
+              : opt_.world_size > 0 ? "standby: the round's processes already add up to the "
+                                      "world size"
+                                    : "standby: the job is at its maximum size";
+  started_round_ = round_.round;
+  started_standby_ = a.standby;
+  unplaced_since_.reset();
+  Emit(std::move(e));
+  UpdateDeputyWatch();   // a waiter that became a member drops its watch of the coordinator
+}
+
+void EtcdRendezvous::SendAck(AckState state, int64_t round) {
+  if (registration_.lease() == 0) return;
+  AckRecord ack;
+  ack.round = round;
+  ack.state = state;
+  ack.restarts = restarts_;
+  if (state == AckState::kAck) {
+    if (const uint16_t store = agent_store_port_.load(); store != 0) {
+      ack.port = store;
+      ack.agent_store = true;
+    } else {
+      auto port = PickFreePort(opt_.advertise_addr.empty() ? "127.0.0.1" : opt_.advertise_addr);
+      if (!port.ok()) port = PickFreePort("0.0.0.0");
+      ack.port = port.ok() ? *port : 0;
+    }
+    ack.horovod_port = OfferHorovodPort(opt_.advertise_addr, ack.port);
+    acked_round_ = round;
+  }
+  auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
+  if (!put.ok()) {
+    EFDL_LOG_WARN("rdzv {}: cannot record '{}' for round {}: {}", opt_.node_id,
+                  AckStateName(state), round, put.status().ToString());
+  }
+}
+
+bool EtcdRendezvous::CasRoundAt(const RoundRecord& rec, int64_t expect_mod_rev) {
+  auto txn = client_.Txn({etcd::Compare::ModRevisionIs(keys_.round, expect_mod_rev)},
+                         {etcd::TxnOp::Put(keys_.round, rec.Encode())});
+  if (!txn.ok()) {
+    EFDL_LOG_WARN("rdzv {}: cannot write the round record: {}", opt_.node_id,
+                  txn.status().ToString());
+    return false;
+  }
+  if (!txn->succeeded) return false;
+  ApplyRound(rec, txn->revision);
+  return true;
+}
+
+void EtcdRendezvous::RereadRound() {
+  auto rd = client_.Get(keys_.round);
+  if (!rd.ok() || !rd->has_value()) return;
+  auto rec = RoundRecord::Decode((*rd)->value);
+  if (rec.ok()) ApplyRound(*rec, (*rd)->mod_revision);
+}
+
+void EtcdRendezvous::UpdateDeputyWatch() {
+  const bool named = std::find(round_.deputies.begin(), round_.deputies.end(), opt_.node_id) !=
+                     round_.deputies.end();
+  // A node waiting outside an active round (a newcomer or a standby) also watches the
+  // coordinator, after every named deputy (Handle: index = deputies.size()): when the whole round
+  // died at once its deputies are dead too, and without this nobody would ever take over. Only
+  // nodes outside the round do it, so a formed job of N members adds no watches.
+  const bool waiting_outside = round_.phase == Phase::kActive &&
+                               (started_round_ == 0 || started_standby_);
+  bool deputy = round_.coordinator != opt_.node_id && !round_.coordinator.empty() &&
+                (named || waiting_outside);
+  std::string target = deputy ? round_.coordinator : std::string();
+  if (target == registration_.followed()) return;
+  takeover_at_.reset();
+  if (registration_.FollowCoordinator(target)) OnCoordinatorGone(target);
+}
+
+void EtcdRendezvous::OnCoordinatorGone(const std::string& coordinator) {
+  if (coordinator != registration_.followed() || round_.coordinator != coordinator ||
+      takeover_at_) {
+    return;
+  }
+  auto it = std::find(round_.deputies.begin(), round_.deputies.end(), opt_.node_id);
+  auto index = it - round_.deputies.begin();
+  takeover_at_ = Clock::now() + index * opt_.takeover_step;
+}
+
+void EtcdRendezvous::TakeOver() {
+  auto rd = client_.Get(keys_.round);
+  if (!rd.ok() || !rd->has_value()) return;
+  auto rec = RoundRecord::Decode((*rd)->value);
+  if (!rec.ok() || rec->phase == Phase::kComplete) return;
+  if (rec->phase == Phase::kSuspended) {
+    ApplyRound(*rec, (*rd)->mod_revision);
+    return;
+  }
+  // Someone else may have taken over already; only replace a coordinator that is really gone.
+  if (rec->coordinator == opt_.node_id) return;
+  auto ck = client_.Get(keys_.Node(rec->coordinator));
+  if (!ck.ok() || ck->has_value()) {
+    ApplyRound(*rec, (*rd)->mod_revision);
+    return;
+  }
+  const std::string gone = rec->coordinator;
+  const RoundRecord next = TakeOverRecord(*rec, opt_.node_id);
+  if (CasRoundAt(next, (*rd)->mod_revision)) {
+    EFDL_LOG_INFO("rdzv {}: took over coordination of job {} from {}", opt_.node_id, opt_.job_id,
+                  gone);
+  } else {
+    RereadRound();
+  }
+}
+
+int64_t EtcdRendezvous::CurrentRoundForEvents() const {
+  return started_round_ != 0 ? started_round_ : round_.round;
+}
+
+void EtcdRendezvous::Fence(const std::string& why) {
+  if (finished_ || registration_.lease() == 0) return;
+  int64_t round = CurrentRoundForEvents();
+  EFDL_LOG_WARN("rdzv {}: fenced out of round {}: {}", opt_.node_id, round, why);
+  registration_.Fence();   // first: from now on nothing of the old round is published
+  Emit(MakeEvent(Event::Type::kFenced, round, false,
+                 fmt::format("node {} was fenced out of round {}: {}", opt_.node_id, round, why)));
+  fenced_round_ = std::max(round, round_.round);
+  StopTakingPart();
+  fenced_since_ = Clock::now();
+  rejoin_at_ = Clock::now();
+}
+
+void EtcdRendezvous::Fail(const std::string& message) {
+  EFDL_LOG_ERROR("rdzv {}: {}", opt_.node_id, message);
+  int64_t round = CurrentRoundForEvents();
+  // Out of the job first, so that an agent acting on the event finds the node gone.
+  ReleaseRegistration(false);
+  Emit(MakeEvent(Event::Type::kFailed, round, false, message));
+}
+
+void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
+  finished_ = true;
+  coordinator_.Stop();
+  registration_.StopWatching();
+  takeover_at_.reset();
+  rejoin_at_.reset();
+  unplaced_since_.reset();
+  if (announce_leaving && registration_.lease() != 0) {
+    SendAck(AckState::kLeaving, round_.round);
+    HandOverCoordination();
+  }
+  registration_.Release();
+}
+
+// Without this, a leaving coordinator would simply vanish: its deputy would notice the deleted
+// node key and close the round as if the coordinator had crashed (workers stopped by signal,
+// the steps since the last commit lost). Instead the leaver writes the next round itself, naming
+// its first live deputy as coordinator and marking the change graceful, so every member stops
+// its workers at a commit. Runs on the caller's thread after the driver stopped, so it writes
+// with a plain CAS and does not apply the record to itself (it must not ack the new round).
+void EtcdRendezvous::HandOverCoordination() {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto rd = client_.Get(keys_.round);
+    if (!rd.ok() || !rd->has_value()) return;
+    auto rec = RoundRecord::Decode((*rd)->value);
+    if (!rec.ok() || rec->coordinator != opt_.node_id || rec->phase == Phase::kComplete ||
+        rec->phase == Phase::kSuspended) {
+      return;
+    }
+    std::string successor;
+    for (const auto& d : rec->deputies) {
+      if (d == opt_.node_id) continue;
+      auto ck = client_.Get(keys_.Node(d));
+      if (ck.ok() && ck->has_value()) {
+        successor = d;
+        break;
+      }
+    }
+    // Nobody to hand over to: a node that registers later finds the coordinator gone and
+    // takes over (Register), as after a crash.
+    if (successor.empty()) return;
+    const RoundRecord next = HandOverRecord(*rec, opt_.node_id, successor);
+    auto txn = client_.Txn({etcd::Compare::ModRevisionIs(keys_.round, (*rd)->mod_revision)},
+                           {etcd::TxnOp::Put(keys_.round, next.Encode())});
+    if (!txn.ok()) {
+      EFDL_LOG_WARN("rdzv {}: cannot hand coordination over to {} (its deputy takes over when "
+                    "this node's lease ends): {}", opt_.node_id, successor,
+                    txn.status().ToString());
+      return;
+    }
+    if (txn->succeeded) {
+      EFDL_LOG_INFO("rdzv {}: leaving job {}: handed coordination over to {} (round {})",
+                    opt_.node_id, opt_.job_id, successor, next.round);
+      return;
+    }
+  }
+}
+
+void EtcdRendezvous::Leave() {
+  {
+    MutexLock lock(in_mu_);
+    if (left_) return;
+    left_ = true;
+    stop_ = true;
+  }
+  in_cv_.notify_all();
+  if (driver_.joinable()) driver_.join();
+  if (!finished_) {
+    ReleaseRegistration(true);
+  } else if (registration_.lease() != 0) {
+    ReleaseRegistration(false);  // suspended: the lease was kept until now
+  }
+}
+
+Status EtcdRendezvous::ReportSuspended(const std::optional<PersistedPoint>& persisted) {
+  SuspendReport report;
+  report.time = WallClockTimestamp();
+  if (persisted) {
+    report.step = persisted->step;
+    if (persisted->seq > 0) report.seq = persisted->seq;
+    report.epoch = persisted->epoch;
+  }
+  auto put = client_.Put(keys_.Suspended(opt_.node_id), report.Encode());
+  if (!put.ok()) {
+    return put.status().WithContext(
+        fmt::format("job {}: cannot record node {}'s suspend step", opt_.job_id, opt_.node_id));
+  }
+  return Status::OK();
+}
+
+void EtcdRendezvous::OnSuspended(const RoundRecord& rec) {
+  if (finished_) return;
+  Emit(MakeEvent(Event::Type::kSuspended, CurrentRoundForEvents(), /*graceful=*/true,
+                 rec.message.empty() ? fmt::format("job {} is suspended", opt_.job_id)
+                                     : rec.message));
+  finished_ = true;
+  StopTakingPart();
+  rejoin_at_.reset();
+}
+
+void EtcdRendezvous::StopTakingPart() {
+  started_round_ = 0;
+  started_standby_ = false;
+  coordinator_.Stop();
+  registration_.StopWatching();
+  takeover_at_.reset();
+  unplaced_since_.reset();
+}
+
+}  // namespace efdl::rdzv::internal

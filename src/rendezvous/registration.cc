@@ -1,0 +1,193 @@
+#include "rendezvous/registration.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "common/log.h"
+#include "rendezvous/suspend.h"
+
+namespace efdl::rdzv {
+
+Result<Registration::Joined> Registration::Open(const NodeRecord& me,
+                                                std::chrono::milliseconds ttl,
+                                                const RoundRecord& fresh) {
+  ++generation_;
+  const uint64_t gen = generation_;
+  const int64_t ttl_s = std::max<int64_t>(
+      1, std::chrono::duration_cast<std::chrono::seconds>(ttl + std::chrono::milliseconds(999))
+             .count());
+  auto grant = client_.LeaseGrant(ttl_s);
+  if (!grant.ok()) {
+    return grant.status().WithContext(
+        fmt::format("job {}: cannot register node {} in etcd", job_id_, node_id_));
+  }
+  const int64_t lease = grant->id;
+  auto keeper = client_.KeepAlive(lease, [this, lease] { cb_.lease_lost(lease); });
+  if (!keeper.ok()) {
+    (void)client_.LeaseRevoke(lease);
+    return keeper.status().WithContext("cannot keep the node's lease alive");
+  }
+  // Everything below that fails drops this attempt's keeper and lease.
+  auto abandon = [&](Status s) {
+    keeper->reset();
+    (void)client_.LeaseRevoke(lease);
+    return s;
+  };
+  // One request registers the node and reads the round record (the common case); only the
+  // first node of a job needs a second one to create the record.
+  auto reg = client_.Txn({etcd::Compare::KeyMissing(keys_.Node(node_id_))},
+                         {etcd::TxnOp::Put(keys_.Node(node_id_), me.Encode(), lease),
+                          etcd::TxnOp::Get(keys_.round)});
+  if (!reg.ok()) return abandon(reg.status().WithContext("cannot register the node"));
+  if (!reg->succeeded) {
+    return abandon(Status::AlreadyExists(fmt::format(
+        "node id '{}' is already registered in job '{}' by an agent whose lease is kept alive "
+        "(another agent uses this id): give this node another --node-id",
+        node_id_, job_id_)));
+  }
+  Joined joined;
+  joined.revision = reg->revision;
+  joined.round = fresh;
+  int64_t read_rev = reg->revision;
+  const etcd::KeyValue* found = nullptr;
+  Result<etcd::TxnResult> created = etcd::TxnResult{};
+  if (!reg->gets.empty() && !reg->gets[0].kvs.empty()) {
+    found = &reg->gets[0].kvs[0];
+  } else {
+    created = client_.Txn({etcd::Compare::KeyMissing(keys_.round)},
+                          {etcd::TxnOp::Put(keys_.round, fresh.Encode())},
+                          {etcd::TxnOp::Get(keys_.round)});
+    if (!created.ok()) return abandon(created.status().WithContext("cannot read the job's round"));
+    read_rev = created->revision;
+    joined.round_revision = created->revision;
+    if (!created->succeeded && !created->gets.empty() && !created->gets[0].kvs.empty()) {
+      found = &created->gets[0].kvs[0];
+    }
+  }
+  if (found != nullptr) {
+    auto dec = RoundRecord::Decode(found->value);
+    if (!dec.ok()) {
+      return abandon(dec.status().WithContext(
+          fmt::format("job {} has a damaged round record in etcd", job_id_)));
+    }
+    joined.round = *dec;
+    joined.round_revision = found->mod_revision;
+    if (joined.round.phase == Phase::kSuspended) {
+      auto info = ReadSuspension(client_, job_id_);
+      return abandon(Status::FailedPrecondition(
+          SuspendedJobMessage(job_id_, info.ok() ? info->point : std::nullopt)));
+    }
+  }
+  auto w1 = client_.StartWatch(keys_.round, {false, read_rev + 1, false},
+                               cb_.watch(Stream::kRound, gen));
+  auto w2 = client_.StartWatch(keys_.Assign(node_id_), {false, joined.revision + 1, false},
+                               cb_.watch(Stream::kAssign, gen));
+  if (!w1.ok() || !w2.ok()) {
+    return abandon((!w1.ok() ? w1.status() : w2.status()).WithContext("cannot watch the job"));
+  }
+  lease_ = lease;
+  SetKeeper(std::move(*keeper), false);
+  round_watch_ = std::move(*w1);
+  assign_watch_ = std::move(*w2);
+  if (!gaveup_watch_) {
+    // Records written after this node joined; one that cannot be watched is only information.
+    auto w3 = client_.StartWatch(keys_.gaveup, {true, joined.revision + 1, false},
+                                 cb_.watch(Stream::kGaveUp, gen));
+    if (w3.ok()) gaveup_watch_ = std::move(*w3);
+  }
+  EFDL_LOG_DEBUG("rdzv {}: registered in job {} (lease {:x}, revision {})", node_id_, job_id_,
+                 lease, joined.revision);
+  return joined;
+}
+
+Result<Registration::Reread> Registration::Rewatch() {
+  StopWatching();
+  ++generation_;
+  auto rd = client_.Get(keys_.round);
+  auto as = client_.Get(keys_.Assign(node_id_));
+  if (!rd.ok() || !as.ok()) {
+    return Status::Unavailable("etcd could not be re-read after a broken watch");
+  }
+  const int64_t rev =
+      std::max((*rd) ? (*rd)->mod_revision : 0, (*as) ? (*as)->mod_revision : 0);
+  auto w1 = client_.StartWatch(keys_.round, {false, rev + 1, false},
+                               cb_.watch(Stream::kRound, generation_));
+  auto w2 = client_.StartWatch(keys_.Assign(node_id_), {false, rev + 1, false},
+                               cb_.watch(Stream::kAssign, generation_));
+  if (!w1.ok() || !w2.ok()) return Status::Unavailable("watches could not be restarted");
+  round_watch_ = std::move(*w1);
+  assign_watch_ = std::move(*w2);
+  return Reread{*rd, *as};
+}
+
+bool Registration::FollowCoordinator(const std::string& coordinator) {
+  if (coordinator == followed_) return false;
+  coordinator_watch_.reset();
+  followed_ = coordinator;
+  if (coordinator.empty()) return false;
+  auto ck = client_.Get(keys_.Node(coordinator));
+  if (!ck.ok()) return false;
+  if (!ck->has_value()) return true;
+  const uint64_t gen = generation_;
+  auto w = client_.StartWatch(
+      keys_.Node(coordinator), {false, (*ck)->mod_revision + 1, false},
+      [gone_cb = cb_.coordinator_gone, gen, coordinator](const etcd::WatchUpdate& u) {
+        bool gone = !u.error.ok() || u.compacted;
+        for (const auto& e : u.events) gone |= e.type == etcd::WatchEvent::Type::kDelete;
+        if (gone) gone_cb(gen, coordinator);
+      });
+  if (w.ok()) coordinator_watch_ = std::move(*w);
+  return false;
+}
+
+void Registration::StopWatching() {
+  round_watch_.reset();
+  assign_watch_.reset();
+  coordinator_watch_.reset();
+  followed_.clear();
+}
+
+void Registration::Fence() {
+  SetKeeper(nullptr, true);   // first: from now on nothing of the old round is published
+  StopWatching();
+  lease_ = 0;
+  ++generation_;
+}
+
+void Registration::Release() {
+  if (lease_ != 0) {
+    SetKeeper(nullptr, false);
+    Status s = client_.LeaseRevoke(lease_);
+    if (!s.ok() && !s.IsNotFound()) {
+      EFDL_LOG_WARN("rdzv {}: could not revoke the lease (others will see it expire after "
+                    "the TTL): {}", node_id_, s.ToString());
+    }
+    lease_ = 0;
+  }
+  SetKeeper(nullptr, false);
+}
+
+void Registration::SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced) {
+  std::unique_ptr<etcd::LeaseKeeper> old;
+  MutexLock lock(keeper_mu_);
+  old = std::move(keeper_);   // destroyed after the lock is released
+  keeper_ = std::move(keeper);
+  fenced_ = fenced;
+  if (fenced) {
+    fenced_at_wall_ =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
+  }
+}
+
+bool Registration::MayPublish(double committed_at) const {
+  MutexLock lock(keeper_mu_);
+  if (fenced_ || committed_at < fenced_at_wall_) return false;
+  // Without a lease (before the first registration, after leaving) nothing newer can be fenced
+  // against it; with one, only until its local expiry.
+  return keeper_ == nullptr || std::chrono::steady_clock::now() < keeper_->expires_at();
+}
+
+}  // namespace efdl::rdzv
