@@ -442,9 +442,17 @@ class Job:
 
     def dump(self, tail=None):
         # FAULT_DUMP_TAIL: characters of each agent's output shown on a failure (default 2500).
+        # Before that tail, the agent's own lines (not its workers' "[rank N]" ones), the last
+        # 150: what the agent decided (a fence, a lost lease, a round) is often early in a run
+        # whose tail is all steps.
         tail = tail or int(os.environ.get("FAULT_DUMP_TAIL", "2500"))
-        return "\n".join("==== %s (exit %s)\n%s" % (a.name, a.proc.poll(), a.output()[-tail:])
-                         for a in self.all_agents)
+        out = []
+        for a in self.all_agents:
+            text = a.output()
+            own = [line for line in text.splitlines() if not line.startswith("[rank")]
+            out.append("==== %s (exit %s): agent lines\n%s\n---- output tail\n%s" % (
+                a.name, a.proc.poll(), "\n".join(own[-150:]), text[-tail:]))
+        return "\n".join(out)
 
     def wait_registrations_gone(self, names, timeout=30):
         """Waits until etcd dropped the dead nodes' registrations (their leases expired)."""

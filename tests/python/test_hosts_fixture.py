@@ -1,12 +1,15 @@
 """The multi-host test world (tests/python/workers/hosts.py) does what the e2e and fault tests rely
 on: names, /etc/hosts, private /dev/shm and /tmp, traffic between hosts and to the bridge, a
 whole-host SIGKILL (also of processes that left their session), restarts with and without the
-old /dev/shm, a cut link, and nothing left behind."""
+old /dev/shm, a cut link, directories of this machine's /tmp the hosts must see (a checkout in
+/tmp), and nothing left behind."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -38,10 +41,13 @@ def test_hosts_look_like_separate_debian_machines():
         assert lines[1].split() == ["127.0.1.1", h1.name], out
         assert lines[2].split() == [h2.addr, h2.name], out
         assert "127.0.0.1" in lines[3] or "::1" in lines[3], out
-        # Own /dev/shm and /tmp: a file made in one host is not in the other, nor outside.
+        # Own /dev/shm and /tmp: a file made in one host is not in the other, nor outside. (Its
+        # /tmp holds only what must be visible: the checkout when that is under /tmp.)
         assert h1.run(["sh", "-c", "echo one > /dev/shm/efdl-probe && echo t > /tmp/probe"]
                       ).returncode == 0
-        assert h2.run(["ls", "/dev/shm", "/tmp"]).stdout.split() == ["/dev/shm:", "/tmp:"]
+        visible = sorted({os.path.relpath(p, "/tmp").split("/")[0] for p in w.visible})
+        assert h2.run(["ls", "/dev/shm"]).stdout.split() == []
+        assert h2.run(["ls", "/tmp"]).stdout.split() == visible
         assert not os.path.exists("/dev/shm/efdl-probe")
         assert os.path.exists(os.path.join(h1.shm_dir, "efdl-probe"))
         # Traffic from host to host by name, and to the bridge side.
@@ -105,3 +111,33 @@ def test_kill_restart_and_link_cut():
             srv.kill()
             srv.wait(10)
     assert w.leftovers() == []
+
+
+def test_directories_under_tmp_are_seen_at_their_path():
+    """Each host has its own /tmp, so a checkout in /tmp (the program, efdl, the python path)
+    would be missing there: the world binds such directories in at the same path."""
+    outside = tempfile.mkdtemp(prefix="efdl-visible-", dir="/tmp")
+    try:
+        with open(os.path.join(outside, "program"), "w") as f:
+            f.write("here\n")
+        with hosts.HostWorld(2, visible=[outside, os.path.join(outside, "nested"), "/var/tmp"]) \
+                as w:
+            assert w.visible == [outside]   # nested in it, or not under /tmp: nothing to do
+            h1, h2 = w.hosts
+            assert h1.run(["cat", os.path.join(outside, "program")]).stdout == "here\n"
+            # The same directory: what a host writes there is seen outside and on the other.
+            assert h2.run(["sh", "-c", "echo h2 > %s/out" % outside]).returncode == 0
+            with open(os.path.join(outside, "out")) as f:
+                assert f.read() == "h2\n"
+            assert h1.run(["ls", "/tmp"]).stdout.split() == [os.path.basename(outside)]
+            # Working in it, as a host's processes do when the checkout is their cwd.
+            p = h1.popen(["pwd"], cwd=outside, stdout=subprocess.PIPE, text=True)
+            assert p.communicate(timeout=10)[0].strip() == outside
+            # Still there after a restart.
+            h1.restart()
+            assert h1.run(["cat", os.path.join(outside, "program")]).stdout == "here\n"
+        assert w.leftovers() == []
+        # Removing the world's directories never reached into the bound one.
+        assert sorted(os.listdir(outside)) == ["out", "program"]
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)

@@ -20,13 +20,18 @@ namespaces, links, the bridge, mounts, directories) is removed by close(), also 
 setup; kill only ever targets pids this module started.
 
 The world's directory is under /var/tmp, not /tmp (each host has its own /tmp): its `shared`
-subdirectory is visible to every host under the same path (like a shared file system).
+subdirectory is visible to every host under the same path (like a shared file system). What the
+hosts run must be visible to them too: the repository checkout, EFDL_BIN's directory, the
+PYTHONPATH entries and the working directory that do live under /tmp (a clone in /tmp/x) are
+bind mounted, in each host's own mount namespace, at the same path inside its /tmp
+(HostWorld(visible=...) names others).
 
 Needs root, `ip`, `unshare`, `nsenter` and `mount`; HostWorld.unavailable() says in one line why
 a world cannot be made here (tests skip with it).
 """
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,6 +39,33 @@ import tempfile
 import time
 
 _TOOLS = ("ip", "unshare", "nsenter", "mount", "umount", "sleep")
+
+# The repository this file belongs to (tests/python/workers/hosts.py).
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))))
+
+
+def _under_tmp(paths):
+    """The real paths of `paths` that lie below /tmp, without those inside another of them."""
+    found = set()
+    for p in paths:
+        if not p:
+            continue
+        real = os.path.realpath(p)
+        if real.startswith("/tmp/") and os.path.isdir(real):
+            found.add(real)
+    return sorted(p for p in found
+                  if not any(p != q and p.startswith(q + "/") for q in found))
+
+
+def _default_visible():
+    """What a host must see of this machine's /tmp: the checkout, EFDL_BIN's directory, the
+    PYTHONPATH entries and the working directory, where they live under /tmp."""
+    paths = [_REPO, os.getcwd()]
+    if os.environ.get("EFDL_BIN"):
+        paths.append(os.path.dirname(os.path.realpath(os.environ["EFDL_BIN"])))
+    paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return paths
 
 
 def _run(argv, check=True):
@@ -143,11 +175,20 @@ class Host:
             self._mount_shm()
         os.makedirs(self.tmp_dir, exist_ok=True)
         os.chmod(self.tmp_dir, 0o1777)
+        # This machine's directories under /tmp that the host must see, bound (in the host's
+        # mount namespace only) onto the same path inside its /tmp before that covers /tmp;
+        # --rbind takes them along.
+        binds = []
+        for path in self.world.visible:
+            inside = os.path.join(self.tmp_dir, os.path.relpath(path, "/tmp"))
+            os.makedirs(inside, exist_ok=True)
+            binds.append("mount --bind %s %s" % (shlex.quote(path), shlex.quote(inside)))
+        q = shlex.quote
         script = " && ".join([
-            "hostname %s" % self.name,
-            "mount --bind %s /etc/hosts" % self.hosts_file,
-            "mount --bind %s /dev/shm" % self.shm_dir,
-            "mount --bind %s /tmp" % self.tmp_dir,
+            "hostname %s" % q(self.name),
+            "mount --bind %s /etc/hosts" % q(self.hosts_file),
+            "mount --bind %s /dev/shm" % q(self.shm_dir)] + binds + [
+            "mount --rbind %s /tmp" % q(self.tmp_dir),
             "exec sleep infinity"])
         # unshare forks the namespace's init (PID 1) and waits for it; --kill-child: if the
         # unshare process dies, so does the init, and with it the whole host.
@@ -271,7 +312,11 @@ class HostWorld:
     """n hosts on a bridge; see the module's docstring. Use as a context manager, or call
     close() in a finally."""
 
-    def __init__(self, n, shm_mb=512, start=True):
+    def __init__(self, n, shm_mb=512, start=True, visible=None):
+        """visible: directories of this machine the hosts must see at their own path (default:
+        the checkout, EFDL_BIN's directory, PYTHONPATH and the working directory); only those
+        under /tmp need anything done, every other path is the same on every host anyway."""
+        self.visible = _under_tmp(_default_visible() if visible is None else visible)
         self.tag = "%03x" % (os.getpid() % 0xfff)
         # 10.<200-249>.<0-249>: a subnet only these namespaces and the bridge use.
         self.prefix = "10.%d.%d" % (200 + os.getpid() % 50, (os.getpid() // 50) % 250)
