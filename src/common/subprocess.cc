@@ -215,6 +215,58 @@ Result<Subprocess> Subprocess::Spawn(const SpawnOptions& options) {
   return proc;
 }
 
+std::string ReadAvailable(int fd, size_t limit) {
+  std::string out;
+  if (fd < 0) return out;
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  char buf[4096];
+  while (out.size() < limit) {
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+std::vector<std::string> PipeLines::Feed(std::string_view bytes) {
+  partial_ += bytes;
+  std::vector<std::string> lines;
+  size_t start = 0;
+  for (size_t nl; (nl = partial_.find('\n', start)) != std::string::npos; start = nl + 1) {
+    lines.push_back(partial_.substr(start, nl - start));
+  }
+  partial_.erase(0, start);
+  while (partial_.size() > max_line_) {
+    lines.push_back(partial_.substr(0, max_line_));
+    partial_.erase(0, max_line_);
+  }
+  return lines;
+}
+
+std::string PipeLines::TakeRest() {
+  std::string rest;
+  rest.swap(partial_);
+  return rest;
+}
+
+Subprocess Subprocess::Adopt(pid_t pid, int stdout_fd, int stderr_fd, GroupReaper* reaper) {
+  Subprocess proc;
+  proc.pid_ = pid;
+  proc.group_ = true;
+  proc.stdout_fd_ = stdout_fd;
+  proc.stderr_fd_ = stderr_fd;
+  if (reaper != nullptr) {
+    if (Status listed = reaper->Add(pid); listed.ok()) {
+      proc.reaper_ = reaper;
+    } else {
+      EFDL_LOG_WARN("process group {} would outlive an abrupt exit of this process: {}", pid,
+                    listed.message());
+    }
+  }
+  return proc;
+}
+
 Subprocess::Subprocess(Subprocess&& other) noexcept { *this = std::move(other); }
 
 Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {

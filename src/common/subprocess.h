@@ -13,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "efdl/status.h"
@@ -49,6 +50,12 @@ class Subprocess {
   // Starts the child. Fails (without leaving a child behind) when argv is empty, the program is
   // not found or not executable, or the working directory does not exist.
   static Result<Subprocess> Spawn(const SpawnOptions& options);
+
+  // Takes ownership of `pid`: a child of this process that leads its own process group but was
+  // not started by Spawn (a spare forked by the zygote and adopted by this process as a child
+  // subreaper, agent/zygote.h), with its pipe ends (-1: none). Lists the group with `reaper`
+  // (may be null) as Spawn does.
+  static Subprocess Adopt(pid_t pid, int stdout_fd, int stderr_fd, GroupReaper* reaper);
 
   Subprocess() = default;
   Subprocess(Subprocess&& other) noexcept;
@@ -87,6 +94,24 @@ class Subprocess {
   std::optional<int> exit_status_;
 };
 
+// What a pipe holds now, up to `limit` bytes, without blocking (sets O_NONBLOCK on `fd`); "" for
+// fd < 0.
+std::string ReadAvailable(int fd, size_t limit);
+
+// The complete lines in what a child writes to a pipe, fed a chunk at a time (ReadAvailable). A
+// line longer than `max_line` bytes comes out in pieces of that size: the buffer stays bounded
+// even for output that never ends a line.
+class PipeLines {
+ public:
+  explicit PipeLines(size_t max_line = 4096) : max_line_(max_line) {}
+  std::vector<std::string> Feed(std::string_view bytes);
+  // What came after the last newline; clears it.
+  std::string TakeRest();
+
+ private:
+  size_t max_line_;
+  std::string partial_;
+};
 // "exited with status 3", "killed by signal 9 (SIGKILL)".
 std::string DescribeWaitStatus(int wait_status);
 // True for a normal exit with status 0.

@@ -88,5 +88,16 @@ TEST(SubprocessTest, DestructorKillsTheWholeGroup) {
   EXPECT_TRUE(gone);
 }
 
+TEST(PipeLinesTest, ReturnsCompleteLinesKeepsTheRestAndCutsALineThatNeverEnds) {
+  PipeLines lines(8);
+  EXPECT_EQ(lines.Feed("one\ntw"), std::vector<std::string>{"one"});
+  EXPECT_EQ(lines.Feed("o\n\nthree"), (std::vector<std::string>{"two", ""}));
+  EXPECT_EQ(lines.TakeRest(), "three");
+  EXPECT_EQ(lines.TakeRest(), "");
+  EXPECT_EQ(lines.Feed("0123456789abcdefXY"),
+            (std::vector<std::string>{"01234567", "89abcdef"}));   // bounded: 8 bytes
+  EXPECT_EQ(lines.TakeRest(), "XY");
+}
+
 }  // namespace
 }  // namespace efdl
