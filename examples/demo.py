@@ -83,12 +83,14 @@ def efdl_binary():
 
 
 def clean_env(shm_dir):
-    """The demo's environment minus anything that would make a child think it is a worker.
+    """The demo's environment minus anything that would make a child think it is a worker
+    (EFDL_PRELOAD_MODULES and EFDL_LOG_LEVEL pass: they only shape the agents' spares and logs).
 
     The State's in-memory snapshot copies go to `shm_dir`, which the demo removes at the end.
     """
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("EFDL_", "TORCHELASTIC_")) and k not in (
+           if (not k.startswith(("EFDL_", "TORCHELASTIC_"))
+               or k in ("EFDL_PRELOAD_MODULES", "EFDL_LOG_LEVEL")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "NODE_RANK")}
     env["PYTHONPATH"] = os.path.join(REPO, "python") + (

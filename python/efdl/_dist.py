@@ -12,6 +12,7 @@ import gc
 import os
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,28 @@ def maybe_reexec_under_agent():
     os.execv(command[0], command)
 
 
+# How long a rank other than 0 waits for rank 0's store before leaving the rest to torch.
+_STORE_WAIT_S = 300
+_STORE_POLL_S = 0.01
+
+
+def wait_for_store(host, port, timeout):
+    """Returns once `host:port` (rank 0's TCPStore) accepts a connection, or after `timeout`
+    seconds. torch's store client retries a refused connection only once per second (1.13), so a
+    rank that comes up a moment before rank 0 would lose up to a second at every round change;
+    this polls every 10 ms instead. Whatever goes wrong is left to init_process_group to report."""
+    import socket
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(_STORE_POLL_S)
+
+
 def init_process_group(timeout=None, backend=None):
     """Creates torch.distributed's default group from the launcher's env, or a 1-rank group.
 
@@ -108,6 +131,9 @@ def init_process_group(timeout=None, backend=None):
         if missing:
             raise ValueError("WORLD_SIZE=%d but %s not set: run under `efdl run` (or set them to "
                              "rank 0's address and a free port)" % (size, " and ".join(missing)))
+        if this_rank != 0:
+            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           timeout if timeout is not None else _STORE_WAIT_S)
         dist.init_process_group(backend, init_method="env://", rank=this_rank, world_size=size,
                                 **kwargs)
     else:

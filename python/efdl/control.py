@@ -8,6 +8,7 @@ starts no thread, so it is safe in a process that forks (DataLoader workers).
 import json
 import os
 import socket
+import sys
 import time
 
 from efdl import _env
@@ -27,6 +28,20 @@ _COMMITTED_INTERVAL_NS = 100_000_000
 # A flush's answer may come this long after the agent's own timeout (its loop turn, the wire).
 _FLUSH_ANSWER_MARGIN_S = 10.0
 
+
+
+def uses_gpu():
+    """Whether this process may hold GPU memory: it initialized CUDA through torch, or imported
+    a framework whose GPU use this cannot see (TensorFlow, JAX)."""
+    if "tensorflow" in sys.modules or "jax" in sys.modules:
+        return True
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a broken CUDA setup: keep the agent waiting for the exit
+        return True
 
 class ControlError(Exception):
     """The agent could not be reached or answered something unexpected."""
@@ -114,10 +129,12 @@ class ControlClient:
         self._send_quiet({"type": "persisted", "step": int(step)})
 
     def notify_stopping(self, step, snapshot=True):
-        """Answer to a stop request: this worker exits 0 after the snapshot of `step`."""
+        """Answer to a stop request: this worker exits 0 after the snapshot of `step`. `gpu`
+        tells the agent whether it must wait for this process' exit (GPU memory is freed only
+        then) before starting the next round's worker; without a GPU it starts it at once."""
         round_ = self._stop.round if self._stop is not None else self.round
         self._send_quiet({"type": "stopping", "round": round_, "step": int(step),
-                          "snapshot": bool(snapshot)})
+                          "snapshot": bool(snapshot), "gpu": uses_gpu()})
 
     def query_restore_step(self, timeout=5.0):
         """The newest step this node's workers reported, or None when none did."""

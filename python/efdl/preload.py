@@ -15,6 +15,11 @@ starting agent joins the job only then (docs/agent.md, "Pre-started workers").
 
 The pipe is read once, so a spare serves one round at most. End of file without a message (the
 agent died or discarded the spare) ends the process without running anything.
+
+`python3 [options] -m efdl.preload --zygote SOCK_FD` is the node's zygote (the default): it does
+the imports once and then forks one spare per request on SOCK_FD, so a spare is ready within
+milliseconds and shares the zygote's pages. The protocol and what a fork inherits are described
+in src/agent/zygote.h, which owns them; docs/agent.md, "Pre-started workers", for users.
 """
 
 import builtins
@@ -22,14 +27,30 @@ import importlib
 import importlib.machinery
 import json
 import os
+import signal
 import sys
+import sysconfig
+import time
 import types
 
 DEFAULT_MODULES = "torch,torch.distributed,efdl.backend.torch"
+# A worker forked from the zygote reports the installed modules its program imported in a file
+# here at its exit (src/agent/zygote.h, "Learning the program's imports").
+IMPORTS_DIR_ENV = "EFDL_IMPORTS_DIR"   # src/agent/zygote.h kImportsDirVariable
+_MAX_REPORTED = 5000
+# Reports are written this long after the program started, by a daemon thread (a program
+# stopped by SIGTERM at a round change never reaches its exit), and at its exit. The first
+# comes early, for the next round change; the second catches imports of a slower start-up.
+_REPORT_AFTER_S = (2.0, 30.0)
+_modules_before_program = None   # set(sys.modules) when the program started (forked spares)
 
 
 def _preload(names):
-    for name in filter(None, (n.strip() for n in names.split(","))):
+    _import_all(filter(None, (n.strip() for n in names.split(","))))
+
+
+def _import_all(names):
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -97,11 +118,10 @@ def _run_module(name, args):
     runpy._run_module_as_main(name, alter_argv=True)
 
 
-def main():
-    fd = int(sys.argv[1])
-    _preload(os.environ.get("EFDL_PRELOAD_MODULES", DEFAULT_MODULES))
-    if len(sys.argv) > 2:
-        ready = int(sys.argv[2])
+def _serve(fd, ready):
+    """The life of a spare after its imports: report them done on `ready` (if any), wait for
+    the round's message on `fd`, become the worker. Returns the exit status."""
+    if ready is not None:
         try:
             os.write(ready, b"1")
         except OSError:
@@ -120,6 +140,12 @@ def main():
     if coerced is not None:
         os.environ["LC_CTYPE"] = coerced
     argv = list(msg["argv"])
+    global _modules_before_program
+    _modules_before_program = set(sys.modules)
+    if os.environ.get(IMPORTS_DIR_ENV):
+        import threading
+        threading.Thread(target=_report_imports_later, name="efdl-imports-report",
+                         daemon=True).start()
     try:
         if argv[0] == "-m":
             _run_module(argv[1], argv[2:])
@@ -135,6 +161,337 @@ def main():
         sys.excepthook(type(e), e, tb)
         return 1
     return 0
+
+
+# --- The zygote (src/agent/zygote.h owns the protocol) ---
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+ZYGOTE_NAME = b"efdl-zygote"   # its name in ps -o comm (src/agent/zygote.h)
+_ADOPTION_TIMEOUT_S = 2.0
+
+
+def _prctl(option, arg):
+    import ctypes
+    return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+
+
+def _send(sock, **fields):
+    sock.send(json.dumps(fields).encode())
+
+
+def _threads():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _cuda_initialized():
+    """Whether torch initialised CUDA in this process (a fork of it could not use CUDA). A
+    library that initialises the driver itself starts its threads, which _threads() sees."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch without a usable cuda module has no CUDA state
+        return False
+
+
+class _Spare:
+    """What the zygote's code returns in a forked spare: the request it was forked for, and the
+    process name the interpreter had before it became the zygote."""
+
+    def __init__(self, env, fds, name, middle):
+        self.env = env
+        self.fds = fds
+        self.name = name
+        self.middle = middle   # the intermediate process, our parent until it exits
+
+
+def _become_spare(spare, agent):
+    """In the forked spare, out of the zygote's loop: wait to be adopted by the agent, take the
+    descriptors and environment of the request, and return the spare's (message, ready) fds."""
+    message_fd, ready_fd, out_fd, err_fd = spare.fds
+    os.setpgid(0, 0)
+    # The intermediate process exits at once, and the agent (a child subreaper) adopts us.
+    deadline = time.monotonic() + _ADOPTION_TIMEOUT_S
+    while os.getppid() == spare.middle and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != agent:   # not adopted (the agent is gone): nobody would wait for us
+        os._exit(1)
+    _flush()
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
+    os.environ.update(spare.env)
+    _prctl(_PR_SET_NAME, spare.name)   # a worker, as ps shows a started one
+    # What differs from a fresh interpreter: `random` is reseeded by its own fork hook;
+    # numpy's global generator, seeded at import, is not.
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    return message_fd, ready_fd
+
+
+def _flush():
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _can_leave_idle():
+    """Whether this process may return from SCHED_IDLE to SCHED_OTHER (CAP_SYS_NICE, or an
+    RLIMIT_NICE that allows nice 0), tried in a throw-away fork."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            code = 0
+        except BaseException:  # noqa: BLE001 - the answer is the exit status
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return status == 0
+
+
+def _import_when_idle(names):
+    """Imports `names` under SCHED_IDLE where the zygote may leave it again afterwards (its forks
+    inherit its policy), so that the node's running workers and a round change keep the CPU;
+    else at normal priority. Returns an error when it could not leave SCHED_IDLE, else None."""
+    if not _can_leave_idle():
+        _import_all(names)
+        return None
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    try:
+        _import_all(names)
+    finally:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError as e:
+            return "cannot return to SCHED_OTHER after importing the program's modules: %s" % e
+    return None
+
+
+def _fork_spare(request, fds, name):
+    """Forks a spare for `request` through a short-lived intermediate process, so that the
+    agent adopts it. Returns its pid in the zygote, a _Spare in the spare."""
+    report_r, report_w = os.pipe()
+    _flush()
+    middle = os.fork()
+    if middle == 0:
+        me = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            os._exit(1)
+        if pid == 0:
+            os.close(report_r)
+            os.close(report_w)
+            return _Spare(request.get("env", {}), fds, name, me)
+        try:
+            os.setpgid(pid, pid)
+            os.write(report_w, b"%d" % pid)
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    try:
+        data = b""
+        while True:
+            chunk = os.read(report_r, 64)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(report_r)
+        os.waitpid(middle, 0)
+        for fd in fds:
+            os.close(fd)
+    if not data:
+        raise OSError("the intermediate process could not fork")
+    return int(data)
+
+
+def zygote(sock_fd):
+    """Imports once, then forks a spare per request on SOCK_FD until the agent closes it.
+    Returns the zygote's exit status, or, in a forked spare, its _Spare."""
+    import socket
+    sock = socket.socket(fileno=sock_fd)
+    with open("/proc/self/comm", "rb") as f:
+        name = f.read().strip()
+    _prctl(_PR_SET_NAME, ZYGOTE_NAME)
+    _preload(os.environ.get("EFDL_PRELOAD_MODULES", DEFAULT_MODULES))
+    threads = _threads()
+    if threads != 1:
+        # fork() copies only the calling thread: a lock another thread held stays locked.
+        _send(sock, error="the imports started %d threads; a zygote must have one (set "
+                          "EFDL_PRELOAD_MODULES, or run with --no-zygote)" % threads)
+        return 1
+    # Everything imported so far lives as long as the spares forked from here: move it out of
+    # the collector's generations, so that a spare's collections (and its exit) do not write to
+    # every shared page just to visit it (copy-on-write would then copy them all).
+    import gc
+    gc.freeze()
+    _send(sock, ready=True)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+        except (ConnectionError, OSError):
+            return 0
+        if not msg:
+            return 0  # the agent closed its end: nothing more to fork
+        request = json.loads(msg)
+        if "import" in request and not fds:
+            # The program's imports, learned from its workers: import them here too, so the
+            # next spares are forked with them.
+            error = _import_when_idle(request["import"])
+            threads = _threads()
+            if threads != 1:
+                error = ("importing the program's modules started %d threads; a zygote must "
+                         "have one" % threads)
+            elif _cuda_initialized():
+                error = ("importing the program's modules initialised CUDA, which a forked "
+                         "process cannot use")
+            if error:
+                _send(sock, error=error)
+                return 1
+            gc.freeze()
+            _send(sock, ready=True)
+            continue
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            _send(sock, error="a fork request needs 4 descriptors, got %d" % len(fds))
+            continue
+        try:
+            pid = _fork_spare(request, fds, name)
+        except Exception as e:  # noqa: BLE001 - reported to the agent, which falls back
+            _send(sock, error="cannot fork a spare: %s" % e)
+            continue
+        if isinstance(pid, _Spare):   # this is the spare now: leave the zygote's loop
+            sock.close()
+            return pid
+        _send(sock, pid=pid)
+
+
+def _exit_status(code):
+    """The status the interpreter exits with for SystemExit(code); it prints a code that is
+    neither None nor an integer, as the interpreter does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except Exception:  # noqa: BLE001 - like the interpreter: the status is what matters
+        pass
+    return 1
+
+
+def _exit_without_teardown(code):
+    """Ends a worker forked from the zygote the way the interpreter's exit does - non-daemon
+    threads joined, atexit hooks run (the process group's destruction among them), files the
+    program left open flushed, standard streams flushed - then _exit. The rest of a normal exit
+    only frees the interpreter's objects one by one, and in a process forked from the zygote
+    that writes to nearly every page it shares with the zygote, which the kernel copies first:
+    1.0-2.1 s at every round change for the demo's program, against 0.01 s here. The worker's
+    objects are not finalized one by one: a __del__ doing more than freeing memory (other than
+    a file's flush) is not run, as the interpreter itself does not promise."""
+    import atexit
+    import gc
+    import io
+    import threading
+    try:
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+        gc.collect()   # finalizers of unreachable objects (cycles), as the exit's collection
+        for obj in gc.get_objects():
+            if isinstance(obj, io.IOBase):
+                try:
+                    if not obj.closed and obj.writable():
+                        obj.flush()
+                except Exception:  # noqa: BLE001 - a broken file must not keep the process
+                    pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        _report_imports_quietly()
+        os._exit(code)
+
+
+def _report_imports_later():
+    started = time.monotonic()
+    for after in _REPORT_AFTER_S:
+        time.sleep(max(0.0, started + after - time.monotonic()))
+        _report_imports_quietly()
+
+
+def _report_imports_quietly():
+    try:
+        _report_imports()
+    except Exception:  # noqa: BLE001 - learning is an optimisation, never a failure
+        pass
+
+
+def _installed(name, module, stdlib):
+    """True for a module of an installed library or the standard library that a program
+    imports by name: not private (no part starting with "_"), from a file under a
+    site-packages/dist-packages directory or the standard library's. The program's own
+    modules (next to it, on PYTHONPATH) are left out: they may change while the job runs."""
+    if any(part.startswith("_") for part in name.split(".")):
+        return False
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return False
+    path = os.path.realpath(path)
+    return (any(part.endswith("-packages") for part in path.split(os.sep))
+            or path.startswith(stdlib + os.sep))
+
+
+def _report_imports():
+    """Writes the installed modules the program imported, in import order, as a JSON list to
+    EFDL_IMPORTS_DIR/imports-PID-N.json (atomically), for the agent to import in the zygote."""
+    directory = os.environ.get(IMPORTS_DIR_ENV)
+    if not directory or _modules_before_program is None:
+        return
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    names = [name for name, module in list(sys.modules.items())
+             if name not in _modules_before_program and _installed(name, module, stdlib)]
+    if not names:
+        return
+    path = os.path.join(directory, "imports-%d-%d.json" % (os.getpid(), time.monotonic_ns()))
+    with open(path + ".tmp", "w") as f:
+        json.dump(names[:_MAX_REPORTED], f)
+    os.replace(path + ".tmp", path)
+
+
+def main():
+    if sys.argv[1] == "--zygote":
+        agent = os.getppid()
+        spare = zygote(int(sys.argv[2]))
+        if not isinstance(spare, _Spare):
+            return spare
+        # A forked spare: from here on it lives exactly as a started one, and ends as the
+        # interpreter's exit does, less its teardown (_exit_without_teardown).
+        try:
+            code = _serve(*_become_spare(spare, agent))
+        except SystemExit as e:
+            code = _exit_status(e.code)
+        _exit_without_teardown(code)
+    fd = int(sys.argv[1])
+    _preload(os.environ.get("EFDL_PRELOAD_MODULES", DEFAULT_MODULES))
+    return _serve(fd, int(sys.argv[2]) if len(sys.argv) > 2 else None)
 
 
 if __name__ == "__main__":

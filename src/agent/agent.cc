@@ -1,15 +1,20 @@
 #include "agent/agent.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "agent/stale_dirs.h"
+#include "agent/zygote.h"
 #include "common/log.h"
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
@@ -79,120 +84,14 @@ std::optional<rdzv::PersistedPoint> NewestStoredPoint(const std::string& snapsho
   return oldest_rank;
 }
 
-// What Horovod's Gloo controller reads when started without horovodrun (docs/horovod.md). The
-// node id is the host name: unique in the job, so each node gets its own local_<host> scope
-// even when several nodes share a machine.
-void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& a,
-                           int local_rank, std::map<std::string, std::string>& env) {
-  const auto li = static_cast<size_t>(local_rank);
-  horovod::SlotInfo slot;
-  slot.hostname = options.node_id;
-  slot.rank = a.rank_offset + local_rank;
-  slot.size = a.world_size;
-  slot.local_rank = local_rank;
-  slot.local_size = a.nproc;
-  // Without a per-local-rank layout every node runs the same number of processes.
-  slot.cross_rank = li < a.cross_rank.size() ? a.cross_rank[li] : a.node_rank;
-  slot.cross_size = li < a.cross_size.size() ? a.cross_size[li] : a.nnodes;
-  horovod::WorkerEnvOptions o;
-  o.rendezvous_addr = a.master_addr;
-  o.rendezvous_port = a.horovod_port;
-  // No secret, no token: the address is left out and EFDL's layer says why (fail closed).
-  if (auto token = horovod::RendezvousToken(options.job_secret, a.round); token.ok()) {
-    o.rendezvous_token = std::move(token).value();
-  }
-  // A value the user set in the agent's environment reaches the worker unchanged.
-  if (std::getenv("HOROVOD_GLOO_IFACE") == nullptr) o.gloo_iface = options.gloo_iface;
-  env.merge(horovod::WorkerEnv(slot, o));
-}
-
-// gloo and NCCL find their own address by resolving the host name unless told an interface,
-// and a Debian/Ubuntu host maps its own name to 127.0.1.1: the peers would be told to connect
-// there. Name the interface of the advertise address instead (docs/operations.md,
-// "Networking"), unless the user set the variable in the agent's environment.
-void AddSocketInterface(const AgentOptions& options, std::map<std::string, std::string>& env) {
-  if (options.gloo_iface.empty()) return;
-  for (const char* name : {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}) {
-    if (std::getenv(name) == nullptr) env[name] = options.gloo_iface;
-  }
-}
-
 }  // namespace
-
-std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
-                                                     const rdzv::Assignment& a, int local_rank,
-                                                     int restart_count,
-                                                     const std::string& control_socket) {
-  const int rank = a.rank_offset + local_rank;
-  std::map<std::string, std::string> env = {
-      {"RANK", std::to_string(rank)},
-      {"LOCAL_RANK", std::to_string(local_rank)},
-      {"WORLD_SIZE", std::to_string(a.world_size)},
-      {"LOCAL_WORLD_SIZE", std::to_string(a.nproc)},
-      {"GROUP_RANK", std::to_string(a.node_rank)},
-      {"NODE_RANK", std::to_string(a.node_rank)},
-      {"NNODES", std::to_string(a.nnodes)},
-      {"NPROC_PER_NODE", std::to_string(a.nproc)},
-      {"GROUP_WORLD_SIZE", std::to_string(a.nnodes)},
-      {"ROLE_NAME", "default"},
-      {"ROLE_RANK", std::to_string(rank)},
-      {"ROLE_WORLD_SIZE", std::to_string(a.world_size)},
-      {"MASTER_ADDR", a.master_addr},
-      {"MASTER_PORT", std::to_string(a.master_port)},
-      {"EFDL_JOB_ID", options.job_id},
-      {"EFDL_NODE_ID", options.node_id},
-      {"EFDL_ROUND", std::to_string(a.round)},
-      {"EFDL_RESTART_COUNT", std::to_string(restart_count)},
-      {"EFDL_NUM_MIN_WORKERS", std::to_string(options.min_nodes)},
-      {"EFDL_NUM_MAX_WORKERS", std::to_string(options.max_nodes)},
-      {"EFDL_CONTROL_SOCKET", control_socket},
-      {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
-      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
-      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
-      {"TORCHELASTIC_RUN_ID", options.job_id},
-  };
-  if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
-  // The agent's AgentPersister writes storage; the workers only commit to shared memory.
-  if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
-  // As torchrun does: several processes per node must not each spawn a thread per core.
-  if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
-  AddSocketInterface(options, env);
-  AddHorovodEnvironment(options, a, local_rank, env);
-  return env;
-}
-
-std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& options,
-                                                       const rdzv::Assignment& a,
-                                                       int restart_count) {
-  std::map<std::string, std::string> env = {
-      {"NNODES", std::to_string(a.nnodes)},
-      {"NODE_RANK", std::to_string(a.node_rank)},
-      {"NPROC_PER_NODE", std::to_string(a.nproc)},
-      {"MASTER_ADDR", a.master_addr},
-      {"MASTER_PORT", std::to_string(a.master_port)},
-      {"WORLD_SIZE", std::to_string(a.world_size)},
-      {"RANK", std::to_string(a.rank_offset)},
-      // Recipes written for one process per GPU gate the launch on local rank 0.
-      {"LOCAL_RANK", "0"},
-      {"EFDL_LAUNCHER", "1"},
-      {"EFDL_JOB_ID", options.job_id},
-      {"EFDL_NODE_ID", options.node_id},
-      {"EFDL_ROUND", std::to_string(a.round)},
-      {"EFDL_RESTART_COUNT", std::to_string(restart_count)},
-      {"EFDL_NUM_MIN_WORKERS", std::to_string(options.min_nodes)},
-      {"EFDL_NUM_MAX_WORKERS", std::to_string(options.max_nodes)},
-      {"EFDL_SNAPSHOT_DIR", options.snapshot_dir},
-  };
-  if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
-  AddSocketInterface(options, env);
-  return env;
-}
 
 Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
     : options_(std::move(options)), rdzv_(rendezvous) {}
 
 Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
+  RetireOldWorkers(/*wait=*/true);
   group_.reset();
   spares_.reset();
   persister_.reset();  // its flusher answers through the control socket
@@ -205,11 +104,23 @@ Agent::~Agent() {
 }
 
 int Agent::Run() {
+  const int code = RunUntilDone();
+  RetireOldWorkers(/*wait=*/true);   // workers of an earlier round still exiting
+  return code;
+}
+
+int Agent::RunUntilDone() {
   if (auto reaper = GroupReaper::Start(); reaper.ok()) {
     reaper_ = std::move(reaper).value();
   } else {
     EFDL_LOG_WARN("{}: processes the workers start would outlive a SIGKILL of this agent",
                   reaper.status().message());
+  }
+  // The spares forked from the zygote become this agent's children by adoption (zygote.h); so
+  // do processes a worker left behind, which the loop reaps (ReapAdoptedOrphans).
+  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+    EFDL_LOG_WARN("cannot become a child subreaper ({}): pre-started workers are started, not "
+                  "forked from a zygote", std::strerror(errno));
   }
   socket_path_ = options_.control_socket_path;
   if (socket_path_.empty()) {
@@ -261,6 +172,8 @@ int Agent::Run() {
       return sig != 0;
     });
     if (sig != 0) return Shutdown(sig);
+    sig = StartAgentStore();
+    if (sig != 0) return Shutdown(sig);
   }
 
   if (Status st = rdzv_.Join(); !st.ok()) {
@@ -282,6 +195,12 @@ int Agent::Run() {
     if (auto code = PollWorkers()) return *code;
     ServeFlushRequests();
     if (spares_) spares_->Maintain();
+    if (agent_store_) CheckAgentStore();
+    if (!retiring_.empty()) RetireOldWorkers(/*wait=*/false);
+    if (const auto now = std::chrono::steady_clock::now(); now >= next_orphan_reap_) {
+      ReapAdoptedOrphans();
+      next_orphan_reap_ = now + std::chrono::seconds(1);
+    }
     if (auto event = rdzv_.WaitEvent(options_.poll_interval)) {
       if (auto code = HandleEvent(*event)) return *code;
     }
@@ -331,9 +250,13 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       // fails on every node is counted only on the node whose failure happened to be seen first.
       if (auto code = PollWorkers()) return *code;
       if (group_ && group_->round() <= event.round) {
-        StopWorkers(event.graceful, event.message.empty()
-                                        ? fmt::format("round {} is closing", event.round)
-                                        : event.message);
+        // Graceful: the next round's workers may start while these exit (after their final
+        // snapshot, and when they hold no GPU memory). Not with --launcher: its one process
+        // stands for workers of several local ranks, some of which may still be writing.
+        StopWorkers(event.graceful,
+                    event.message.empty() ? fmt::format("round {} is closing", event.round)
+                                          : event.message,
+                    /*release_after_snapshot=*/event.graceful && !options_.launcher);
         // The workers' final commit is in shared memory now: store it before the next round.
         if (event.graceful) PersistNewestSnapshot("a graceful round change");
       }
@@ -473,6 +396,11 @@ void Agent::StartSparePool() {
   so.command = options_.command;
   so.nproc = options_.nproc;
   so.requested = options_.prestart_requested;
+  so.zygote = options_.zygote;
+  // The agent's own directory (its control socket's), removed when it ends.
+  if (options_.learn_imports) {
+    so.imports_dir = std::filesystem::path(socket_path_).parent_path().string();
+  }
   so.reaper = reaper_.get();
   // What a worker's environment will hold apart from the per-round variables (OMP_NUM_THREADS,
   // ...): the spares must start with it, as libraries read some of it while being imported.
@@ -494,7 +422,47 @@ void Agent::StartSparePool() {
                                             : "default for python commands; --no-prestart: off");
 }
 
-void Agent::StopWorkers(bool graceful, const std::string& reason) {
+int Agent::StartAgentStore() {
+  spares_->Importing();   // notices the spares that became warm since WaitUntilImported
+  auto store = AgentStore::Start(*spares_, {});
+  if (!store.ok()) {
+    EFDL_LOG_INFO("no agent store ({}): rank 0's worker hosts the store of a round this node "
+                  "leads", store.status().message());
+    return 0;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (true) {
+    auto port = (*store)->Poll();
+    if (!port.ok() || *port || std::chrono::steady_clock::now() >= deadline) {
+      if (port.ok() && *port) {
+        EFDL_LOG_INFO("agent store (pid {}) listens on port {}: the workers of a round this "
+                      "node leads meet there", (*store)->pid(), **port);
+        rdzv_.OfferAgentStore(**port);
+        agent_store_ = std::move(store).value();
+      } else {
+        EFDL_LOG_WARN("{}; rank 0's worker hosts the store of a round this node leads",
+                      port.ok() ? "the agent store announced no port within 10 s"
+                                : port.status().message());
+      }
+      return 0;
+    }
+    int sig = shutdown_signal_.load();
+    if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
+    if (sig != 0) return sig;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void Agent::CheckAgentStore() {
+  auto port = agent_store_->Poll();
+  if (port.ok()) return;
+  EFDL_LOG_WARN("{}; from the next round on, rank 0's worker hosts the store of a round this "
+                "node leads", port.status().message());
+  rdzv_.OfferAgentStore(0);
+  agent_store_.reset();
+}
+
+void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot) {
   horovod_server_.reset();   // the round is over for this node
   if (!group_) return;
   const int64_t round = group_->round();
@@ -502,12 +470,42 @@ void Agent::StopWorkers(bool graceful, const std::string& reason) {
     EFDL_LOG_INFO("round {}: stopping {} worker(s) ({}): {}", round, group_->running(),
                   graceful ? "graceful" : "not graceful", reason);
   }
-  group_->Stop(StopPolicy{graceful, reason, options_.stop_grace}, control_.get());
+  StopPolicy policy{graceful, reason, options_.stop_grace, release_after_snapshot};
+  group_->Stop(policy, control_.get());
+  if (group_->running() > 0) {
+    // Released after their final snapshot: only a graceful stop, whose failures count for
+    // nothing and whose output explains no failure, gets here.
+    EFDL_LOG_DEBUG("round {}: {} worker(s) took their final snapshot and are exiting; the next "
+                   "round may start",
+                   round, group_->running());
+    last_connect_error_.reset();
+    last_failure_tail_.clear();
+    retiring_.push_back(std::move(group_));
+    return;
+  }
   group_->Close();   // every line of their output read: the connect error below is complete
   last_connect_error_ = group_->peer_connect_error();
   const auto& failed = group_->first_failure();
   last_failure_tail_ = failed ? group_->stderr_tail(failed->rank) : std::vector<std::string>{};
   group_.reset();
+}
+
+void Agent::RetireOldWorkers(bool wait) {
+  auto step = std::chrono::milliseconds(1);
+  while (!retiring_.empty()) {
+    for (auto it = retiring_.begin(); it != retiring_.end();) {
+      if ((*it)->Retire()) {
+        (*it)->Close();
+        EFDL_LOG_DEBUG("round {}: its last worker exited", (*it)->round());
+        it = retiring_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (!wait || retiring_.empty()) return;
+    std::this_thread::sleep_for(step);
+    step = std::min(step * 2, std::chrono::milliseconds(10));
+  }
 }
 
 void Agent::ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& e) {

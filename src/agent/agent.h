@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "agent/agent_persister.h"
+#include "agent/agent_store.h"
 #include "agent/control_server.h"
 #include "agent/spare_pool.h"
 #include "agent/worker_group.h"
@@ -61,6 +62,11 @@ struct AgentOptions {
   // The user asked for it (--prestart): a pool that cannot work is worth a warning; otherwise
   // (the default) falling back to spawned workers is only logged as information.
   bool prestart_requested = false;
+  // Spares are forked from a zygote (zygote.h); false: each is an interpreter of its own.
+  bool zygote = true;
+  // The zygote also imports what the program's workers imported (zygote.h, "Learning the
+  // program's imports"); --no-learn-imports: only EFDL_PRELOAD_MODULES.
+  bool learn_imports = true;
   std::chrono::milliseconds poll_interval{std::chrono::milliseconds(50)};
   int out_fd = STDOUT_FILENO;              // where prefixed worker output goes
   int err_fd = STDERR_FILENO;
@@ -115,11 +121,22 @@ class Agent {
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
+  int RunUntilDone();   // Run() less the wait for retiring workers
   int Shutdown(int signal);
   // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
   int Suspend(const rdzv::Event& event);
   void StartSparePool();
-  void StopWorkers(bool graceful, const std::string& reason);
+  // Runs the agent store in a warm spare and offers its port to the rendezvous (agent_store.h);
+  // a line and no store when that fails. Returns a signal that arrived meanwhile (0: none).
+  int StartAgentStore();
+  // Logs the store's output; when it died: one line, and rounds led here no longer use it.
+  void CheckAgentStore();
+  // `release_after_snapshot` (a graceful round change): returns once each worker exited or
+  // reported its final snapshot without a GPU; those still exiting go to retiring_.
+  void StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot = false);
+  // Reaps retiring workers that exited and escalates the stop of the others; with `wait`, until
+  // none is left.
+  void RetireOldWorkers(bool wait);
   // The first time a failure counted against --max-restarts came with a worker that could not
   // connect to a peer: says which address was tried, what this node gave its workers and what
   // to set (once per agent). Failures that came with a node leaving are not explained: a peer
@@ -153,7 +170,12 @@ class Agent {
   std::unique_ptr<GroupReaper> reaper_;
   std::unique_ptr<ControlServer> control_;
   std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
+  std::unique_ptr<AgentStore> agent_store_;   // run in one of the spares, for the agent's life
+  std::chrono::steady_clock::time_point next_orphan_reap_{};
   std::unique_ptr<WorkerGroup> group_;
+  // Workers of earlier rounds that took their final snapshot and are still exiting, while the
+  // next round's run (StopPolicy::release_after_snapshot).
+  std::vector<std::unique_ptr<WorkerGroup>> retiring_;
   // The workers' snapshots go to storage from here (null with --launcher or before Run()).
   std::unique_ptr<AgentPersister> persister_;
   std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round

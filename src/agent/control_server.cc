@@ -110,6 +110,7 @@ void ControlServer::SetRound(int64_t round) {
   MutexLock lock(mutex_);
   round_ = round;
   stopping_.erase(stopping_.begin(), stopping_.lower_bound(round - 1));  // keep it bounded
+  released_.erase(released_.begin(), released_.lower_bound(round - 1));
 }
 
 bool ControlServer::IsConnected(int64_t round, int local_rank) const {
@@ -167,6 +168,12 @@ void ControlServer::AnswerFlush(const FlushRequest& request, const Status& statu
   }
 }
 
+std::vector<int> ControlServer::ReleasedRanks(int64_t round) const {
+  MutexLock lock(mutex_);
+  auto it = released_.find(round);
+  return it == released_.end() ? std::vector<int>{} : it->second;
+}
+
 std::vector<int> ControlServer::StoppingRanks(int64_t round) const {
   MutexLock lock(mutex_);
   auto it = stopping_.find(round);
@@ -213,9 +220,14 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
     if (type == "stopping") {
-      if (client.said_hello) stopping_[client.round].push_back(client.local_rank);
-      EFDL_LOG_INFO("rank {} stopping after step {} (snapshot: {})", client.rank, step,
-                    BoolField(msg, "snapshot", false));
+      // A worker that does not say (an older efdl) may hold GPU memory: not released early.
+      const bool gpu = BoolField(msg, "gpu", false);
+      if (client.said_hello) {
+        stopping_[client.round].push_back(client.local_rank);
+        if (msg.contains("gpu") && !gpu) released_[client.round].push_back(client.local_rank);
+      }
+      EFDL_LOG_INFO("rank {} stopping after step {} (snapshot: {}{})", client.rank, step,
+                    BoolField(msg, "snapshot", false), gpu ? "; it used a GPU" : "");
     }
     return true;
   }

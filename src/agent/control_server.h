@@ -55,6 +55,9 @@ class ControlServer {
   std::optional<int64_t> newest_step() const;
   // Local ranks of `round` that answered a stop with "stopping" (connected or not since).
   std::vector<int> StoppingRanks(int64_t round) const;
+  // Those of them whose "stopping" said `"gpu": false`: nothing of theirs is on a GPU, so a
+  // new worker may start while they exit (WorkerGroup's StopPolicy::release_after_snapshot).
+  std::vector<int> ReleasedRanks(int64_t round) const;
   // The newest step a worker reported as persisted to storage ("persisted"), if any.
   std::optional<int64_t> newest_persisted_step() const;
   // Flush requests received since the last call, oldest first (the agent's loop takes them).
@@ -94,6 +97,7 @@ class ControlServer {
   std::optional<int64_t> newest_step_ EFDL_GUARDED_BY(mutex_);
   std::optional<int64_t> newest_persisted_ EFDL_GUARDED_BY(mutex_);
   std::map<int64_t, std::vector<int>> stopping_ EFDL_GUARDED_BY(mutex_);   // by round
+  std::map<int64_t, std::vector<int>> released_ EFDL_GUARDED_BY(mutex_);   // by round
   std::vector<FlushRequest> flushes_ EFDL_GUARDED_BY(mutex_);             // not yet taken
   uint64_t next_connection_ EFDL_GUARDED_BY(mutex_) = 1;
 };

@@ -270,6 +270,8 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   // Auto: on wherever a spare can stand in for the worker; other commands are spawned.
   a.prestart = f.prestart != PrestartMode::kOff && prestart_fits;
   a.prestart_requested = f.prestart == PrestartMode::kOn;
+  a.zygote = !f.no_zygote;
+  a.learn_imports = !f.no_learn_imports;
   a.log_dir = absolute(f.log_dir);
   a.snapshot_dir = absolute(f.snapshot_dir);
 

@@ -39,6 +39,9 @@ struct RunFlags {
   std::string log_dir;
   std::string snapshot_dir = "efdl-snapshots";
   PrestartMode prestart = PrestartMode::kAuto;  // pre-started python workers (SparePool)
+  bool no_zygote = false;                    // --no-zygote: spares are not forked from a zygote
+  bool no_learn_imports = false;             // --no-learn-imports: the zygote imports only
+                                             // EFDL_PRELOAD_MODULES
   std::vector<std::string> command;
 };
 

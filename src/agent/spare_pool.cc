@@ -11,9 +11,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -78,20 +80,6 @@ bool SameStartup(const std::map<std::string, std::string>& started_with,
   return true;
 }
 
-std::string ReadAvailable(int fd, size_t limit) {
-  std::string out;
-  if (fd < 0) return out;
-  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-  char buf[4096];
-  while (out.size() < limit) {
-    ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
-}
-
 }  // namespace
 
 std::optional<PythonCommand> ParsePythonCommand(const std::vector<std::string>& argv) {
@@ -149,6 +137,9 @@ Result<std::unique_ptr<SparePool>> SparePool::Create(SparePoolOptions options) {
 SparePool::SparePool(SparePoolOptions options, PythonCommand cmd)
     : options_(std::move(options)), cmd_(std::move(cmd)), slots_(options_.nproc) {
   for (Slot& s : slots_) s.due = Clock::now();
+  if (auto it = options_.start_env.find(0); it != options_.start_env.end()) {
+    zygote_env_ = it->second;
+  }
 }
 
 SparePool::~SparePool() { Clear(); }
@@ -176,6 +167,164 @@ void SparePool::Clear() {
   }
 }
 
+void SparePool::Say(const std::string& line) const {
+  if (options_.requested) {
+    EFDL_LOG_WARN("{}", line);
+  } else {
+    EFDL_LOG_INFO("{}", line);
+  }
+}
+
+void SparePool::Disable(const std::string& line) {
+  Say(line);
+  zygote_.reset();
+  Clear();
+  enabled_ = false;
+}
+
+void SparePool::ZygoteFailed(const Status& why) {
+  Say(fmt::format("{}; starting each pre-started worker as its own interpreter",
+                  why.message()));
+  zygote_.reset();
+  zygote_ready_ = false;
+  zygote_off_ = true;
+}
+
+bool SparePool::ZygoteSettled() {
+  if (!options_.zygote || zygote_off_) return true;
+  if (!zygote_) {
+    auto z = Zygote::Start({cmd_.interpreter, zygote_env_, options_.reaper});
+    if (!z.ok()) {
+      ZygoteFailed(z.status());
+      return true;
+    }
+    zygote_ = std::move(z).value();
+    learned_sent_ = 0;   // a new zygote: the learned imports go to it once it is ready
+    import_sent_at_.reset();
+  }
+  if (zygote_ready_ && !learning_off_ && learned_sent_ < learned_.size()) {
+    std::vector<std::string> more(learned_.begin() + static_cast<std::ptrdiff_t>(learned_sent_),
+                                  learned_.end());
+    if (zygote_->Import(more).ok()) {
+      Say(fmt::format("pre-started workers: the zygote imports {} more module(s) the program "
+                      "imported ({}{}; --no-learn-imports turns this off)",
+                      more.size(), fmt::join(more.begin(), more.begin() + std::min<size_t>(
+                                                                           more.size(), 5), ", "),
+                      more.size() > 5 ? ", ..." : ""));
+      learned_sent_ = learned_.size();
+      zygote_ready_ = false;
+      import_sent_at_ = Clock::now();
+    }   // else it is gone: noticed below
+  }
+  if (import_sent_at_) {   // its answer, or its end, to the import request
+    zygote_->DrainOutput();
+    auto answer = zygote_->Ready();
+    if (answer.ok() && !*answer) return false;
+    return ImportAnswered(answer) || ZygoteSettled();
+  }
+  if (zygote_ready_) {
+    zygote_->DrainOutput();
+    const std::optional<int> exit = zygote_->Exited();
+    if (!exit) return true;
+    // Killed after its imports (the OOM killer, a stray signal): its spares already forked live
+    // on; a new zygote imports again. One that keeps dying is given up for started spares.
+    const pid_t pid = zygote_->pid();
+    zygote_.reset();
+    zygote_ready_ = false;
+    if (++zygote_restarts_ > kMaxZygoteRestarts) {
+      ZygoteFailed(Status::Unavailable(fmt::format(
+          "the zygote (pid {}) ended ({}) again after {} restarts", pid, DescribeWaitStatus(*exit),
+          kMaxZygoteRestarts)));
+      return true;
+    }
+    Say(fmt::format("pre-started workers: the zygote (pid {}) ended ({}); starting a new one "
+                    "(restart {} of {})",
+                    pid, DescribeWaitStatus(*exit), zygote_restarts_, kMaxZygoteRestarts));
+    return ZygoteSettled();
+  }
+  auto ready = zygote_->Ready();
+  if (ready.ok()) {
+    zygote_ready_ = *ready;
+    return zygote_ready_;
+  }
+  if (ready.status().IsFailedPrecondition()) {   // it refused to fork (threads): start spares
+    ZygoteFailed(ready.status());
+    return true;
+  }
+  // It died before its imports were done: a started spare would die the same way.
+  Disable(fmt::format(
+      "pre-started workers: {}; spawning workers from now on (no pre-started workers)",
+      ready.status().message()));
+  return true;
+}
+
+bool SparePool::ImportAnswered(const Result<bool>& ready) {
+  const double took =
+      std::chrono::duration<double>(Clock::now() - *import_sent_at_).count();
+  import_sent_at_.reset();
+  if (ready.ok()) {
+    zygote_ready_ = true;
+    // The idle spares were forked without those modules: fork them again.
+    int again = 0;
+    for (Slot& s : slots_) {
+      if (!s.proc) continue;
+      Discard(s);
+      s.due = Clock::now();
+      ++again;
+    }
+    Say(fmt::format("pre-started workers: the zygote imported them in {:.2f} s; {} idle spare(s) "
+                    "forked again", took, again));
+    return true;
+  }
+  learning_off_ = true;
+  zygote_.reset();
+  zygote_ready_ = false;
+  Say(fmt::format("pre-started workers: {}; a new zygote imports without them (no more "
+                  "learning of the program's imports)", ready.status().message()));
+  return false;
+}
+
+void SparePool::ReadImportReports() {
+  if (options_.imports_dir.empty() || learning_off_) return;
+  const auto now = Clock::now();
+  if (now < next_report_scan_) return;
+  next_report_scan_ = now + std::chrono::seconds(1);
+  for (auto& name : TakeImportReports(options_.imports_dir)) {
+    if (learned_names_.insert(name).second) learned_.push_back(std::move(name));
+  }
+}
+
+std::vector<std::string> TakeImportReports(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string f = e.path().filename().string();
+    if (!f.starts_with("imports-") || !f.ends_with(".json")) continue;
+    std::ifstream in(e.path());
+    auto list = nlohmann::json::parse(in, nullptr, false);
+    in.close();
+    std::filesystem::remove(e.path(), ec);
+    if (!list.is_array()) continue;
+    for (const auto& n : list) {
+      if (n.is_string()) names.push_back(n.get<std::string>());
+    }
+  }
+  return names;
+}
+
+bool SparePool::ForksFor(int local_rank) const {
+  if (!zygote_ || (!zygote_ready_ && !import_sent_at_)) return false;
+  auto it = options_.start_env.find(local_rank);
+  return SameStartup(zygote_env_, it != options_.start_env.end()
+                                      ? it->second
+                                      : std::map<std::string, std::string>{});
+}
+
+std::optional<pid_t> SparePool::zygote_pid() const {
+  if (!zygote_) return std::nullopt;
+  return zygote_->pid();
+}
+
 Status SparePool::StartSpare(int local_rank, Slot& slot) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) {
@@ -188,12 +337,37 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
     return Status::IOError(fmt::format("pipe: {}", std::strerror(errno)));
   }
   SpawnOptions so;
-  so.argv = cmd_.interpreter;
-  so.argv.insert(so.argv.end(),
-                 {"-m", "efdl.preload", std::to_string(fds[0]), std::to_string(ready[1])});
   if (auto it = options_.start_env.find(local_rank); it != options_.start_env.end()) {
     so.env_set = it->second;
   }
+  if (ForksFor(local_rank)) {
+    int out[2] = {-1, -1}, err[2] = {-1, -1};
+    if (::pipe2(out, O_CLOEXEC) == 0 && ::pipe2(err, O_CLOEXEC) == 0) {
+      auto proc = zygote_->Fork(so.env_set, {fds[0], ready[1], out[1], err[1]}, out[0], err[0]);
+      if (proc.ok()) {
+        slot.proc = std::move(proc).value();
+        slot.message_fd = fds[1];
+        slot.ready_fd = ready[0];
+        slot.started_with = so.env_set;
+        slot.due.reset();
+        EFDL_LOG_DEBUG("forked a worker for local rank {} from the zygote (pid {})", local_rank,
+                       slot.proc->pid());
+        return Status::OK();
+      }
+      ZygoteFailed(proc.status());   // Fork closed the pipe ends it was given
+    } else {
+      for (int fd : {out[0], out[1], err[0], err[1], fds[0], ready[1]}) {
+        if (fd >= 0) ::close(fd);
+      }
+      ZygoteFailed(Status::IOError(fmt::format("pipe: {}", std::strerror(errno))));
+    }
+    ::close(fds[1]);
+    ::close(ready[0]);
+    return StartSpare(local_rank, slot);
+  }
+  so.argv = cmd_.interpreter;
+  so.argv.insert(so.argv.end(),
+                 {"-m", "efdl.preload", std::to_string(fds[0]), std::to_string(ready[1])});
   so.stdout_mode = SpawnOptions::Stdio::kPipe;
   so.stderr_mode = SpawnOptions::Stdio::kPipe;
   so.new_process_group = true;
@@ -219,6 +393,11 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
 
 void SparePool::Maintain() {
   if (!enabled_) return;
+  if (zygote_) ReadImportReports();
+  // While the zygote imports, due slots wait for its forks (cheaper than interpreters of their
+  // own, which would compete with it for the CPU).
+  const bool settled = ZygoteSettled();
+  if (!enabled_) return;
   const auto now = Clock::now();
   for (size_t lr = 0; lr < slots_.size(); ++lr) {
     Slot& s = slots_[lr];
@@ -232,16 +411,10 @@ void SparePool::Maintain() {
           "pre-started worker for local rank {} {} before use{}{}; spawning workers from now "
           "on (no pre-started workers)",
           lr, DescribeWaitStatus(*st), err.empty() ? "" : ": ", err);
-      if (options_.requested) {
-        EFDL_LOG_WARN("{}", line);
-      } else {
-        EFDL_LOG_INFO("{}", line);
-      }
-      Clear();
-      enabled_ = false;
+      Disable(line);
       return;
     }
-    if (!s.due || now < *s.due) continue;
+    if (!s.due || now < *s.due || !settled) continue;
     if (Status st = StartSpare(static_cast<int>(lr), s); !st.ok()) {
       EFDL_LOG_WARN("cannot pre-start a worker ({}); spawning workers from now on (no "
                     "pre-started workers)", st.message());
@@ -257,7 +430,10 @@ std::optional<Subprocess> SparePool::Activate(int local_rank,
                                               int64_t round) {
   if (local_rank < 0 || static_cast<size_t>(local_rank) >= slots_.size()) return std::nullopt;
   Slot& s = slots_[static_cast<size_t>(local_rank)];
-  if (enabled_) s.due = Clock::now() + options_.refill_delay;
+  if (enabled_) {
+    s.due = Clock::now() + (ForksFor(local_rank) ? std::chrono::milliseconds(0)
+                                                  : options_.refill_delay);
+  }
   if (!s.proc || s.proc->Poll()) {
     Discard(s);
     return std::nullopt;
@@ -267,12 +443,38 @@ std::optional<Subprocess> SparePool::Activate(int local_rank,
                   "spawning a new one",
                   local_rank);
     options_.start_env[local_rank] = StartupPart(env);
+    if (zygote_ && !SameStartup(zygote_env_, options_.start_env[local_rank])) {
+      // It imported with the old environment: a new zygote, with the new one, serves from now.
+      zygote_.reset();
+      zygote_ready_ = false;
+      zygote_env_ = options_.start_env[local_rank];
+    }
     Discard(s);
     return std::nullopt;
   }
-  nlohmann::json msg = {{"round", round},
-                        {"argv", cmd_.program},
-                        {"env", MergedEnvironment(env)}};
+  if (options_.imports_dir.empty() || !ForksFor(local_rank)) {
+    return Hand(local_rank, s, round, cmd_.program, env);
+  }
+  std::map<std::string, std::string> with_report = env;
+  with_report[kImportsDirVariable] = options_.imports_dir;
+  return Hand(local_rank, s, round, cmd_.program, with_report);
+}
+
+std::optional<Subprocess> SparePool::ActivateProgram(const std::vector<std::string>& program,
+                                                     const std::map<std::string, std::string>& env) {
+  if (slots_.empty()) return std::nullopt;
+  Slot& s = slots_.front();
+  if (!s.proc || s.proc->Poll() || s.ready_fd >= 0) return std::nullopt;   // not warm
+  if (enabled_) s.due = Clock::now();   // not a round's start: nothing competes for the CPU
+  std::map<std::string, std::string> all = s.started_with;
+  for (const auto& [k, v] : env) all[k] = v;
+  return Hand(0, s, 0, program, all);
+}
+
+std::optional<Subprocess> SparePool::Hand(int local_rank, Slot& s, int64_t round,
+                                          const std::vector<std::string>& program,
+                                          const std::map<std::string, std::string>& env) {
+  nlohmann::json msg = {{"round", round}, {"argv", program}, {"env", MergedEnvironment(env)}};
   const std::string text = msg.dump();
   // The spare may still be importing: the whole message must fit in the pipe, never block.
   if (text.size() > 65536) {
@@ -304,6 +506,9 @@ std::optional<Subprocess> SparePool::Activate(int local_rank,
 size_t SparePool::Importing() {
   size_t n = 0;
   bool died = false;
+  if (zygote_ && !zygote_ready_) {   // its forks are the spares still to come
+    for (const Slot& s : slots_) n += s.proc ? 0 : 1;
+  }
   for (Slot& s : slots_) {
     if (!s.proc || s.ready_fd < 0) continue;
     char byte = 0;
@@ -347,6 +552,7 @@ size_t SparePool::WaitUntilImported(const std::function<bool()>& interrupted) {
     for (const Slot& s : slots_) {
       if (s.proc && s.ready_fd >= 0) fds.push_back({s.ready_fd, POLLIN, 0});
     }
+    if (zygote_ && !zygote_ready_) fds.push_back({zygote_->fd(), POLLIN, 0});
     // Short slices: shutdown signals and spares that die are noticed within 200 ms.
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();

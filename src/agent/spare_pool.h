@@ -9,6 +9,12 @@
 // would and runs the program. Each spare reads exactly one message, so a spare is used for one
 // round at most; the pool forgets a spare the moment it hands it over.
 //
+// By default the spares are forked from the node's zygote (zygote.h): one interpreter that did
+// the imports once; a consumed spare is then replaced at once, with no refill delay, and the
+// spares share the zygote's pages. Where the zygote cannot serve (it died, refused, or a local
+// rank's start environment differs from its own), spares are started as their own interpreters
+// as described here, after one line saying why.
+//
 // A spare gets a second pipe (`-m efdl.preload <fd> <ready fd>`): it writes one byte there and
 // closes it once its imports are done, so that a starting agent can join the rendezvous only
 // when its spares are warm (WaitUntilImported) and the running nodes keep training meanwhile.
@@ -28,10 +34,12 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "agent/zygote.h"
 #include "common/subprocess.h"
 #include "efdl/status.h"
 
@@ -55,13 +63,19 @@ struct SparePoolOptions {
   int nproc = 1;                                   // one spare per local rank
   // Added to the agent's environment when a spare starts, per local rank (missing: none).
   std::map<int, std::map<std::string, std::string>> start_env;
-  // Wait after an activation before starting the replacement, so that the new spare's imports
-  // do not compete for the CPU with the start-up of the round that just began (a joining node's
-  // fresh interpreter importing torch, init_process_group, the first steps).
+  // Fork the spares from a zygote (zygote.h). false: every spare is its own interpreter.
+  bool zygote = true;
+  // Without a zygote: wait after an activation before starting the replacement, so that the new
+  // spare's imports do not compete for the CPU with the start-up of the round that just began (a
+  // joining node's fresh interpreter importing torch, init_process_group, the first steps). A
+  // fork from the zygote imports nothing and is made at once.
   std::chrono::milliseconds refill_delay{std::chrono::seconds(5)};
   // WaitUntilImported gives up after this long (a slow disk, a huge import): joining late
   // must not become never joining.
   std::chrono::milliseconds import_timeout{std::chrono::seconds(60)};
+  // Workers forked from the zygote report their program's imports here (zygote.h, "Learning
+  // the program's imports"); the pool has the zygote import them. Empty: no learning.
+  std::string imports_dir;
   // The user asked for spares (--prestart): falling back to spawned workers is a warning.
   // Otherwise (the default for python commands) it is logged as information.
   bool requested = false;
@@ -88,6 +102,12 @@ class SparePool {
   // its imports).
   std::optional<Subprocess> Activate(int local_rank, const std::map<std::string, std::string>& env,
                                      int64_t round);
+  // Runs `program` (the program part of a python command line: {"-m", "module", ...}) instead
+  // of the worker command in local rank 0's spare, if it is warm (imports done), with `env`
+  // added to that spare's start environment; its slot is refilled without the refill delay.
+  // The agent's own helpers run this way (agent_store.h). nullopt when no spare is warm.
+  std::optional<Subprocess> ActivateProgram(const std::vector<std::string>& program,
+                                            const std::map<std::string, std::string>& env);
   // Blocks until every live spare has reported that its imports are done, import_timeout has
   // passed, or `interrupted` (asked a few times a second) returns true; keeps Maintain()ing
   // meanwhile, so a spare that dies disables the pool and ends the wait. Logs how many it waits
@@ -98,8 +118,14 @@ class SparePool {
   // Kills every spare; slots are refilled by Maintain() only after the next Activate().
   void Clear();
 
+  // A zygote that dies after its imports is started again this many times, then spares are
+  // started as their own interpreters.
+  static constexpr int kMaxZygoteRestarts = 3;
+
   // Pids of the live spares (tests, status).
   std::vector<pid_t> pids() const;
+  // The zygote's pid while one runs.
+  std::optional<pid_t> zygote_pid() const;
   // False once a spare died on its own (the interpreter cannot import efdl.preload, ...): the
   // pool stops starting spares and every worker is spawned normally.
   bool enabled() const { return enabled_; }
@@ -114,12 +140,47 @@ class SparePool {
   };
   explicit SparePool(SparePoolOptions options, PythonCommand cmd);
   void Discard(Slot& slot);
+  // Writes the spare's one message (`program` for `round` with `env`) and hands it over.
+  std::optional<Subprocess> Hand(int local_rank, Slot& slot, int64_t round,
+                                 const std::vector<std::string>& program,
+                                 const std::map<std::string, std::string>& env);
   Status StartSpare(int local_rank, Slot& slot);
+  // One line about the pool: a warning when the user asked for spares, else information.
+  void Say(const std::string& line) const;
+  // Says `line`, kills every spare and the zygote, and starts no more (workers are spawned).
+  void Disable(const std::string& line);
+  // Starts the zygote if due and reads its news; false while it is still importing.
+  bool ZygoteSettled();
+  void ZygoteFailed(const Status& why);
+  bool ForksFor(int local_rank) const;
+  // Reads the workers' import reports (at most once a second) into learned_.
+  void ReadImportReports();
+  // The zygote answered an import request: `ok`, or it refused (learning is turned off and a
+  // new zygote imports without them). False when the caller must settle a new zygote.
+  bool ImportAnswered(const Result<bool>& ready);
 
   SparePoolOptions options_;
   PythonCommand cmd_;
   std::vector<Slot> slots_;
   bool enabled_ = true;
+  std::unique_ptr<Zygote> zygote_;
+  bool zygote_ready_ = false;
+  bool zygote_off_ = false;                          // failed once: spares are started
+  int zygote_restarts_ = 0;                          // after dying once it was ready
+  // The start environment the zygote runs with (local rank 0's, or the one learned last).
+  std::map<std::string, std::string> zygote_env_;
+  // The program's imports reported by its workers, in the order first reported; the current
+  // zygote was sent learned_[0, learned_sent_).
+  std::vector<std::string> learned_;
+  std::set<std::string> learned_names_;
+  size_t learned_sent_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> import_sent_at_;   // unanswered request
+  bool learning_off_ = false;                        // learned imports started threads once
+  std::chrono::steady_clock::time_point next_report_scan_{};
 };
+
+// The module names in the import reports (`imports-*.json`, zygote.h) in `dir`, which are
+// removed once read; unreadable reports are removed too. Names appear in the order read.
+std::vector<std::string> TakeImportReports(const std::string& dir);
 
 }  // namespace efdl::agent

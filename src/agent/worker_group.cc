@@ -107,7 +107,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
     for (int fd : {out, err}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
     group->streams_.push_back(Stream{out, opts.out_fd, log_fd, spec.rank, prefix, {}});
     group->streams_.push_back(Stream{err, opts.err_fd, log_fd, spec.rank, prefix, {}, true});
-    group->workers_.push_back(Worker{spec, std::move(proc).value(), false});
+    group->workers_.push_back(Worker{spec, std::move(proc).value(), false, std::nullopt});
   }
   if (opts.spares != nullptr) {
     EFDL_LOG_INFO("round {}: {} of {} worker(s) taken from pre-started spares", opts.round,
@@ -143,12 +143,12 @@ void WorkerGroup::Close() {
 }
 
 std::optional<PeerConnectError> WorkerGroup::peer_connect_error() const {
-  std::lock_guard<std::mutex> lock(connect_error_mu_);
+  MutexLock lock(connect_error_mu_);
   return connect_error_;
 }
 
 std::vector<std::string> WorkerGroup::stderr_tail(int rank) const {
-  std::lock_guard<std::mutex> lock(connect_error_mu_);
+  MutexLock lock(connect_error_mu_);
   auto it = stderr_tails_.find(rank);
   if (it == stderr_tails_.end()) return {};
   return {it->second.begin(), it->second.end()};
@@ -185,57 +185,67 @@ std::vector<pid_t> WorkerGroup::pids() const {
 }
 
 void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control) {
-  const auto start = Clock::now();
+  stop_policy_ = policy;
+  stop_start_ = Clock::now();
   std::set<int> asked;  // local ranks reached over the control socket
   if (control != nullptr) {
     for (int lr : control->RequestStop(options_.round, policy.graceful, policy.reason)) {
       asked.insert(lr);
     }
   }
-  struct Pending {
-    Worker* w;
-    std::optional<Clock::time_point> term_at;
-  };
-  std::vector<Pending> pending;
   for (Worker& w : workers_) {
     if (ReapOne(w)) continue;
-    Pending p{&w, std::nullopt};
     if (!policy.graceful || asked.count(w.spec.local_rank) == 0) {
       (void)w.proc.Signal(SIGTERM);
-      p.term_at = Clock::now();
+      w.term_at = Clock::now();
     }
-    pending.push_back(p);
   }
+  const bool may_release = policy.graceful && policy.release_after_snapshot && control != nullptr;
   auto step = std::chrono::milliseconds(1);
-  while (!pending.empty()) {
-    auto now = Clock::now();
-    for (auto it = pending.begin(); it != pending.end();) {
-      Worker& w = *it->w;
-      if (ReapOne(w)) {
-        it = pending.erase(it);
-        continue;
-      }
-      if (!it->term_at && now - start >= policy.grace) {
-        EFDL_LOG_WARN("rank {} did not stop within {} ms of the stop request: SIGTERM",
-                      w.spec.rank, policy.grace.count());
-        (void)w.proc.Signal(SIGTERM);
-        it->term_at = now;
-      } else if (it->term_at && now - *it->term_at >= policy.grace) {
-        EFDL_LOG_WARN("rank {} ignored SIGTERM for {} ms: SIGKILL", w.spec.rank,
-                      policy.grace.count());
-        (void)w.proc.Signal(SIGKILL);
-        w.proc.Wait();
-        ReapOne(w);
-        it = pending.erase(it);
-        continue;
-      }
-      ++it;
+  while (!StopStep()) {
+    if (may_release) {
+      const std::vector<int> released = control->ReleasedRanks(options_.round);
+      const std::set<int> done(released.begin(), released.end());
+      bool all = true;
+      for (const Worker& w : workers_) all = all && (w.reaped || done.count(w.spec.local_rank));
+      if (all) return;   // Retire() finishes the stop
     }
-    if (pending.empty()) break;
     std::this_thread::sleep_for(step);
     step = std::min(step * 2, std::chrono::milliseconds(10));
   }
-  // Helpers the workers started in their groups must not outlive the round.
+  KillGroupStragglers();
+}
+
+bool WorkerGroup::Retire() {
+  if (!StopStep()) return false;
+  KillGroupStragglers();
+  return true;
+}
+
+bool WorkerGroup::StopStep() {
+  const auto now = Clock::now();
+  bool all_reaped = true;
+  for (Worker& w : workers_) {
+    if (ReapOne(w)) continue;
+    if (!w.term_at && now - stop_start_ >= stop_policy_.grace) {
+      EFDL_LOG_WARN("rank {} did not stop within {} ms of the stop request: SIGTERM",
+                    w.spec.rank, stop_policy_.grace.count());
+      (void)w.proc.Signal(SIGTERM);
+      w.term_at = now;
+    } else if (w.term_at && now - *w.term_at >= stop_policy_.grace) {
+      EFDL_LOG_WARN("rank {} ignored SIGTERM for {} ms: SIGKILL", w.spec.rank,
+                    stop_policy_.grace.count());
+      (void)w.proc.Signal(SIGKILL);
+      w.proc.Wait();
+      ReapOne(w);
+      continue;
+    }
+    all_reaped = false;
+  }
+  return all_reaped;
+}
+
+void WorkerGroup::KillGroupStragglers() {
   for (Worker& w : workers_) (void)w.proc.Stop(std::chrono::milliseconds(0));
 }
 
@@ -246,13 +256,13 @@ void WorkerGroup::EmitLine(Stream& s, std::string_view line) {
   WriteAll(s.dest_fd, out.data(), out.size());  // one write per line: lines never interleave
   if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + s.prefix.size(), line.size() + 1);
   if (s.is_stderr) {
-    std::lock_guard<std::mutex> lock(connect_error_mu_);
+    MutexLock lock(connect_error_mu_);
     auto& tail = stderr_tails_[s.rank];
     tail.emplace_back(line.substr(0, kStderrTailChars));
     if (tail.size() > kStderrTailLines) tail.pop_front();
   }
   if (auto err = ParsePeerConnectError(line)) {
-    std::lock_guard<std::mutex> lock(connect_error_mu_);
+    MutexLock lock(connect_error_mu_);
     if (!connect_error_) {
       err->rank = s.rank;
       connect_error_ = std::move(err);

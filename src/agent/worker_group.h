@@ -14,13 +14,13 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/subprocess.h"
+#include "common/thread_annotations.h"
 #include "efdl/status.h"
 
 namespace efdl::agent {
@@ -71,6 +71,11 @@ struct StopPolicy {
   bool graceful = true;        // ask connected workers over the control socket first
   std::string reason;
   std::chrono::milliseconds grace{std::chrono::seconds(10)};
+  // With `graceful`: Stop() also returns once every worker still running has answered
+  // "stopping" without a GPU (ControlServer::ReleasedRanks): its final snapshot is complete and
+  // it touches no arena again, so the next round's workers may start while it exits (an
+  // interpreter's exit takes 0.2-2 s). Retire() then finishes the stop sequence.
+  bool release_after_snapshot = false;
 };
 
 class WorkerGroup {
@@ -92,9 +97,14 @@ class WorkerGroup {
   int running() const;
   std::vector<pid_t> pids() const;
 
-  // The stop sequence of docs/control-protocol.md; returns when every worker has exited. A
-  // `control` of nullptr means no worker is reachable that way (all get SIGTERM at once).
+  // The stop sequence of docs/control-protocol.md; returns when every worker has exited (or,
+  // with policy.release_after_snapshot, was released: see there). A `control` of nullptr means
+  // no worker is reachable that way (all get SIGTERM at once).
   void Stop(const StopPolicy& policy, ControlServer* control);
+  // After a Stop() that returned with workers still running: reaps the ones that exited and
+  // goes on with the stop sequence (SIGTERM, then SIGKILL, each after the policy's grace)
+  // without blocking. True once every worker has exited; then Close() only joins the output.
+  bool Retire();
   // SIGKILLs the process groups still running, reaps them and waits until their output has
   // been copied; the destructor does the same. Idempotent.
   void Close();
@@ -112,6 +122,7 @@ class WorkerGroup {
     WorkerSpec spec;
     Subprocess proc;
     bool reaped = false;
+    std::optional<std::chrono::steady_clock::time_point> term_at;   // SIGTERM sent (Stop)
   };
   struct Stream {
     int fd = -1;            // read end, non-blocking
@@ -128,15 +139,23 @@ class WorkerGroup {
   void DrainStream(Stream& s, bool final);
   void EmitLine(Stream& s, std::string_view line);
   bool ReapOne(Worker& w);
+  // One pass of the stop sequence begun at stop_start_: reaps, escalates; true when all exited.
+  bool StopStep();
+  // Helpers the workers started in their groups must not outlive the round.
+  void KillGroupStragglers();
 
   const WorkerGroupOptions options_;
   std::vector<Worker> workers_;
   std::vector<Stream> streams_;     // touched only by the output thread once it runs
   std::vector<int> log_fds_;
   std::optional<WorkerExit> first_failure_;
-  mutable std::mutex connect_error_mu_;
-  std::optional<PeerConnectError> connect_error_;   // written by the output thread
-  std::map<int, std::deque<std::string>> stderr_tails_;   // by rank; under connect_error_mu_
+  StopPolicy stop_policy_;                              // of the last Stop()
+  std::chrono::steady_clock::time_point stop_start_{};
+  mutable Mutex connect_error_mu_;
+  // Written by the output thread.
+  std::optional<PeerConnectError> connect_error_ EFDL_GUARDED_BY(connect_error_mu_);
+  std::map<int, std::deque<std::string>> stderr_tails_  // by rank
+      EFDL_GUARDED_BY(connect_error_mu_);
   int wake_read_ = -1;
   int wake_write_ = -1;
   std::thread pump_;

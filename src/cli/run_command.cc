@@ -185,6 +185,13 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
       run->add_flag("--no-prestart", args->no_prestart_flag,
                     "always spawn each round's workers (no pre-started interpreters)");
   prestart->excludes(no_prestart);
+  run->add_flag("--no-zygote", f.no_zygote,
+                "start each pre-started interpreter on its own instead of forking it from the "
+                "node's zygote (one interpreter that imported once)");
+  run->add_flag("--no-learn-imports", f.no_learn_imports,
+                "the zygote imports only EFDL_PRELOAD_MODULES, not also the installed modules "
+                "the program's workers imported")
+      ->envname("EFDL_NO_LEARN_IMPORTS");
   // The defaults as the flags hold them, shown in --help as [VALUE] (docs/agent.md lists them;
   // tests/python/test_e2e_cli.py checks that the two agree).
   for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",

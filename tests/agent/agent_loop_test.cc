@@ -166,7 +166,8 @@ TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
                          "MASTER_PORT=29555\n", "EFDL_JOB_ID=job-1\n", "EFDL_ROUND=4\n",
                          "EFDL_RESTART_COUNT=0\n", "EFDL_NUM_MIN_WORKERS=1\n",
                          "EFDL_NUM_MAX_WORKERS=3\n", "EFDL_NODE_ID=node-a\n",
-                         "TORCHELASTIC_RESTART_COUNT=0\n", "TORCHELASTIC_RUN_ID=job-1\n"}) {
+                         "TORCHELASTIC_RESTART_COUNT=0\n", "TORCHELASTIC_RUN_ID=job-1\n",
+                         "TORCHELASTIC_USE_AGENT_STORE=False\n"}) {
     EXPECT_NE(env3.find(kv), std::string::npos) << kv;
   }
   EXPECT_NE(env3.find("EFDL_SNAPSHOT_DIR=" + opts_.snapshot_dir + "\n"), std::string::npos);
@@ -175,6 +176,23 @@ TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
   EXPECT_NE(env4.find("LOCAL_RANK=1\n"), std::string::npos);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     EXPECT_NE(env3.find("OMP_NUM_THREADS=1\n"), std::string::npos);
+  }
+}
+
+TEST_F(AgentLoopTest, InARoundThatMeetsInAnAgentStoreEveryRankIsItsClientUnderTheRoundNumber) {
+  opts_.command = {"sh", "-c", "env | sort > " + dir_.path() + "/env.$RANK"};
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  Assignment a = MakeAssignment(7, 1, 2, 1, 1, 2);
+  a.agent_store = true;
+  rdzv_.Push(Started(a));
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0);
+  const std::string env = ReadFile(dir_.path() + "/env.1");
+  // This agent's first round, but torch's prefix for the round's keys must match the other
+  // nodes' workers: the round number, not this agent's restart count.
+  for (const char* kv : {"TORCHELASTIC_USE_AGENT_STORE=True\n", "TORCHELASTIC_RESTART_COUNT=7\n",
+                         "EFDL_RESTART_COUNT=0\n", "MASTER_PORT=29555\n"}) {
+    EXPECT_NE(env.find(kv), std::string::npos) << kv << env;
   }
 }
 
@@ -347,6 +365,71 @@ TEST_F(AgentLoopTest, GracefulClosingReachesConnectedWorkersThroughTheSocket) {
   EXPECT_EQ(agent.Run(), 0);
   script.join();
   EXPECT_EQ(ReadFile(marker), "node c joined");
+}
+
+// A round-1 worker that answers the graceful stop, then takes 1.5 s to exit (as an interpreter
+// with torch loaded may), writing when it is really done; `gpu` fakes a process that may hold
+// GPU memory. Round 2's worker writes when it started.
+std::vector<std::string> SlowExitWorker(const std::string& dir, bool gpu) {
+  return testing::PythonWorker(
+      "import atexit, os, sys, time\n"
+      "from efdl import control\n"
+      "if os.environ['EFDL_ROUND'] != '1':\n"
+      "    open('" + dir + "/round2-started', 'w').write(repr(time.time())); sys.exit(0)\n" +
+      (gpu ? std::string("sys.modules['tensorflow'] = sys\n") : std::string()) +
+      "c = control.connect_from_env()\n"
+      "print('connected', flush=True)\n"
+      "while not c.stop_requested(): time.sleep(0.002)\n"
+      "c.notify_stopping(7)\n"
+      "def slow_exit():\n"
+      "    time.sleep(1.5)\n"
+      "    open('" + dir + "/round1-exited', 'w').write(repr(time.time()))\n"
+      "atexit.register(slow_exit)\n"
+      "sys.exit(0)\n");
+}
+
+double ReadTime(const std::string& path) {
+  const std::string text = ReadFile(path);
+  return text.empty() ? 0.0 : std::stod(text);
+}
+
+// Runs round 1 with SlowExitWorker, a graceful close and round 2 to completion; returns when
+// round 2's worker started and when round 1's had exited (wall seconds).
+std::pair<double, double> RunGracefulChangeWithASlowExit(AgentOptions opts,
+                                                         ScriptedRendezvous& rdzv,
+                                                         const std::string& dir, bool gpu) {
+  opts.nproc = 1;
+  opts.command = SlowExitWorker(dir, gpu);
+  rdzv.on_success = [&](int64_t round) { rdzv.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  Agent agent(opts, rdzv);
+  std::thread script([&] {
+    ASSERT_TRUE(WaitUntil([&] {
+      return ReadFile(dir + "/out").find("connected") != std::string::npos;
+    }, 20s));
+    rdzv.Push(Simple(Event::Type::kRoundClosing, 1, /*graceful=*/true, "node c joined"));
+    rdzv.Push(Started(MakeAssignment(2, 0, 3, 0, 1, 3)));
+  });
+  EXPECT_EQ(agent.Run(), 0);
+  script.join();
+  // Run() returns once round 2 completed and the old worker (if still exiting) was waited for.
+  return {ReadTime(dir + "/round2-started"), ReadTime(dir + "/round1-exited")};
+}
+
+TEST_F(AgentLoopTest, GracefulClosingStartsTheNextRoundWhileTheOldWorkersExit) {
+  const auto [started, exited] =
+      RunGracefulChangeWithASlowExit(opts_, rdzv_, dir_.path(), /*gpu=*/false);
+  ASSERT_GT(started, 0.0);
+  ASSERT_GT(exited, 0.0) << "the agent did not let the old worker finish its exit";
+  EXPECT_LT(started, exited) << "round 2 waited for round 1's worker to exit";
+}
+
+TEST_F(AgentLoopTest, GracefulClosingWaitsForTheExitOfAWorkerThatMayHoldGpuMemory) {
+  const auto [started, exited] =
+      RunGracefulChangeWithASlowExit(opts_, rdzv_, dir_.path(), /*gpu=*/true);
+  ASSERT_GT(started, 0.0);
+  ASSERT_GT(exited, 0.0);
+  EXPECT_GT(started, exited) << "round 2 started before a GPU worker of round 1 had exited";
 }
 
 TEST_F(AgentLoopTest, StandbyRunsNoWorkersUntilTakenIn) {

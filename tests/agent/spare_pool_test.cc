@@ -2,17 +2,22 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "agent/worker_group.h"
+#include "agent/zygote.h"
 #include "common/net.h"
 #include "test_util.h"
 
@@ -43,6 +48,16 @@ if __name__ == "__main__":
         fail()
     elif mode == "exit":
         sys.exit(7)
+    elif mode == "teardown":
+        import atexit, threading
+        log = open(os.path.join(os.path.dirname(__file__), "teardown.log"), "w")
+        log.write("left open, never flushed\n")   # flushed by the exit, not by the program
+        atexit.register(lambda: print("atexit ran", flush=True))
+        def late():
+            time.sleep(0.3)
+            print("thread done", flush=True)
+        threading.Thread(target=late).start()
+        sys.exit("goodbye from the probe")
     elif mode == "term":
         def on_term(signum, frame):
             print("got signal", signum, flush=True)
@@ -52,9 +67,17 @@ if __name__ == "__main__":
         time.sleep(60)
 )";
 
-class SparePoolTest : public ::testing::Test {
+// Every case runs twice: spares started as interpreters of their own, and spares forked from the
+// zygote (the default), which must behave the same in every way a program or the agent can see.
+class SparePoolTest : public ::testing::TestWithParam<bool> {
  protected:
+  bool Forked() const { return GetParam(); }
+
   void SetUp() override {
+    // The agent is a child subreaper (agent.cc); the forked spares are adopted by it.
+    if (Forked()) {
+      ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+    }
     auto dir = TempDir::Create("efdl-spare-test");
     ASSERT_TRUE(dir.ok());
     dir_ = std::move(dir).value();
@@ -70,14 +93,24 @@ class SparePoolTest : public ::testing::Test {
     return {EFDL_PYTHON, "-u", dir_.path() + "/probe.py", mode};
   }
 
-  std::unique_ptr<SparePool> Pool(const std::string& mode, int nproc = 1) {
+  // The pool of a case: the probe in `mode`, no imports, no refill delay, this case's mode.
+  SparePoolOptions Options(const std::string& mode, int nproc = 1) {
     SparePoolOptions o;
     o.command = Command(mode);
     o.nproc = nproc;
     o.refill_delay = 0ms;
+    o.zygote = Forked();
     for (int lr = 0; lr < nproc; ++lr) {
       o.start_env[lr] = {{"PYTHONPATH", env_["PYTHONPATH"]}, {"EFDL_PRELOAD_MODULES", ""}};
     }
+    return o;
+  }
+
+  std::unique_ptr<SparePool> Pool(const std::string& mode, int nproc = 1) {
+    return Pool(Options(mode, nproc));
+  }
+
+  std::unique_ptr<SparePool> Pool(SparePoolOptions o) {
     auto pool = SparePool::Create(std::move(o));
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     return pool.ok() ? std::move(pool).value() : nullptr;
@@ -121,9 +154,22 @@ class SparePoolTest : public ::testing::Test {
     return r;
   }
 
+  // Maintains the pool until it holds `n` live spares (a zygote first does its imports).
+  static bool HasSpares(SparePool& pool, size_t n) {
+    return WaitUntil([&] {
+      pool.Maintain();
+      return pool.pids().size() == n;
+    }, 60s);
+  }
+
   TempDir dir_;
   std::map<std::string, std::string> env_;
 };
+
+std::string ModeName(const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "Forked" : "Started";
+}
+INSTANTIATE_TEST_SUITE_P(Spares, SparePoolTest, ::testing::Bool(), ModeName);
 
 TEST(ParsePythonCommand, SplitsInterpreterOptionsFromTheProgram) {
   auto c = ParsePythonCommand(
@@ -159,12 +205,11 @@ TEST(IsRoundVariable, PerRoundNamesOnly) {
   }
 }
 
-TEST_F(SparePoolTest, ActivatedSpareSeesExactlyWhatASpawnedWorkerSees) {
+TEST_P(SparePoolTest, ActivatedSpareSeesExactlyWhatASpawnedWorkerSees) {
   Run spawned = RunProbe("exit", nullptr);
   auto pool = Pool("exit");
   ASSERT_TRUE(pool);
-  pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
+  ASSERT_TRUE(HasSpares(*pool, 1));
   const pid_t spare_pid = pool->pids()[0];
   Run spare = RunProbe("exit", pool.get());
   EXPECT_EQ(spare.pid, spare_pid);    // the spare ran the program...
@@ -178,12 +223,11 @@ TEST_F(SparePoolTest, ActivatedSpareSeesExactlyWhatASpawnedWorkerSees) {
   EXPECT_EQ(spare.status, spawned.status);
 }
 
-TEST_F(SparePoolTest, UncaughtExceptionPrintsTheNormalTracebackAndExitsOne) {
+TEST_P(SparePoolTest, UncaughtExceptionPrintsTheNormalTracebackAndExitsOne) {
   Run spawned = RunProbe("raise", nullptr);
   auto pool = Pool("raise");
   ASSERT_TRUE(pool);
-  pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
+  ASSERT_TRUE(HasSpares(*pool, 1));
   const pid_t spare_pid = pool->pids()[0];
   Run spare = RunProbe("raise", pool.get());
   EXPECT_EQ(spare.pid, spare_pid);
@@ -192,10 +236,31 @@ TEST_F(SparePoolTest, UncaughtExceptionPrintsTheNormalTracebackAndExitsOne) {
   EXPECT_TRUE(WIFEXITED(spare.status) && WEXITSTATUS(spare.status) == 1) << spare.status;
 }
 
-TEST_F(SparePoolTest, SignalsReachTheProgramOnceActivated) {
+TEST_P(SparePoolTest, TheExitJoinsThreadsRunsAtexitAndFlushesFilesLeftOpen) {
+  // A forked spare ends without the interpreter's teardown (preload._exit_without_teardown):
+  // what a program may rely on at its exit must happen all the same.
+  Run spawned = RunProbe("teardown", nullptr);
+  const std::string spawned_log = ReadFile(dir_.path() + "/teardown.log");
+  ASSERT_TRUE(std::filesystem::remove(dir_.path() + "/teardown.log"));
+  auto pool = Pool("teardown");
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  Run spare = RunProbe("teardown", pool.get());
+  EXPECT_EQ(spawned_log, "left open, never flushed\n");
+  EXPECT_EQ(ReadFile(dir_.path() + "/teardown.log"), spawned_log);
+  EXPECT_NE(spare.out.find("[rank 0] thread done\n[rank 0] atexit ran\n"), std::string::npos)
+      << spare.out;
+  EXPECT_EQ(spare.out, spawned.out);
+  EXPECT_EQ(spare.err, "[rank 0] goodbye from the probe\n");
+  EXPECT_EQ(spare.err, spawned.err);
+  EXPECT_TRUE(WIFEXITED(spare.status) && WEXITSTATUS(spare.status) == 1) << spare.status;
+  EXPECT_EQ(spare.status, spawned.status);
+}
+
+TEST_P(SparePoolTest, SignalsReachTheProgramOnceActivated) {
   auto pool = Pool("term");
   ASSERT_TRUE(pool);
-  pool->Maintain();
+  ASSERT_TRUE(HasSpares(*pool, 1));
   std::map<std::string, std::string> env = env_;
   auto proc = pool->Activate(0, env, 1);
   ASSERT_TRUE(proc);
@@ -218,16 +283,10 @@ TEST_F(SparePoolTest, SignalsReachTheProgramOnceActivated) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
-TEST_F(SparePoolTest, ASpareServesOneRoundAndIsReplacedByANewProcess) {
-  SparePoolOptions o;
-  o.command = Command("exit");
-  o.refill_delay = 0ms;
-  o.start_env[0] = {{"PYTHONPATH", env_["PYTHONPATH"]}, {"EFDL_PRELOAD_MODULES", ""}};
-  auto created = SparePool::Create(std::move(o));
-  ASSERT_TRUE(created.ok());
-  auto& pool = *created;
-  pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
+TEST_P(SparePoolTest, ASpareServesOneRoundAndIsReplacedByANewProcess) {
+  auto pool = Pool("exit");
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
   const pid_t first = pool->pids()[0];
   auto a = pool->Activate(0, env_, 1);
   ASSERT_TRUE(a);
@@ -242,26 +301,30 @@ TEST_F(SparePoolTest, ASpareServesOneRoundAndIsReplacedByANewProcess) {
   EXPECT_EQ(a->Wait(), b->Wait());  // both ran the program once (exit 7)
 }
 
-TEST_F(SparePoolTest, ADifferentStartupEnvironmentIsSpawnedAndLearned) {
+TEST_P(SparePoolTest, ADifferentStartupEnvironmentIsSpawnedAndLearned) {
   auto pool = Pool("exit");
   ASSERT_TRUE(pool);
-  pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
+  ASSERT_TRUE(HasSpares(*pool, 1));
   const pid_t first = pool->pids()[0];
+  const std::optional<pid_t> first_zygote = pool->zygote_pid();
   auto env = env_;
   env["OMP_NUM_THREADS"] = "3";  // read while torch is imported: the spare has the wrong one
   EXPECT_FALSE(pool->Activate(0, env, 1));
   EXPECT_FALSE(testing::ProcessAlive(first));
-  pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  // A zygote that imported with the old environment is replaced by one with the new.
+  if (Forked()) {
+    EXPECT_NE(pool->zygote_pid(), first_zygote);
+  }
   std::string environ = ReadFile("/proc/" + std::to_string(pool->pids()[0]) + "/environ");
   EXPECT_NE(environ.find(std::string("OMP_NUM_THREADS=3") + '\0'), std::string::npos);
   EXPECT_TRUE(pool->Activate(0, env, 2));
 }
 
-TEST_F(SparePoolTest, ASpareThatCannotStartDisablesThePool) {
+TEST_P(SparePoolTest, ASpareThatCannotStartDisablesThePool) {
   SparePoolOptions o;
   o.command = Command("exit");
+  o.zygote = Forked();
   // An interpreter that cannot start at all (no standard library), whatever is installed: with
   // only a bad PYTHONPATH, an efdl installed by `make install` is still importable.
   o.start_env[0] = {{"PYTHONHOME", dir_.path() + "/nowhere"}, {"PYTHONNOUSERSITE", "1"}};
@@ -277,10 +340,10 @@ TEST_F(SparePoolTest, ASpareThatCannotStartDisablesThePool) {
   EXPECT_FALSE(pool->Activate(0, env_, 1));
 }
 
-TEST_F(SparePoolTest, ClearKillsEverySpare) {
+TEST_P(SparePoolTest, ClearKillsEverySpare) {
   auto pool = Pool("exit", 2);
   ASSERT_TRUE(pool);
-  pool->Maintain();
+  ASSERT_TRUE(HasSpares(*pool, 2));
   auto pids = pool->pids();
   ASSERT_EQ(pids.size(), 2u);
   pool->Clear();
@@ -291,7 +354,7 @@ TEST_F(SparePoolTest, ClearKillsEverySpare) {
 
 // A spare whose import blocks until `<dir>/go` exists (at most 60 s), and the pool for it.
 std::unique_ptr<SparePool> GatedPool(const std::string& dir, const std::vector<std::string>& cmd,
-                                     std::chrono::milliseconds import_timeout) {
+                                     std::chrono::milliseconds import_timeout, bool zygote) {
   std::ofstream(dir + "/gate.py") << "import os, time\n"
                                      "t = time.monotonic() + 60\n"
                                      "while not os.path.exists('" << dir << "/go') and "
@@ -301,6 +364,7 @@ std::unique_ptr<SparePool> GatedPool(const std::string& dir, const std::vector<s
   o.command = cmd;
   o.refill_delay = 0ms;
   o.import_timeout = import_timeout;
+  o.zygote = zygote;
   o.start_env[0] = {{"PYTHONPATH", std::string(EFDL_SOURCE_DIR) + "/python:" + dir},
                     {"EFDL_PRELOAD_MODULES", "gate"}};
   auto pool = SparePool::Create(std::move(o));
@@ -308,13 +372,15 @@ std::unique_ptr<SparePool> GatedPool(const std::string& dir, const std::vector<s
   return pool.ok() ? std::move(pool).value() : nullptr;
 }
 
-TEST_F(SparePoolTest, WaitUntilImportedReturnsOnlyOnceTheSpareFinishedItsImports) {
-  auto pool = GatedPool(dir_.path(), Command("exit"), 60s);
+TEST_P(SparePoolTest, WaitUntilImportedReturnsOnlyOnceTheSpareFinishedItsImports) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 60s, Forked());
   ASSERT_TRUE(pool);
   pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
   std::this_thread::sleep_for(500ms);  // the gate is closed: the spare must still be importing
+  pool->Maintain();
   EXPECT_EQ(pool->Importing(), 1u);
+  // A started spare is there and importing; a forked one waits for the zygote's imports.
+  EXPECT_EQ(pool->pids().size(), Forked() ? 0u : 1u);
   std::thread opener([&] {
     std::this_thread::sleep_for(300ms);
     std::ofstream(dir_.path() + "/go") << "1";
@@ -334,19 +400,21 @@ TEST_F(SparePoolTest, WaitUntilImportedReturnsOnlyOnceTheSpareFinishedItsImports
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 7) << *st;
 }
 
-TEST_F(SparePoolTest, WaitUntilImportedGivesUpAfterTheImportTimeout) {
-  auto pool = GatedPool(dir_.path(), Command("exit"), 400ms);
+TEST_P(SparePoolTest, WaitUntilImportedGivesUpAfterTheImportTimeout) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 400ms, Forked());
   ASSERT_TRUE(pool);
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(pool->WaitUntilImported(nullptr), 1u);
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_GE(took, 400ms);
   EXPECT_LT(took, 10s);
-  EXPECT_EQ(pool->pids().size(), 1u);  // the spare is kept: it may still be ready in time
+  // The spare (or the zygote) is kept: it may still be ready in time.
+  EXPECT_EQ(Forked() ? static_cast<size_t>(pool->zygote_pid().has_value()) : pool->pids().size(),
+            1u);
 }
 
-TEST_F(SparePoolTest, WaitUntilImportedStopsWhenInterrupted) {
-  auto pool = GatedPool(dir_.path(), Command("exit"), 60s);
+TEST_P(SparePoolTest, WaitUntilImportedStopsWhenInterrupted) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 60s, Forked());
   ASSERT_TRUE(pool);
   int asked = 0;
   const auto start = std::chrono::steady_clock::now();
@@ -355,16 +423,235 @@ TEST_F(SparePoolTest, WaitUntilImportedStopsWhenInterrupted) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
 }
 
-TEST_F(SparePoolTest, WaitUntilImportedEndsWhenTheSpareDies) {
-  auto pool = GatedPool(dir_.path(), Command("exit"), 60s);
+TEST_P(SparePoolTest, WaitUntilImportedEndsWhenTheSpareDies) {
+  auto pool = GatedPool(dir_.path(), Command("exit"), 60s, Forked());
   ASSERT_TRUE(pool);
   pool->Maintain();
-  ASSERT_EQ(pool->pids().size(), 1u);
-  ASSERT_EQ(::kill(pool->pids()[0], SIGKILL), 0);
+  // The process importing: the spare itself, or the zygote it is to be forked from.
+  const std::optional<pid_t> importing =
+      Forked() ? pool->zygote_pid()
+               : (pool->pids().empty() ? std::nullopt : std::optional<pid_t>(pool->pids()[0]));
+  ASSERT_TRUE(importing);
+  ASSERT_EQ(::kill(*importing, SIGKILL), 0);
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(pool->WaitUntilImported(nullptr), 0u);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
   EXPECT_FALSE(pool->enabled());
+}
+
+TEST_P(SparePoolTest, AConsumedSpareIsForkedAgainAtOnceAndStartedOnlyAfterTheRefillDelay) {
+  SparePoolOptions o = Options("exit");
+  o.refill_delay = 60s;   // for started spares
+  auto pool = Pool(std::move(o));
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  auto a = pool->Activate(0, env_, 1);
+  ASSERT_TRUE(a);
+  pool->Maintain();
+  EXPECT_EQ(pool->pids().size(), Forked() ? 1u : 0u);
+  if (Forked()) {
+    auto b = pool->Activate(0, env_, 2);
+    ASSERT_TRUE(b);
+    EXPECT_EQ(a->Wait(), b->Wait());   // both ran the program (exit 7)
+  }
+}
+
+TEST_P(SparePoolTest, AZygoteWhoseImportsStartAThreadRefusesAndSparesAreStarted) {
+  // fork() copies one thread: a zygote whose imports started another must not fork.
+  std::ofstream(dir_.path() + "/threader.py")
+      << "import threading, time\n"
+         "threading.Thread(target=time.sleep, args=(120,), daemon=True).start()\n";
+  SparePoolOptions o = Options("exit");
+  o.start_env[0] = {{"PYTHONPATH", env_["PYTHONPATH"] + ":" + dir_.path()},
+                    {"EFDL_PRELOAD_MODULES", "threader"}};
+  auto pool = Pool(std::move(o));
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  EXPECT_FALSE(pool->zygote_pid());   // gone (Forked) or never started
+  EXPECT_TRUE(pool->enabled());
+  auto env = env_;
+  env["PYTHONPATH"] = env_["PYTHONPATH"] + ":" + dir_.path();
+  auto proc = pool->Activate(0, env, 1);
+  ASSERT_TRUE(proc);
+  const int status = proc->Wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 7) << status;
+}
+
+TEST_P(SparePoolTest, SparesAreForkedFromTheZygoteAndAZygoteThatDiesIsStartedAgain) {
+  if (!Forked()) GTEST_SKIP() << "no zygote with started spares";
+  auto pool = Pool("exit");
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  const auto zygote = pool->zygote_pid();
+  ASSERT_TRUE(zygote.has_value());
+  // Forked by the zygote (the fork's command line is the zygote's), then adopted by this
+  // process (a child subreaper, as the agent is).
+  const pid_t spare = pool->pids()[0];
+  EXPECT_NE(ReadFile(fmt::format("/proc/{}/cmdline", spare)).find("--zygote"), std::string::npos);
+  EXPECT_EQ(testing::ParentOf(spare), ::getpid());
+  ::testing::internal::CaptureStderr();
+  ASSERT_EQ(::kill(*zygote, SIGKILL), 0);
+  const bool restarted = WaitUntil([&] {
+    pool->Maintain();
+    return pool->zygote_pid().has_value() && *pool->zygote_pid() != *zygote;
+  }, 60s);
+  const std::string log = ::testing::internal::GetCapturedStderr();   // before any ASSERT
+  ASSERT_TRUE(restarted) << log;
+  EXPECT_NE(log.find(fmt::format("the zygote (pid {}) ended (killed by signal 9 (SIGKILL)); "
+                                 "starting a new one (restart 1 of 3)",
+                                 *zygote)),
+            std::string::npos)
+      << log;
+  // The spare forked before lives on and still serves a round; its replacement comes from the
+  // new zygote.
+  Run r = RunProbe("exit", pool.get());
+  EXPECT_EQ(r.pid, spare);
+  EXPECT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) == 7) << r.status;
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  EXPECT_NE(pool->pids()[0], spare);
+  EXPECT_TRUE(pool->enabled());
+}
+
+TEST_P(SparePoolTest, ReportedImportsGoToTheZygoteAndOnesThatStartAThreadEndTheLearning) {
+  if (!Forked()) GTEST_SKIP() << "learning is for the zygote";
+  // learned.py leaves the importing process's pid in a file; threader.py starts a thread.
+  std::ofstream(dir_.path() + "/learned.py")
+      << "import os\nwith open(" << "'" << dir_.path() << "/marks', 'a') as f:\n"
+      << "    f.write('%d\\n' % os.getpid())\n";
+  std::ofstream(dir_.path() + "/threader.py")
+      << "import threading, time\n"
+         "threading.Thread(target=time.sleep, args=(120,), daemon=True).start()\n";
+  const std::string reports = dir_.path() + "/reports";
+  ASSERT_EQ(::mkdir(reports.c_str(), 0700), 0);
+  env_["PYTHONPATH"] += ":" + dir_.path();
+  SparePoolOptions o = Options("exit");
+  o.imports_dir = reports;
+  auto pool = Pool(std::move(o));
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  const pid_t zygote = *pool->zygote_pid();
+  const pid_t spare = pool->pids()[0];
+  ::testing::internal::CaptureStderr();
+  std::ofstream(reports + "/imports-1-1.json") << R"(["learned", "no_such_module"])";
+  const bool learned = WaitUntil([&] {
+    pool->Maintain();
+    return pool->pids().size() == 1 && pool->pids()[0] != spare;
+  }, 60s);
+  // The zygote imported it (once: not the spares), and the idle spare was forked again.
+  EXPECT_EQ(ReadFile(dir_.path() + "/marks"), fmt::format("{}\n", zygote));
+  EXPECT_EQ(*pool->zygote_pid(), zygote);
+  EXPECT_TRUE(std::filesystem::is_empty(reports));   // read and removed
+  std::ofstream(reports + "/imports-2-1.json") << R"(["learned", "threader"])";
+  const bool replaced = WaitUntil([&] {
+    pool->Maintain();
+    return pool->zygote_pid() && *pool->zygote_pid() != zygote && pool->pids().size() == 1;
+  }, 60s);
+  const std::string log = ::testing::internal::GetCapturedStderr();   // before any ASSERT
+  ASSERT_TRUE(learned) << log;
+  ASSERT_TRUE(replaced) << log;
+  EXPECT_NE(log.find("the zygote imports 2 more module(s) the program imported (learned, "
+                     "no_such_module; --no-learn-imports turns this off)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("the zygote imported them in"), std::string::npos) << log;
+  EXPECT_NE(log.find("importing the program's modules started 2 threads; a zygote must have one"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("no more learning of the program's imports"), std::string::npos) << log;
+  // The new zygote serves, without the learned modules.
+  EXPECT_TRUE(pool->enabled());
+  const pid_t from_new_zygote = pool->pids()[0];
+  Run r = RunProbe("exit", pool.get());
+  EXPECT_EQ(r.pid, from_new_zygote);
+  EXPECT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) == 7) << r.status;
+  std::ofstream(reports + "/imports-3-1.json") << R"(["learned"])";
+  for (int i = 0; i < 30; ++i) {
+    pool->Maintain();
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(ReadFile(dir_.path() + "/marks"), fmt::format("{}\n", zygote));   // not again
+}
+
+TEST_P(SparePoolTest, AReportedImportThatInitialisesCudaEndsTheLearning) {
+  if (!Forked()) GTEST_SKIP() << "learning is for the zygote";
+  // Stands in for a library that initialises CUDA through torch at import (no GPU here): the
+  // zygote asks torch.cuda.is_initialized(), which this module makes true.
+  std::ofstream(dir_.path() + "/cudainit.py")
+      << "import sys, types\n"
+         "torch = types.ModuleType('torch')\n"
+         "torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)\n"
+         "sys.modules['torch'] = torch\n";
+  const std::string reports = dir_.path() + "/reports";
+  ASSERT_EQ(::mkdir(reports.c_str(), 0700), 0);
+  env_["PYTHONPATH"] += ":" + dir_.path();
+  SparePoolOptions o = Options("exit");
+  o.imports_dir = reports;
+  auto pool = Pool(std::move(o));
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  const pid_t zygote = *pool->zygote_pid();
+  ::testing::internal::CaptureStderr();
+  std::ofstream(reports + "/imports-1-1.json") << R"(["cudainit"])";
+  const bool replaced = WaitUntil([&] {
+    pool->Maintain();
+    return pool->zygote_pid() && *pool->zygote_pid() != zygote && pool->pids().size() == 1;
+  }, 60s);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(replaced) << log;
+  EXPECT_NE(log.find("importing the program's modules initialised CUDA, which a forked process "
+                     "cannot use"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("no more learning of the program's imports"), std::string::npos) << log;
+  EXPECT_TRUE(pool->enabled());
+}
+
+TEST(ReapAdoptedOrphans, ReapsAdoptedZombiesAndLeavesGroupLeadersToTheirOwner) {
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  // A helper a worker started, orphaned when the worker died: adopted by us, in the worker's
+  // group, not leading one.
+  // Two pipes: the helper's pid goes to the test on one, the test lets the helper exit on the
+  // other (on one pipe the waiting helper could read a byte of its own pid first).
+  int pid_pipe[2];
+  int go[2];
+  ASSERT_EQ(::pipe(pid_pipe), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  const pid_t worker = ::fork();
+  ASSERT_GE(worker, 0);
+  if (worker == 0) {
+    ::setpgid(0, 0);
+    const pid_t helper = ::fork();
+    if (helper == 0) {
+      char byte;
+      (void)::read(go[0], &byte, 1);   // until the test has seen it adopted
+      ::_exit(0);
+    }
+    (void)::write(pid_pipe[1], &helper, sizeof(helper));
+    ::_exit(0);
+  }
+  pid_t helper = 0;
+  ASSERT_EQ(::read(pid_pipe[0], &helper, sizeof(helper)), static_cast<ssize_t>(sizeof(helper)));
+  ASSERT_EQ(::waitpid(worker, nullptr, 0), worker);
+  // A child that leads its own group (what Spawn and the zygote make): its owner reaps it.
+  const pid_t leader = ::fork();
+  ASSERT_GE(leader, 0);
+  if (leader == 0) {
+    ::setpgid(0, 0);
+    ::_exit(3);
+  }
+  ::setpgid(leader, leader);
+  ASSERT_EQ(::write(go[1], "x", 1), 1);   // the helper exits now
+  for (int fd : {pid_pipe[0], pid_pipe[1], go[0], go[1]}) ::close(fd);
+  int reaped = 0;
+  ASSERT_TRUE(WaitUntil([&] {
+    reaped += ReapAdoptedOrphans();
+    return reaped >= 1;
+  }, 10s));
+  EXPECT_EQ(reaped, 1);
+  EXPECT_EQ(::kill(helper, 0), -1);   // gone for good: reaped, not a zombie
+  int status = 0;
+  ASSERT_EQ(::waitpid(leader, &status, 0), leader);   // still ours to reap
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <fstream>
 #include <sstream>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +45,17 @@ inline bool ProcessAlive(pid_t pid) {
   std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
   size_t paren = stat.rfind(')');
   return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+}
+
+// The parent pid of `pid` (-1 when gone).
+inline pid_t ParentOf(pid_t pid) {
+  std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return -1;
+  char state = 0;
+  int ppid = -1;
+  if (std::sscanf(stat.c_str() + paren + 1, " %c %d", &state, &ppid) != 2) return -1;
+  return ppid;
 }
 
 }  // namespace efdl::agent::testing

@@ -193,6 +193,70 @@ TEST_F(WorkerGroupTest, ConnectedWorkerStopsThroughTheControlSocket) {
   EXPECT_TRUE((*server)->newest_step().has_value());
 }
 
+// A worker that answers a graceful stop ("stopping", no GPU), then lingers: `tail` is Python
+// run after the answer (its exit).
+WorkerGroupOptions ConnectedWorker(WorkerGroupOptions o, const std::string& socket,
+                                   const std::string& tail) {
+  o.argv = testing::PythonWorker(
+      "import signal, time, sys\n"
+      "from efdl import control\n"
+      "c = control.connect_from_env()\n"
+      "while not c.stop_requested(): time.sleep(0.001)\n"
+      "c.notify_stopping(5)\n" + tail);
+  o.workers[0].env["EFDL_CONTROL_SOCKET"] = socket;
+  o.workers[0].env["EFDL_ROUND"] = "4";
+  o.workers[0].env["LOCAL_RANK"] = "0";
+  return o;
+}
+
+TEST_F(WorkerGroupTest, AReleasingStopReturnsOnceTheWorkerAnsweredAndRetireReapsIt) {
+  auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
+  ASSERT_TRUE(server.ok());
+  (*server)->SetRound(4);
+  auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(), "time.sleep(1.5)\n"));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
+  StopPolicy policy{true, "scale out", 20s, /*release_after_snapshot=*/true};
+  g->Stop(policy, server->get());
+  EXPECT_EQ(g->running(), 1) << "Stop() waited for the exit";
+  EXPECT_EQ((*server)->ReleasedRanks(4), std::vector<int>{0});
+  EXPECT_FALSE(g->Retire());
+  EXPECT_TRUE(WaitUntil([&] { return g->Retire(); }, 10s));
+  EXPECT_EQ(g->running(), 0);
+  EXPECT_FALSE(g->first_failure().has_value());
+}
+
+TEST_F(WorkerGroupTest, ARetiringWorkerThatNeverExitsIsKilledAfterTheGrace) {
+  auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
+  ASSERT_TRUE(server.ok());
+  (*server)->SetRound(4);
+  auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(),
+                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                   "while True: time.sleep(0.05)\n"));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
+  const pid_t pid = g->pids()[0];
+  StopPolicy policy{true, "scale out", 300ms, /*release_after_snapshot=*/true};
+  const auto start = Clock::now();
+  g->Stop(policy, server->get());
+  EXPECT_EQ(g->running(), 1);
+  // SIGTERM (ignored) after the grace, SIGKILL after another.
+  EXPECT_TRUE(WaitUntil([&] { return g->Retire(); }, 10s));
+  EXPECT_GE(Clock::now() - start, 550ms);
+  EXPECT_FALSE(testing::ProcessAlive(pid));
+}
+
+TEST_F(WorkerGroupTest, WithoutReleaseAStopWaitsForTheExitOfAWorkerThatAnswered) {
+  auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
+  ASSERT_TRUE(server.ok());
+  (*server)->SetRound(4);
+  auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(), "time.sleep(0.5)\n"));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
+  g->Stop({true, "leaving", 20s}, server->get());
+  EXPECT_EQ(g->running(), 0);
+}
+
 TEST_F(WorkerGroupTest, DestructionKillsRunningWorkersAndTheirChildren) {
   std::string pidfile = dir_.path() + "/grandchild";
   auto g = StartOk(Options({"sh", "-c", "sleep 30 & echo $! > " + pidfile + "; wait"}, 1));

@@ -173,3 +173,20 @@ def test_stop_requested_reads_the_socket_at_most_every_10_ms_and_sees_a_stop(age
             clock.advance(0.001)
             time.sleep(0.001)
         assert client.stop_request().graceful is True
+
+
+def test_stopping_says_whether_the_process_may_hold_gpu_memory(agent_with, monkeypatch):
+    """The agent starts the next round's worker while this one exits only when `gpu` is false:
+    GPU memory is freed at the exit. No CUDA here, so false; a framework whose GPU use cannot be
+    seen (TensorFlow, JAX) makes it true."""
+    import sys
+    agent, client = agent_with(lambda m: [])
+    with client:
+        client.notify_stopping(12)
+        monkeypatch.setitem(sys.modules, "tensorflow", sys)
+        client.notify_stopping(13)
+        deadline = time.monotonic() + 10
+        while len(agent.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [(m["type"], m["step"], m["gpu"]) for m in agent.requests] == [
+        ("stopping", 12, False), ("stopping", 13, True)]

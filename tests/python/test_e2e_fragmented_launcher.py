@@ -71,6 +71,7 @@ def test_fragmented_example_replaces_the_two_process_node_by_two_one_process_nod
     # after two 1-process nodes joined as standbys; the job goes on as 1 + 1 + 1 and finishes.
     env = cluster.base_env()
     env["EFDL_BIN"] = cluster.efdl_bin()
+    env["TMPDIR"] = str(tmp_path)   # torchrun leaves its log directory (torchelastic_*) behind
     proc = subprocess.Popen([PYTHON, os.path.join(EXAMPLES, "fragmented.py"), "--replace",
                              "--epochs", "1", "--steps-before-replace", "4", "--timeout", "100",
                              # 1 s steps: the epoch must outlast node-c and then node-d each
@@ -136,7 +137,8 @@ def test_torchrun_inside_efdl_run_launcher_survives_a_node_kill(torchrun_job):
     shm = os.path.join(c.dir, "shm")
     os.makedirs(shm)
     # Debian's torchrun, through the one-line Python 3.11 fix the script picks by default.
-    env = {"EFDL_SHM_DIR": shm}
+    # TMPDIR: torchrun leaves its log directory (torchelastic_*) behind; keep it in the job's.
+    env = {"EFDL_SHM_DIR": shm, "TMPDIR": c.dir}
     train = [LAUNCHER_SH, "--epochs", "1", "--batch-size", "16", "--commit-interval", "3",
              "--log-interval", "1", "--step-delay", "0.1"]
     kw = dict(env=env, nnodes="2", nproc=2, extra=["--launcher", "--max-restarts", "5"],

@@ -7,6 +7,7 @@ process started is killed by the fixture (by pid / process group).
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,3 +131,52 @@ def test_a_new_node_joins_only_once_its_spare_has_imported(job, tmp_path):
     job.wait_for_world(2, since=time.monotonic(), timeout=90)
     out = b.output()
     assert out.index("pre-started worker(s) imported after") < out.index(" joined job "), out
+
+
+def test_three_events_four_seconds_apart_are_all_served_by_warm_spares(job):
+    """3 nodes, then a SIGKILL of one node, a new node 4 s later and a SIGTERM of another 4 s
+    after that, with no wait for anything in between: every round that follows starts its
+    workers from a spare on every node (the agents' logs say '1 of 1 worker(s) taken from
+    pre-started spares'; a cold start would say '0 of 1'). The spares are forked from each
+    node's zygote and replaced at once after each round, so the next event finds them warm."""
+    nodes = [job.start_agent(n, nnodes="2:3") for n in ("n0", "n1", "n2")]
+    job.wait_for_world(3, timeout=120)
+    # The spares that replace round 1's are forked right after it started: let them exist.
+    wait_for(lambda: all(len(a.worker_pids()) == 2 for a in nodes), 60, "every node's spare")
+    nodes[2].signal_group(signal.SIGKILL)
+    time.sleep(4)
+    nodes.append(job.start_agent("n3", nnodes="2:3"))
+    time.sleep(4)
+    nodes[1].proc.send_signal(signal.SIGTERM)
+    left = time.monotonic()
+    job.wait_for_world(2, since=left, agents=[nodes[0], nodes[3]], timeout=90)
+    for a in (nodes[0], nodes[3]):
+        taken = [line for line in a.output().splitlines()
+                 if "taken from pre-started spares" in line]
+        assert taken and all("1 of 1 worker(s)" in line for line in taken), (
+            "%s:\n%s" % (a.name, a.output()[-4000:]))
+    # n0 ran every round: at least the first, after the kill and after the leave (the join may
+    # have come before the round of the kill formed).
+    assert len([line for line in nodes[0].output().splitlines()
+                if "taken from pre-started spares" in line]) >= 3, nodes[0].output()[-4000:]
+
+
+def test_the_zygote_learns_the_modules_the_programs_workers_imported(job):
+    """A worker forked from the zygote reports the installed modules its program imported (2 s
+    after it started); the zygote imports them too and the idle spares are forked again, so
+    the next round's worker starts with them. The same program with --no-learn-imports never
+    finds its module there."""
+    env = {"WORKER_IMPORT": "email.mime.text"}
+    a = job.start_agent("a", nnodes="1:3", env=env)
+    job.wait_for_world(1, timeout=90)
+    wait_for(lambda: "the zygote imported them in" in a.output(), 30, "the learned imports")
+    out = a.output()
+    assert re.search(r"the zygote imports \d+ more module\(s\) the program imported \(.*email",
+                     out), out[-3000:]
+    b = job.start_agent("b", nnodes="1:3", env=env, extra=["--no-learn-imports"])
+    job.wait_for_world(2, since=time.monotonic(), timeout=90)
+    preloaded = {m.group(1): m.group(2) for m in re.finditer(
+        r"START round=\d+ rank=(\d+) world=2 .* preloaded=(\d)", a.output() + b.output())}
+    # a leads (rank 0): its world-2 worker had the module; b, not learning, did not.
+    assert preloaded == {"0": "1", "1": "0"}, (preloaded, a.output()[-3000:], b.output()[-3000:])
+    assert "more module(s) the program imported" not in b.output()

@@ -148,14 +148,21 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
             if "== round 1 started" in line:
                 break
             assert time.monotonic() < deadline + 90, "".join(lines)
-        # Each agent forks a group reaper (efdl-reaper) that keeps the agent's command line.
+        # Each agent forks a group reaper (efdl-reaper) that keeps the agent's command line,
+        # starts a zygote (efdl-zygote) its spares are forked from, and runs its agent store
+        # (efdl-store, torch's TCPStore server) in one of those spares.
         named = [pid for pid, _ in processes_naming(job)]
         reapers = [pid for pid in named if comm(pid) == "efdl-reaper"]
         agents = [pid for pid in named if pid not in reapers]
-        workers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                   if parent(pid) in agents and pid not in reapers]
+        children = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                    if parent(pid) in agents and pid not in reapers]
+        zygotes = [pid for pid in children if comm(pid) == "efdl-zygote"]
+        stores = [pid for pid in children if comm(pid) == "efdl-store"]
+        workers = [pid for pid in children if pid not in zygotes + stores]
         # Each agent's worker, and its pre-started spare once refilled (the demo uses --prestart).
         assert len(agents) == 3 and 3 <= len(workers) <= 6, (agents, workers, "".join(lines))
+        assert len(zygotes) == 3 and {parent(pid) for pid in zygotes} == set(agents), zygotes
+        assert len(stores) == 3 and {parent(pid) for pid in stores} == set(agents), stores
         assert len(reapers) == 3 and {parent(pid) for pid in reapers} == set(agents), reapers
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -166,12 +173,15 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
         while processes_naming(job) and time.monotonic() < gone_by:
             time.sleep(0.05)
         assert not processes_naming(job), processes_naming(job)
-        # The demo SIGKILLs whole nodes and waits for the agents only: a worker (torch loaded)
-        # may take a moment to finish dying.
+        # The demo SIGKILLs whole nodes (each agent's group and its children's groups, the
+        # zygote's and the store's too) and waits for the agents only: a worker (torch loaded) may take a moment
+        # to finish dying. So this checks the demo's own cleanup; that a zygote ends with its
+        # agent by itself is checked in tests/faults (SIGKILL of an agent alone).
         deadline = time.monotonic() + 15
-        while [pid for pid in workers if alive(pid)] and time.monotonic() < deadline:
+        children = workers + zygotes + stores
+        while [pid for pid in children if alive(pid)] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [pid for pid in workers if alive(pid)], workers
+        assert not [pid for pid in children if alive(pid)], (workers, zygotes, stores)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -250,7 +260,8 @@ def test_examples_run_in_the_listed_order_in_one_directory_do_not_resume_each_ot
     hvd_state.py does not continue train_ddp_state.py's snapshot and the torchrun launcher
     example trains its own epoch (before, all three shared job 'default')."""
     (tmp_path / "shm").mkdir()
-    env = {"EFDL_SHM_DIR": str(tmp_path / "shm")}
+    # TMPDIR: torchrun leaves its log directory (torchelastic_*) behind; keep it in tmp_path.
+    env = {"EFDL_SHM_DIR": str(tmp_path / "shm"), "TMPDIR": str(tmp_path)}
     runs = [
         [EFDL, "run", "--", PYTHON, os.path.join(EXAMPLES, "train_ddp_state.py"), "--epochs",
          "1"],

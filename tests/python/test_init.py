@@ -182,3 +182,47 @@ def test_importing_efdl_does_not_import_torch(clean_env):
     proc = run("import sys, efdl; assert 'torch' not in sys.modules; "
                "assert efdl.data.DistributedSampler; print('ok')", clean_env)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_a_rank_waits_for_rank_0s_store_polling_not_with_torchs_one_second_retry():
+    """efdl.init() on a rank other than 0 first waits until rank 0's store port accepts
+    connections, polling every 10 ms: torch 1.13's store client retries a refused connection
+    only once per second, which cost up to a second at every round change when a rank started
+    a moment before rank 0. Without anything listening it gives up after its timeout and leaves
+    the error to torch."""
+    import socket
+    import threading
+    import time
+
+    from efdl import _dist
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    listening = {}
+
+    def listen_later():
+        time.sleep(0.3)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen(4)
+        listening["at"] = time.monotonic()
+        listening["socket"] = s
+
+    t = threading.Thread(target=listen_later)
+    start = time.monotonic()
+    t.start()
+    try:
+        _dist.wait_for_store("127.0.0.1", port, timeout=10)
+        returned = time.monotonic()
+    finally:
+        t.join()
+        listening["socket"].close()
+    assert returned >= listening["at"], "returned before anything listened"
+    assert returned - listening["at"] < 0.5, (returned - listening["at"], returned - start)
+
+    start = time.monotonic()
+    _dist.wait_for_store("127.0.0.1", port, timeout=0.3)   # nothing listens any more
+    assert 0.3 <= time.monotonic() - start < 2.0

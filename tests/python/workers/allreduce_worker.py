@@ -12,6 +12,8 @@ Options (environment, so the command line stays the same on every node):
                       from the step after it, so a new round continues instead of restarting
   WORKER_USE_CONTROL  1: poll the agent's control socket (efdl.control) and leave on "stop"
   WORKER_FAIL_RANK    this rank exits 3 when it reaches WORKER_FAIL_STEP (default 0)
+  WORKER_IMPORT       a module to import at start; the START line says whether the process
+                      already had it (preloaded=1: a spare forked from a zygote that imported it)
 """
 
 import datetime
@@ -43,14 +45,21 @@ def main():
         from efdl import control as efdl_control
         control = efdl_control.connect_from_env()
 
+    extra = os.environ.get("WORKER_IMPORT")
+    preloaded = int(bool(extra) and extra in sys.modules)
+    if extra:
+        __import__(extra)
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     step = 0
     if progress and os.path.exists(progress):
         with open(progress) as f:
             text = f.read().strip()
             step = int(text) + 1 if text else 0
-    print("START round=%d rank=%d world=%d step=%d pid=%d" % (round_, rank, world, step,
-                                                              os.getpid()), flush=True)
+    print("START round=%d rank=%d world=%d step=%d pid=%d master_port=%s agent_store=%s "
+          "preloaded=%d" % (round_, rank, world, step, os.getpid(), os.environ.get("MASTER_PORT"),
+                            os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), preloaded),
+          flush=True)
     while steps == 0 or step < steps:
         if rank == fail_rank and step >= fail_step:
             print("FAILING on purpose at step %d" % step, flush=True)

@@ -15,6 +15,9 @@ import threading
 import time
 import urllib.request
 
+# The process names (ps -o comm) of an agent's children that are neither workers nor spares:
+# src/common/group_reaper.h, src/agent/zygote.h and src/agent/agent_store.h.
+AGENT_HELPERS = ("efdl-reaper", "efdl-zygote", "efdl-store")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))
 PYTHON = "/usr/bin/python3"
@@ -90,29 +93,44 @@ class Agent:
         return out
 
     def worker_pids(self):
-        """Pids of the agent's live children but its group reaper (named efdl-reaper): its
-        workers and pre-started spares."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        """Pids of the agent's live children but its helpers (the group reaper, named
+        efdl-reaper, the zygote, efdl-zygote, and the agent store, efdl-store): its workers and
+        pre-started spares.
+
+        A child still named like the agent has neither exec'd nor named itself yet: it may be a
+        helper in its first microseconds (the reaper is forked before anything else), so it
+        is not counted - "a worker runs" must not be seen before the agent got that far."""
+        own = self._comm(self.proc.pid)
+        return [pid for pid in self._children()
+                if self._comm(pid) not in AGENT_HELPERS + (own,)]
+
+    def zygote_pids(self):
+        """Pids of the agent's live zygote (efdl-zygote); empty without one."""
+        return self.helper_pids("efdl-zygote")
+
+    def helper_pids(self, name):
+        """Pids of the agent's live children named `name` (one of AGENT_HELPERS)."""
+        return [pid for pid in self._children() if self._comm(pid) == name]
+
+    def _children(self):
+        out = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open("/proc/%s/stat" % entry) as f:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if (int(fields[1]) == self.proc.pid and fields[0] != "Z"
-                    and not self._is_reaper(int(entry))):
-                pids.append(int(entry))
-        return pids
+            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
+                out.append(int(entry))
+        return out
 
     @staticmethod
-    def _is_reaper(pid):
+    def _comm(pid):
         try:
             with open("/proc/%d/comm" % pid) as f:
-                return f.read().strip() == "efdl-reaper"
+                return f.read().strip()
         except OSError:
-            return False
+            return None
 
     def signal_group(self, sig):
         """`sig` to the agent's process group and to each worker's (they lead their own)."""
@@ -142,6 +160,7 @@ class Cluster:
     def __init__(self, job="e2e"):
         self.dir = tempfile.mkdtemp(prefix="efdl-e2e-")
         self.job = job
+        self.started = time.time()
         self.agents = []
         self.etcd = None
         self.endpoint = None
@@ -231,3 +250,14 @@ class Cluster:
             os.killpg(self.etcd.pid, signal.SIGKILL)
             self.etcd.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+        # A killed agent leaves its holder lock (and arenas) in /dev/shm for the node's next
+        # agent to adopt; no agent of this job comes again. Only what this cluster's run made.
+        shm = os.environ.get("EFDL_SHM_DIR") or "/dev/shm"
+        for name in os.listdir(shm) if os.path.isdir(shm) else []:
+            path = os.path.join(shm, name)
+            try:
+                if (name.startswith("efdl-%s-" % self.job)
+                        and os.lstat(path).st_mtime >= self.started - 1):
+                    os.unlink(path)
+            except OSError:
+                pass

@@ -1,0 +1,129 @@
+// The environment of a worker (WorkerEnvironment) and of a --launcher process
+// (LauncherEnvironment), declared in agent.h: torchrun's variables, EFDL's, Horovod's and the
+// socket interface for gloo/NCCL.
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "agent/agent.h"
+#include "horovod/rendezvous_server.h"
+#include "horovod/slots.h"
+
+namespace efdl::agent {
+
+namespace {
+
+// What Horovod's Gloo controller reads when started without horovodrun (docs/horovod.md). The
+// node id is the host name: unique in the job, so each node gets its own local_<host> scope
+// even when several nodes share a machine.
+void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& a,
+                           int local_rank, std::map<std::string, std::string>& env) {
+  const auto li = static_cast<size_t>(local_rank);
+  horovod::SlotInfo slot;
+  slot.hostname = options.node_id;
+  slot.rank = a.rank_offset + local_rank;
+  slot.size = a.world_size;
+  slot.local_rank = local_rank;
+  slot.local_size = a.nproc;
+  // Without a per-local-rank layout every node runs the same number of processes.
+  slot.cross_rank = li < a.cross_rank.size() ? a.cross_rank[li] : a.node_rank;
+  slot.cross_size = li < a.cross_size.size() ? a.cross_size[li] : a.nnodes;
+  horovod::WorkerEnvOptions o;
+  o.rendezvous_addr = a.master_addr;
+  o.rendezvous_port = a.horovod_port;
+  // No secret, no token: the address is left out and EFDL's layer says why (fail closed).
+  if (auto token = horovod::RendezvousToken(options.job_secret, a.round); token.ok()) {
+    o.rendezvous_token = std::move(token).value();
+  }
+  // A value the user set in the agent's environment reaches the worker unchanged.
+  if (std::getenv("HOROVOD_GLOO_IFACE") == nullptr) o.gloo_iface = options.gloo_iface;
+  env.merge(horovod::WorkerEnv(slot, o));
+}
+
+// gloo and NCCL find their own address by resolving the host name unless told an interface,
+// and a Debian/Ubuntu host maps its own name to 127.0.1.1: the peers would be told to connect
+// there. Name the interface of the advertise address instead (docs/operations.md,
+// "Networking"), unless the user set the variable in the agent's environment.
+void AddSocketInterface(const AgentOptions& options, std::map<std::string, std::string>& env) {
+  if (options.gloo_iface.empty()) return;
+  for (const char* name : {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}) {
+    if (std::getenv(name) == nullptr) env[name] = options.gloo_iface;
+  }
+}
+
+// What a worker and a --launcher process both get: the job's ids and the round, the snapshot
+// directory, the thread count and the socket interface.
+void AddCommon(const AgentOptions& options, const rdzv::Assignment& a, int restart_count,
+               std::map<std::string, std::string>& env) {
+  env["EFDL_JOB_ID"] = options.job_id;
+  env["EFDL_NODE_ID"] = options.node_id;
+  env["EFDL_ROUND"] = std::to_string(a.round);
+  env["EFDL_RESTART_COUNT"] = std::to_string(restart_count);
+  env["EFDL_NUM_MIN_WORKERS"] = std::to_string(options.min_nodes);
+  env["EFDL_NUM_MAX_WORKERS"] = std::to_string(options.max_nodes);
+  env["EFDL_SNAPSHOT_DIR"] = options.snapshot_dir;
+  // As torchrun does: several processes per node must not each spawn a thread per core.
+  if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  AddSocketInterface(options, env);
+}
+
+}  // namespace
+
+std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
+                                                     const rdzv::Assignment& a, int local_rank,
+                                                     int restart_count,
+                                                     const std::string& control_socket) {
+  const int rank = a.rank_offset + local_rank;
+  std::map<std::string, std::string> env = {
+      {"RANK", std::to_string(rank)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"WORLD_SIZE", std::to_string(a.world_size)},
+      {"LOCAL_WORLD_SIZE", std::to_string(a.nproc)},
+      {"GROUP_RANK", std::to_string(a.node_rank)},
+      {"NODE_RANK", std::to_string(a.node_rank)},
+      {"NNODES", std::to_string(a.nnodes)},
+      {"NPROC_PER_NODE", std::to_string(a.nproc)},
+      {"GROUP_WORLD_SIZE", std::to_string(a.nnodes)},
+      {"ROLE_NAME", "default"},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(a.world_size)},
+      {"MASTER_ADDR", a.master_addr},
+      {"MASTER_PORT", std::to_string(a.master_port)},
+      {"EFDL_CONTROL_SOCKET", control_socket},
+      // torch 1.13 keeps a round's keys apart in an agent store under this count's prefix, so it
+      // must then be the same on every worker of the round: the round number.
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(a.agent_store ? a.round : restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", options.job_id},
+      // "True": MASTER_PORT is the rank-0 node's agent store and every rank, rank 0 included,
+      // connects to it as a client (torch.distributed's env:// handler reads this).
+      {"TORCHELASTIC_USE_AGENT_STORE", a.agent_store ? "True" : "False"},
+  };
+  if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
+  // The agent's AgentPersister writes storage; the workers only commit to shared memory.
+  if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
+  AddCommon(options, a, restart_count, env);
+  AddHorovodEnvironment(options, a, local_rank, env);
+  return env;
+}
+
+std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& options,
+                                                       const rdzv::Assignment& a,
+                                                       int restart_count) {
+  std::map<std::string, std::string> env = {
+      {"NNODES", std::to_string(a.nnodes)},
+      {"NODE_RANK", std::to_string(a.node_rank)},
+      {"NPROC_PER_NODE", std::to_string(a.nproc)},
+      {"MASTER_ADDR", a.master_addr},
+      {"MASTER_PORT", std::to_string(a.master_port)},
+      {"WORLD_SIZE", std::to_string(a.world_size)},
+      {"RANK", std::to_string(a.rank_offset)},
+      // Recipes written for one process per GPU gate the launch on local rank 0.
+      {"LOCAL_RANK", "0"},
+      {"EFDL_LAUNCHER", "1"},
+  };
+  AddCommon(options, a, restart_count, env);
+  return env;
+}
+
+}  // namespace efdl::agent
