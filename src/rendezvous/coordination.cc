@@ -279,6 +279,18 @@ std::optional<CoordTime> NextCoordinatorDeadline(const JobView& v, const RoundRe
   return std::nullopt;
 }
 
+namespace {
+// A proposed round has no layout yet: the finalize step fills it in from the acks.
+void ClearLayout(RoundRecord& r) {
+  r.world_size = 0;
+  r.nnodes = 0;
+  r.master_addr.clear();
+  r.master_port = 0;
+  r.horovod_port = 0;
+  r.agent_store = false;
+}
+}  // namespace
+
 RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg,
                           bool graceful, const std::string& why) {
   RoundRecord next = round;
@@ -287,12 +299,7 @@ RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const Coordinato
   next.coordinator = cfg.self;
   next.graceful = graceful;
   next.message = why;
-  next.world_size = 0;
-  next.nnodes = 0;
-  next.master_addr.clear();
-  next.master_port = 0;
-  next.horovod_port = 0;
-  next.agent_store = false;
+  ClearLayout(next);
   v.reround = false;
   v.reround_graceful = true;
   v.reround_why.clear();
@@ -414,12 +421,7 @@ RoundRecord HandOverRecord(const RoundRecord& round, const std::string& self,
   if (round.phase != Phase::kGathering) {
     next.round = round.round + 1;
     next.phase = Phase::kProposed;
-    next.world_size = 0;
-    next.nnodes = 0;
-    next.master_addr.clear();
-    next.master_port = 0;
-    next.horovod_port = 0;
-    next.agent_store = false;
+    ClearLayout(next);
   }
   return next;
 }
