@@ -299,7 +299,7 @@ std::vector<std::string> TakeImportReports(const std::string& dir) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     const std::string f = e.path().filename().string();
-    if (!f.starts_with("imports-") || !f.ends_with(".json")) continue;
+    if (!IsImportReportName(f)) continue;
     std::ifstream in(e.path());
     auto list = nlohmann::json::parse(in, nullptr, false);
     in.close();

@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "agent/zygote.h"
 #include "common/log.h"
 
 namespace efdl::agent {
@@ -48,10 +49,11 @@ int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age
     bool has_socket = false;
     std::error_code list_ec;
     for (const auto& inner : fs::directory_iterator(entry.path(), list_ec)) {
-      if (inner.path().filename() == "control.sock") {
+      const std::string file = inner.path().filename().string();
+      if (file == "control.sock") {
         has_socket = true;
-      } else {
-        ++others;
+      } else if (!IsImportReportName(file, /*or_partial=*/true)) {
+        ++others;   // the agent's own files are its socket and the workers' import reports
       }
     }
     if (list_ec || others > 0) continue;

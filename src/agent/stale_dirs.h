@@ -9,7 +9,8 @@
 namespace efdl::agent {
 
 // Removes the directories `base`/efdl-agent-* of this user that a dead agent left: one holding
-// only a control.sock nobody listens on any more (connecting is refused), or an empty one older
+// only a control.sock nobody listens on any more (connecting is refused) and the workers' import
+// reports that no agent read (zygote.h), or an empty one (but for such reports) older
 // than `empty_age` (younger ones may belong to an agent about to bind its socket). A directory of
 // a live agent, or with anything else in it, is never touched. Returns how many were removed.
 int RemoveStaleAgentDirs(const std::string& base,

@@ -56,6 +56,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/subprocess.h"
@@ -85,6 +86,12 @@ struct SpareDescriptors {
 
 // Where a forked worker writes its import report (the agent's own directory).
 inline constexpr const char* kImportsDirVariable = "EFDL_IMPORTS_DIR";
+// An import report's file name there: imports-PID-N.json, written as imports-PID-N.json.tmp and
+// renamed (python/efdl/preload.py). `or_partial`: a report still being written counts too.
+inline bool IsImportReportName(std::string_view name, bool or_partial = false) {
+  return name.starts_with("imports-") &&
+         (name.ends_with(".json") || (or_partial && name.ends_with(".json.tmp")));
+}
 
 class Zygote {
  public:

@@ -37,12 +37,19 @@ TEST(RemoveStaleAgentDirs, RemovesOnlyDirectoriesOfDeadAgents) {
   auto tmp = TempDir::Create("efdl-stale-test");
   ASSERT_TRUE(tmp.ok());
   const fs::path base = tmp->path();
-  for (const char* d : {"efdl-agent-dead01", "efdl-agent-live01", "efdl-agent-other1",
-                        "efdl-agent-empty1", "efdl-agent-empty2", "unrelated-dir"}) {
+  for (const char* d : {"efdl-agent-dead01", "efdl-agent-dead02", "efdl-agent-live01",
+                        "efdl-agent-other1", "efdl-agent-empty1", "efdl-agent-empty2",
+                        "unrelated-dir"}) {
     fs::create_directory(base / d);
   }
   BoundSocket(base / "efdl-agent-dead01" / "control.sock", /*close_it=*/true);
+  // A dead agent whose workers reported their imports (a report written, one half written)
+  // after its last read: those files are the agent's own too.
+  BoundSocket(base / "efdl-agent-dead02" / "control.sock", /*close_it=*/true);
+  std::ofstream(base / "efdl-agent-dead02" / "imports-41-7.json") << "[\"numpy\"]\n";
+  std::ofstream(base / "efdl-agent-dead02" / "imports-42-9.json.tmp") << "[\"nu";
   int live = BoundSocket(base / "efdl-agent-live01" / "control.sock", /*close_it=*/false);
+  std::ofstream(base / "efdl-agent-live01" / "imports-43-1.json") << "[]\n";
   BoundSocket(base / "efdl-agent-other1" / "control.sock", /*close_it=*/true);
   std::ofstream(base / "efdl-agent-other1" / "keep.txt") << "not ours to delete\n";
   BoundSocket(base / "unrelated-dir" / "control.sock", /*close_it=*/true);
@@ -50,10 +57,12 @@ TEST(RemoveStaleAgentDirs, RemovesOnlyDirectoriesOfDeadAgents) {
   fs::last_write_time(base / "efdl-agent-empty1",
                       fs::file_time_type::clock::now() - std::chrono::minutes(5));
 
-  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 2);
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 3);
   EXPECT_FALSE(fs::exists(base / "efdl-agent-dead01"));
+  EXPECT_FALSE(fs::exists(base / "efdl-agent-dead02"));
   EXPECT_FALSE(fs::exists(base / "efdl-agent-empty1"));
   EXPECT_TRUE(fs::exists(base / "efdl-agent-live01" / "control.sock"));
+  EXPECT_TRUE(fs::exists(base / "efdl-agent-live01" / "imports-43-1.json"));
   EXPECT_TRUE(fs::exists(base / "efdl-agent-other1" / "keep.txt"));
   EXPECT_TRUE(fs::exists(base / "efdl-agent-empty2"));
   EXPECT_TRUE(fs::exists(base / "unrelated-dir" / "control.sock"));
