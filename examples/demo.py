@@ -82,11 +82,13 @@ def efdl_binary():
     return path
 
 
-def clean_env(shm_dir):
+def clean_env(shm_dir, tmp_dir):
     """The demo's environment minus anything that would make a child think it is a worker
     (EFDL_PRELOAD_MODULES and EFDL_LOG_LEVEL pass: they only shape the agents' spares and logs).
 
-    The State's in-memory snapshot copies go to `shm_dir`, which the demo removes at the end.
+    The State's in-memory snapshot copies go to `shm_dir`, and temporary files (each agent's
+    private directory, which a SIGKILLed node leaves behind) to `tmp_dir`: the demo removes both
+    at the end.
     """
     env = {k: v for k, v in os.environ.items()
            if (not k.startswith(("EFDL_", "TORCHELASTIC_"))
@@ -97,6 +99,11 @@ def clean_env(shm_dir):
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"
     env["EFDL_SHM_DIR"] = shm_dir
+    # An agent's control socket, TMPDIR/efdl-agent-XXXXXX/control.sock, must fit a unix socket
+    # address (107 bytes): under a longer TMPDIR the agents keep the caller's (and the next
+    # agent's start removes what a killed one left there).
+    if len(os.path.join(tmp_dir, "efdl-agent-XXXXXX", "control.sock")) <= 107:
+        env["TMPDIR"] = tmp_dir
     return env
 
 
@@ -268,7 +275,7 @@ class Demo:
     # ---------------------------------------------------------------- processes
 
     def start(self, name, argv, on_line):
-        p = Proc(name, argv, clean_env(self.shm), os.path.join(self.out, "logs", name + ".log"),
+        p = Proc(name, argv, clean_env(self.shm, self.tmp), os.path.join(self.out, "logs", name + ".log"),
                  on_line)
         self.procs[name] = p
         return p

@@ -32,7 +32,7 @@ class LocalJob:
         self.shm = tempfile.mkdtemp(prefix="efdl-%s-" % name, dir="/dev/shm" if os.path.isdir(
             "/dev/shm") else None)
         self.snapshots = os.path.join(self.tmp, "snapshots")
-        self.env = clean_env(self.shm)
+        self.env = clean_env(self.shm, self.tmp)
         self.procs = {}
         self.endpoint = None
         self.cond = threading.Condition()

@@ -176,6 +176,7 @@ class Job:
         e.update(self.env)
         if host is None:
             e["EFDL_SHM_DIR"] = self.shm_dir(name)
+            e["TMPDIR"] = self.c.tmp_dir   # a killed agent's own directory stays in the job's
         else:
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TMPDIR"):
                 e.pop(var, None)

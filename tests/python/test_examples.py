@@ -89,8 +89,19 @@ def alive(pid):
         return False
 
 
+def demo_leftovers():
+    """What a demo may leave in this machine's temporary directories: its own directories and
+    those of its agents (efdl-agent-*, which a SIGKILLed agent does not remove)."""
+    names = []
+    for d in ("/tmp", "/dev/shm"):
+        names += [os.path.join(d, n) for n in os.listdir(d)
+                  if n.startswith(("efdl-demo-", "efdl-agent-"))]
+    return set(names)
+
+
 def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
     out_dir = tmp_path / "out"
+    before = demo_leftovers()
     started = time.monotonic()
     rc, out = run([PYTHON, os.path.join(EXAMPLES, "demo.py"), "--quick", "--out", str(out_dir)],
                   timeout=240)
@@ -123,6 +134,8 @@ def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
     assert re.search(r"^crash\s+node-c\s", out, re.M), out[-3000:]
     assert "plot: " in out
     assert not processes_naming(summary["job"])
+    # Its directories, and those of its agents (the crashed node's included), are gone.
+    assert not demo_leftovers() - before, demo_leftovers() - before
 
 
 def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):

@@ -201,8 +201,17 @@ class Cluster:
         argv += ["--"] + (command or [PYTHON, WORKER])
         return argv
 
+    @property
+    def tmp_dir(self):
+        """The agents' TMPDIR: a SIGKILLed agent leaves its private directory (efdl-agent-*)
+        behind, here rather than in this machine's /tmp; removed with the cluster."""
+        path = os.path.join(self.dir, "tmp")
+        os.makedirs(path, exist_ok=True)
+        return path
+
     def start_agent(self, node_id, env=None, **kwargs):
         e = base_env()
+        e["TMPDIR"] = self.tmp_dir
         e.update(env or {})
         agent = Agent(node_id, self.agent_argv(node_id, **kwargs), e)
         self.agents.append(agent)
