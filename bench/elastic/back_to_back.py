@@ -26,7 +26,7 @@ Per event, from rank 0's step lines (whichever node holds rank 0; the time a lin
            sample counter goes back), 0 when nothing is repeated
 
 Usage: /usr/bin/python3 bench/elastic/back_to_back.py [--programs demo,plain]
-       [--systems efdl,efdl-nolearn,efdl-spawn,c10d] [--gap 5]. Needs EFDL_BIN or ./build/efdl. About 40-80 s
+       [--systems efdl,efdl-nolearn,efdl-spawn,c10d] [--gap 5] [--log-dir DIR]. Needs EFDL_BIN or ./build/efdl. About 40-80 s
 per program and system. Prints one table per program with ratios against torchrun, and the
 training time lost over the whole sequence (pauses longer than 3 median steps, from the first
 event to 1 s after training resumed at world 2 after the last).
@@ -66,6 +66,8 @@ def program_argv(program, c):
 def start_node(c, system, program, name, store_port):
     env = cluster.base_env()
     env["PYTHONPATH"] = os.path.join(REPO, "python")
+    if os.environ.get("EFDL_LOG_LEVEL"):   # base_env() leaves out every EFDL_ variable
+        env["EFDL_LOG_LEVEL"] = os.environ["EFDL_LOG_LEVEL"]
     # A SIGKILLed agent cannot remove its socket directory: keep it inside the cluster's.
     env["TMPDIR"] = c.dir
     # The demo program's State keeps its snapshots here when no agent does (torchrun).
@@ -127,8 +129,22 @@ def measure(points, at, until, world):
     return resume, stall, lost
 
 
-def scenario(system, program, gap, timeout):
+def save_logs(c, log_dir, system, program, t0):
+    """Each node's output (agent and workers) as LOG_DIR/PROGRAM-SYSTEM-NODE.log, every line
+    prefixed with its arrival time in seconds since the first event (negative before it)."""
+    os.makedirs(log_dir, exist_ok=True)
+    for a in c.agents:
+        with a._lock:
+            lines = list(a.lines)
+        path = os.path.join(log_dir, "%s-%s-%s.log" % (program, system, a.name))
+        with open(path, "w") as f:
+            for t, text in lines:
+                f.write("%+9.3f %s\n" % (t - t0, text))
+
+
+def scenario(system, program, gap, timeout, log_dir=None):
     c = cluster.Cluster(job="b2b-%s-%s-%d" % (system.replace("-", ""), program, os.getpid()))
+    times = []
     try:
         c.start_etcd()
         os.makedirs(os.path.join(c.dir, "ckpt"), exist_ok=True)
@@ -140,7 +156,6 @@ def scenario(system, program, gap, timeout):
         cluster.wait_for(lambda: any(p[1] == 3 for p in steps(c, program)), timeout,
                          "%s/%s: training at world 3" % (system, program))
         time.sleep(1.0)   # a few steps at world 3
-        times = []
         times.append(time.monotonic())
         nodes[2].signal_group(signal.SIGKILL)
         time.sleep(gap)
@@ -175,6 +190,8 @@ def scenario(system, program, gap, timeout):
         print("  %s/%s: no result (%s)" % (system, program, str(e).splitlines()[0]), flush=True)
         return None
     finally:
+        if log_dir:
+            save_logs(c, log_dir, system, program, times[0] if times else time.monotonic())
         c.close()
 
 
@@ -184,6 +201,8 @@ def main():
     parser.add_argument("--systems", default="efdl,efdl-spawn,c10d")
     parser.add_argument("--gap", type=float, default=5.0, help="seconds between the events")
     parser.add_argument("--timeout", type=float, default=90)
+    parser.add_argument("--log-dir", help="keep each node's output there (times since the "
+                        "first event); EFDL_LOG_LEVEL=debug adds the agents' phases")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if cluster.efdl_bin() is None:
@@ -193,7 +212,8 @@ def main():
     for program in args.programs.split(","):
         for system in systems:
             print("  running %s / %s ..." % (program, system), flush=True)
-            all_results[(program, system)] = scenario(system, program, args.gap, args.timeout)
+            all_results[(program, system)] = scenario(system, program, args.gap, args.timeout,
+                                                       args.log_dir)
 
     def fmt_resume(r):
         if r is None:
