@@ -226,8 +226,10 @@ def main():
     for program in args.programs.split(","):
         print("\nprogram %s, events %.0f s apart (resume / stall / samples lost)" % (
             program, args.gap))
+        ratios = [s for s in systems if s != "c10d" and "c10d" in systems]
+        width = max([16] + [len("c10d / " + s) + 2 for s in ratios])
         print("%-6s" % "event" + "".join("%34s" % s for s in systems) + "".join(
-            "%16s" % ("c10d / " + s) for s in systems if s != "c10d" and "c10d" in systems))
+            "%*s" % (width, "c10d / " + s) for s in ratios))
         for kind, _ in EVENTS:
             row = "%-6s" % kind
             for s in systems:
@@ -240,9 +242,9 @@ def main():
                 ours = (all_results.get((program, s)) or {}).get(kind)
                 theirs = (all_results.get((program, "c10d")) or {}).get(kind)
                 if ours and theirs and ours["stall"] and theirs["stall"]:
-                    row += "%16s" % ("%.1fx stall" % (theirs["stall"] / ours["stall"]))
+                    row += "%*s" % (width, "%.1fx stall" % (theirs["stall"] / ours["stall"]))
                 else:
-                    row += "%16s" % "-"
+                    row += "%*s" % (width, "-")
             print(row)
         print("%-6s" % "paused" + "".join(
             "%34s" % ("-" if not all_results.get((program, s)) else
