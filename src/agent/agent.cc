@@ -166,11 +166,7 @@ int Agent::RunUntilDone() {
     // Joining starts a new round at once, so the running nodes would stop training and wait
     // for our spares' imports: warm them up first, while the job goes on without us.
     int sig = 0;
-    spares_->WaitUntilImported([&] {
-      sig = shutdown_signal_.load();
-      if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
-      return sig != 0;
-    });
+    spares_->WaitUntilImported([&] { return (sig = PendingSignal()) != 0; });
     if (sig != 0) return Shutdown(sig);
     sig = StartAgentStore();
     if (sig != 0) return Shutdown(sig);
@@ -189,9 +185,7 @@ int Agent::RunUntilDone() {
                 options_.max_nodes);
 
   while (true) {
-    int sig = shutdown_signal_.load();
-    if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
-    if (sig != 0) return Shutdown(sig);
+    if (const int sig = PendingSignal(); sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
     ServeFlushRequests();
     if (spares_) spares_->Maintain();
@@ -422,6 +416,11 @@ void Agent::StartSparePool() {
                                             : "default for python commands; --no-prestart: off");
 }
 
+int Agent::PendingSignal() const {
+  const int sig = shutdown_signal_.load();
+  return sig == 0 && options_.poll_signal ? options_.poll_signal() : sig;
+}
+
 int Agent::StartAgentStore() {
   spares_->Importing();   // notices the spares that became warm since WaitUntilImported
   auto store = AgentStore::Start(*spares_, {});
@@ -446,9 +445,7 @@ int Agent::StartAgentStore() {
       }
       return 0;
     }
-    int sig = shutdown_signal_.load();
-    if (sig == 0 && options_.poll_signal) sig = options_.poll_signal();
-    if (sig != 0) return sig;
+    if (const int sig = PendingSignal(); sig != 0) return sig;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }

@@ -129,6 +129,8 @@ class Agent {
   // Runs the agent store in a warm spare and offers its port to the rendezvous (agent_store.h);
   // a line and no store when that fails. Returns a signal that arrived meanwhile (0: none).
   int StartAgentStore();
+  // The shutdown signal received (or, in tests, options_.poll_signal's); 0: none.
+  int PendingSignal() const;
   // Logs the store's output; when it died: one line, and rounds led here no longer use it.
   void CheckAgentStore();
   // `release_after_snapshot` (a graceful round change): returns once each worker exited or

@@ -116,6 +116,17 @@ class SparePoolTest : public ::testing::TestWithParam<bool> {
     return pool.ok() ? std::move(pool).value() : nullptr;
   }
 
+  // A pool of the "exit" probe whose zygote learns from the import reports in `reports()`
+  // (created here); the modules written to dir_ are importable.
+  std::string reports() const { return dir_.path() + "/reports"; }
+  std::unique_ptr<SparePool> LearningPool() {
+    EXPECT_EQ(::mkdir(reports().c_str(), 0700), 0);
+    env_["PYTHONPATH"] += ":" + dir_.path();
+    SparePoolOptions o = Options("exit");
+    o.imports_dir = reports();
+    return Pool(std::move(o));
+  }
+
   struct Run {
     std::string out, err;
     int status = -1;
@@ -521,12 +532,8 @@ TEST_P(SparePoolTest, ReportedImportsGoToTheZygoteAndOnesThatStartAThreadEndTheL
   std::ofstream(dir_.path() + "/threader.py")
       << "import threading, time\n"
          "threading.Thread(target=time.sleep, args=(120,), daemon=True).start()\n";
-  const std::string reports = dir_.path() + "/reports";
-  ASSERT_EQ(::mkdir(reports.c_str(), 0700), 0);
-  env_["PYTHONPATH"] += ":" + dir_.path();
-  SparePoolOptions o = Options("exit");
-  o.imports_dir = reports;
-  auto pool = Pool(std::move(o));
+  const std::string reports = this->reports();
+  auto pool = LearningPool();
   ASSERT_TRUE(pool);
   ASSERT_TRUE(HasSpares(*pool, 1));
   const pid_t zygote = *pool->zygote_pid();
@@ -581,12 +588,8 @@ TEST_P(SparePoolTest, AReportedImportThatInitialisesCudaEndsTheLearning) {
          "torch = types.ModuleType('torch')\n"
          "torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)\n"
          "sys.modules['torch'] = torch\n";
-  const std::string reports = dir_.path() + "/reports";
-  ASSERT_EQ(::mkdir(reports.c_str(), 0700), 0);
-  env_["PYTHONPATH"] += ":" + dir_.path();
-  SparePoolOptions o = Options("exit");
-  o.imports_dir = reports;
-  auto pool = Pool(std::move(o));
+  const std::string reports = this->reports();
+  auto pool = LearningPool();
   ASSERT_TRUE(pool);
   ASSERT_TRUE(HasSpares(*pool, 1));
   const pid_t zygote = *pool->zygote_pid();
