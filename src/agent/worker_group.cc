@@ -187,11 +187,14 @@ std::vector<pid_t> WorkerGroup::pids() const {
 void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control) {
   stop_policy_ = policy;
   stop_start_ = Clock::now();
-  std::set<int> asked;  // local ranks reached over the control socket
+  // Local ranks reached over the control socket, and those that answered "stopping" in this
+  // round already (one may have closed its connection on its way out): they get the grace.
+  std::set<int> asked;
   if (control != nullptr) {
     for (int lr : control->RequestStop(options_.round, policy.graceful, policy.reason)) {
       asked.insert(lr);
     }
+    for (int lr : control->StoppingRanks(options_.round)) asked.insert(lr);
   }
   for (Worker& w : workers_) {
     if (ReapOne(w)) continue;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -207,6 +208,30 @@ WorkerGroupOptions ConnectedWorker(WorkerGroupOptions o, const std::string& sock
   o.workers[0].env["EFDL_ROUND"] = "4";
   o.workers[0].env["LOCAL_RANK"] = "0";
   return o;
+}
+
+TEST_F(WorkerGroupTest, AWorkerThatAnsweredAndHungUpBeforeTheStopIsNotSentSigterm) {
+  // The stop reached the worker first (RequestStop), it answered and closed its connection on
+  // its way out; Stop() then reaches no one, and must still give it the grace, not SIGTERM.
+  auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
+  ASSERT_TRUE(server.ok());
+  (*server)->SetRound(4);
+  const std::string marker = dir_.path() + "/sigterm";
+  auto g = StartOk(ConnectedWorker(
+      Options({}, 1, 4), (*server)->path(),
+      "signal.signal(signal.SIGTERM, lambda *a: (open('" + marker + "', 'w').close(), "
+      "sys.exit(143)))\n"
+      "c.close()\n"
+      "time.sleep(1.0)\n"));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
+  (*server)->RequestStop(4, true, "the first request");
+  ASSERT_TRUE(WaitUntil([&] { return !(*server)->IsConnected(4, 0); }, 20s));
+  ASSERT_EQ((*server)->StoppingRanks(4), std::vector<int>{0});
+  g->Stop({true, "leaving", 20s}, server->get());
+  EXPECT_EQ(g->running(), 0);
+  EXPECT_FALSE(std::filesystem::exists(marker)) << "the worker got SIGTERM";
+  EXPECT_FALSE(g->first_failure().has_value());
 }
 
 TEST_F(WorkerGroupTest, AReleasingStopReturnsOnceTheWorkerAnsweredAndRetireReapsIt) {
