@@ -8,7 +8,9 @@ on a program a user would write, with no wait beyond the events' own spacing:
 (n1, not n0: SIGTERM of torchrun's c10d store host ends a torchrun job.)
 
 Programs:
-  demo   examples/train_ddp_state.py (efdl.State, efdl's sampler; `make demo`'s program)
+  demo   examples/train_ddp_state.py (efdl.State, efdl's sampler; the restart path)
+  elastic examples/train_elastic_run.py (the same program written with efdl.elastic.run: under
+         efdl the workers of the nodes that stay keep their processes; `make demo`'s program)
   plain  bench/elastic/plain_ddp.py (init_process_group("gloo"), torch's DistributedSampler,
          torch.save every 20 steps; no efdl import)
 Systems: efdl (`efdl run` defaults: spares forked from a zygote that learns the program's
@@ -25,7 +27,7 @@ Per event, from rank 0's step lines (whichever node holds rank 0; the time a lin
   lost     samples trained before that pause and trained again after it (the program's own
            sample counter goes back), 0 when nothing is repeated
 
-Usage: /usr/bin/python3 bench/elastic/back_to_back.py [--programs demo,plain]
+Usage: /usr/bin/python3 bench/elastic/back_to_back.py [--programs demo,elastic,plain]
        [--systems efdl,efdl-nolearn,efdl-spawn,c10d] [--gap 5] [--log-dir DIR]. Needs EFDL_BIN or ./build/efdl. About 40-80 s
 per program and system. Prints one table per program with ratios against torchrun, and the
 training time lost over the whole sequence (pauses longer than 3 median steps, from the first
@@ -47,16 +49,19 @@ REPO = cluster.REPO
 TORCHRUN = [cluster.PYTHON, os.path.join(HERE, "torchrun_py311.py")]
 BATCH = 16
 # rank 0's line per step: (world, samples)
+DEMO_LINE = re.compile(r"^(?:\[rank \d+\] )?epoch \d+ step \d+ samples (\d+) loss \S+ world (\d+)")
 LINE_RES = {
-    "demo": re.compile(r"^(?:\[rank \d+\] )?epoch \d+ step \d+ samples (\d+) loss \S+ world (\d+)"),
+    "demo": DEMO_LINE,
+    "elastic": DEMO_LINE,
     "plain": re.compile(r"^(?:\[rank \d+\] )?STEP world=(\d+) step=\d+ samples=(\d+)"),
 }
 EVENTS = (("kill", 2), ("join", 3), ("leave", 2))   # event, the world size it leads to
 
 
 def program_argv(program, c):
-    if program == "demo":
-        return [os.path.join(REPO, "examples", "train_ddp_state.py"), "--epochs", "200",
+    if program in ("demo", "elastic"):
+        script = "train_ddp_state.py" if program == "demo" else "train_elastic_run.py"
+        return [os.path.join(REPO, "examples", script), "--epochs", "200",
                 "--batch-size", str(BATCH), "--commit-interval", "5", "--log-interval", "1",
                 "--step-delay", "0.03"]
     return [os.path.join(HERE, "plain_ddp.py"), "--epochs", "200", "--batch-size", str(BATCH),
@@ -101,7 +106,7 @@ def steps(c, program):
         for t, text in lines:
             m = LINE_RES[program].match(text)
             if m:
-                if program == "demo":
+                if program in ("demo", "elastic"):
                     samples, world = int(m.group(1)), int(m.group(2))
                 else:
                     world, samples = int(m.group(1)), int(m.group(2))
@@ -197,7 +202,7 @@ def scenario(system, program, gap, timeout, log_dir=None):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--programs", default="demo,plain")
+    parser.add_argument("--programs", default="demo,elastic,plain")
     parser.add_argument("--systems", default="efdl,efdl-spawn,c10d")
     parser.add_argument("--gap", type=float, default=5.0, help="seconds between the events")
     parser.add_argument("--timeout", type=float, default=90)

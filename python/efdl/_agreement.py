@@ -228,6 +228,11 @@ class StopVote:
         # torn down with the process group.
         self.finish()
 
+    def abandon(self):
+        """Forgets the all-reduce in flight without waiting: its process group is being torn
+        down (an in-process round change, efdl/_rounds.py)."""
+        self._work = None
+
     def finish(self):
         """Waits for the all-reduce in flight, if any (errors ignored: the peers may be gone)."""
         work, self._work = self._work, None

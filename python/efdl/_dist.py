@@ -140,6 +140,7 @@ def init_process_group(timeout=None, backend=None):
         # A 1-process job still gets a real group so DistributedDataParallel wraps unchanged; an
         # in-memory store needs no port and no file.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    atexit.unregister(_destroy_at_exit)   # once, however many rounds create a group
     atexit.register(_destroy_at_exit)
 
 

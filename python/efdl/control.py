@@ -48,7 +48,8 @@ class ControlError(Exception):
 
 
 class StopRequest:
-    """What the agent said when it asked this worker to leave its round."""
+    """What the agent said when it asked this worker to leave its round ("stop"), or, for an
+    in-process worker, to pause at the close of its round ("pause")."""
 
     __slots__ = ("round", "graceful", "reason")
 
@@ -60,6 +61,13 @@ class StopRequest:
     def __repr__(self):
         return "StopRequest(round=%r, graceful=%r, reason=%r)" % (self.round, self.graceful,
                                                                   self.reason)
+
+
+def _int_or(value, default):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def _env_int(name, default):
@@ -78,6 +86,9 @@ class ControlClient:
         self.round = round_
         self._buf = b""
         self._stop = None
+        self._pause = None           # a "pause" of the current round (in-process workers)
+        self._next_round = None      # a "round" message not yet taken (wait_for_round)
+        self._in_process = False
         self._closed = False
         self._next_id = 1
         self._next_poll_ns = 0
@@ -97,22 +108,79 @@ class ControlClient:
     # -- stop requests -------------------------------------------------------------------------
 
     def stop_requested(self):
-        """True once the agent asked this worker to stop (or went away). Non-blocking, cheap."""
-        if self._stop is not None:
+        """True once the agent asked this worker to stop or, in-process, to pause (or went
+        away). Non-blocking, cheap."""
+        if self._stop is not None or self._pause is not None:
             return True
         now = time.monotonic_ns()
         if now < self._next_poll_ns:
             return False
         self._next_poll_ns = now + _POLL_INTERVAL_NS
         self._read_available()
-        return self._stop is not None
+        return self._stop is not None or self._pause is not None
 
     def stop_request(self):
-        """The StopRequest, or None while none arrived."""
+        """The StopRequest of a "stop", or None while none arrived."""
         self.stop_requested()
         return self._stop
 
-    # -- notifications -------------------------------------------------------------------------
+    def pause_request(self):
+        """The StopRequest of a "pause" of the current round, or None while none arrived."""
+        self.stop_requested()
+        return self._pause
+
+    # -- in-process round changes (efdl.elastic.run) -------------------------------------------
+
+    def announce_in_process(self):
+        """Tells the agent that this worker takes round changes in-process: at a round's close
+        it is sent "pause" instead of "stop", and then the next round's place ("round")."""
+        self._in_process = True
+        self._send({"type": "in_process", "round": self.round})
+
+    def notify_failed(self, message):
+        """A collective of the current round failed here: the agent has the round formed again
+        (sent before the process group is torn down, which may take a while)."""
+        self._send_quiet({"type": "failed", "round": self.round, "message": str(message)[:1000]})
+
+    def notify_paused(self, step, snapshot):
+        """This worker left the current round (its process group is destroyed) and waits for
+        the next; `snapshot`: it took a snapshot of `step` at the pause (False: it goes back to
+        its newest snapshot, after a failure)."""
+        self._send_quiet({"type": "paused", "round": self.round,
+                          "step": -1 if step is None else int(step), "snapshot": bool(snapshot)})
+
+    def wait_for_round(self, timeout=None):
+        """Blocks until the agent gives this worker its place in the next round: returns that
+        round's environment (a dict: RANK, WORLD_SIZE, MASTER_ADDR, ...), or None when the agent
+        asks it to stop instead (or went away). `timeout` (seconds, None: no limit) raises
+        ControlError when it passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._next_round is not None:
+                message, self._next_round = self._next_round, None
+                env = message.get("env")
+                if isinstance(env, dict):
+                    env = {str(k): str(v) for k, v in env.items()}
+                    self.round = int(message["round"])
+                    self.rank = _int_or(env.get("RANK"), self.rank)
+                    self.local_rank = _int_or(env.get("LOCAL_RANK"), self.local_rank)
+                    self._pause = None
+                    return env
+            if self._stop is not None:
+                return None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ControlError("the efdl agent gave no next round within %.1f s" % timeout)
+            try:
+                self._wait_for(lambda m: m.get("type") in ("round", "stop"),
+                               left if left is not None else 3600.0)
+            except ControlError:
+                if self._stop is not None:
+                    return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    # -- notifications    # -- notifications -------------------------------------------------------------------------
 
     def notify_committed(self, step):
         """A snapshot of `step` is complete in the node's memory. Sent at most every 100 ms (a
@@ -202,10 +270,18 @@ class ControlClient:
             self._stop = StopRequest(self.round, False, reason)
 
     def _handle(self, message):
-        if message.get("type") == "stop" and self._stop is None:
+        kind = message.get("type")
+        if kind == "stop" and self._stop is None:
             self._stop = StopRequest(message.get("round", self.round),
                                      bool(message.get("graceful", False)),
                                      message.get("reason", ""))
+        elif kind == "pause" and self._pause is None and self._in_process:
+            round_ = _int_or(message.get("round"), self.round)
+            if round_ >= self.round:   # not one of a round this worker already left
+                self._pause = StopRequest(round_, bool(message.get("graceful", False)),
+                                          message.get("reason", ""))
+        elif kind == "round" and _int_or(message.get("round"), -1) > self.round:
+            self._next_round = message
 
     def _take_lines(self):
         messages = []
@@ -256,6 +332,9 @@ class ControlClient:
                 chunk = self._sock.recv(65536)
             except socket.timeout:
                 continue
+            except OSError as e:
+                self._mark_gone("connection to the agent lost")
+                raise ControlError("connection to the efdl agent lost: %s" % e) from None
             finally:
                 self._sock.setblocking(False)
             if not chunk:

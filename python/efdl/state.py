@@ -48,7 +48,7 @@ import time
 import warnings
 import weakref
 
-from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts
+from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts, _rounds
 from efdl._manifest import program_name
 from efdl._parts import SnapshotMismatchError
 
@@ -88,7 +88,7 @@ def default_job_id():
     return _efdl.local_job_id(os.path.realpath(script) if script else "")
 
 
-class State:
+class State(_rounds.InProcessRounds):
     """Training state that survives restarts. See the module docstring."""
 
     def __init__(self, model=None, optimizer=None, scheduler=None, **kwargs):
@@ -113,6 +113,7 @@ class State:
         d["_fast_enabled"] = _env.env_flag("EFDL_FAST_COMMIT", True)
         d["_fast_strikes"] = 0     # fast paths dropped after < 4 commits, in a row: _make_fast
         d["_fast_retry"] = 0       # no fast path before this many commits
+        self._init_rounds()        # efdl/_rounds.py: in-process round changes
 
         rank, local_rank = _env.rank(), _env.local_rank()
         # EFDL_SNAPSHOT_PER_RANK, _KEEP, EFDL_PERSIST_MIN_INTERVAL_MS and EFDL_SNAPSHOT_HMAC: one
@@ -269,7 +270,8 @@ class State:
         the process with status 0. With a process group of more than one rank, the ranks agree
         on the stop (efdl._agreement.StopVote): all of them stop at the same call, within about
         0.1 s of calls after the first rank saw the request - so every rank must call commit()
-        equally often.
+        equally often. Under efdl.elastic.run a round change does not end the process: after
+        the snapshot, commit() raises RoundChangeInterrupt, which run catches (_rounds.py).
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
         step = d["_values"].get("step", d["_commits"])
@@ -502,6 +504,16 @@ class State:
         """_restore_newest for a round of `world` ranks: all of them restore the same snapshot,
         the newest some rank holds; ranks lacking it receive it from a holder (_agreement).
         Collective: every rank of the default group constructs its State."""
+        chosen = self._agreed_snapshot(world)
+        if chosen is None:
+            return False
+        self._adopt(chosen[0], chosen[1])
+        return True
+
+    def _agreed_snapshot(self, world):
+        """The snapshot the ranks of a round of `world` agree on: (ref, meta, own_newest), where
+        own_newest says it is the newest this rank offered itself, or None when no rank has one.
+        The ranks that lack it receive it here. Collective over the default group."""
         import torch.distributed as dist
         usable = []
         for ref in self._engine.candidates():
@@ -519,7 +531,7 @@ class State:
         # From now on one seq names the same commit on every node of the round.
         self._engine.advance_seq(max(next_seq for _, next_seq in infos))
         if decision.key is None:
-            return False
+            return None
         rank = dist.get_rank()
         if rank in decision.receive_from:
             src = decision.receive_from[rank]
@@ -532,13 +544,12 @@ class State:
             if meta is None:
                 raise SnapshotError("job %r: snapshot seq %d received from rank %d has unreadable "
                                     "metadata" % (self._job, decision.key[0], src))
-        else:
-            ref, meta = next(u for u in usable if (u[0].seq, u[0].step) == decision.key)
-            receivers = sorted(r for r, s in decision.receive_from.items() if s == rank)
-            if receivers:
-                _agreement.send_snapshot(self._engine, ref, receivers)
-        self._adopt(ref, meta)
-        return True
+            return ref, meta, False
+        ref, meta = next(u for u in usable if (u[0].seq, u[0].step) == decision.key)
+        receivers = sorted(r for r, s in decision.receive_from.items() if s == rank)
+        if receivers:
+            _agreement.send_snapshot(self._engine, ref, receivers)
+        return ref, meta, ref is usable[0][0]
 
     def _restore_parts(self, parts):
         """Restores the given parts from the chosen snapshot with one engine call: every check
@@ -572,7 +583,11 @@ class State:
             return None
 
     def _stop_now(self, step):
-        """The agent asked for a graceful stop: persist, tell it, exit 0."""
+        """The agent asked for a graceful stop: persist, tell it, exit 0. Under
+        efdl.elastic.run, anything but the agent's "stop" (its "pause", or the agreed stop of a
+        peer) is a round change instead: the snapshot just taken is the state (_rounds)."""
+        if self._in_process and (self._control is None or self._control.stop_request() is None):
+            self._pause_now(step)
         try:
             self._flush_own()
         except SnapshotError as e:

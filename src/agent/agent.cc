@@ -188,6 +188,7 @@ int Agent::RunUntilDone() {
     if (const int sig = PendingSignal(); sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
     ServeFlushRequests();
+    ServeInProcessFailures();
     if (spares_) spares_->Maintain();
     if (agent_store_) CheckAgentStore();
     if (!retiring_.empty()) RetireOldWorkers(/*wait=*/false);
@@ -212,6 +213,7 @@ std::optional<int> Agent::PollWorkers() {
       PersistNewestSnapshot("reporting the workers' success");
       rdzv_.ReportWorkersSucceeded(group_->round());
       group_.reset();
+      group_paused_ = false;
       return std::nullopt;
     case WorkerGroup::State::kFailed:
       break;
@@ -225,7 +227,7 @@ std::optional<int> Agent::PollWorkers() {
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
   rdzv_.ReportWorkerFailure(round, detail);
   pending_failure_ =
-      PendingFailure{round, assignment_.nnodes, failure, last_connect_error_, last_failure_tail_};
+      PendingFailure{round, assignment_.nnodes, detail, last_connect_error_, last_failure_tail_};
   return std::nullopt;
 }
 
@@ -243,14 +245,20 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       // failure closed the round first: reap it before stopping the rest, or a program that
       // fails on every node is counted only on the node whose failure happened to be seen first.
       if (auto code = PollWorkers()) return *code;
-      if (group_ && group_->round() <= event.round) {
+      if (group_ && group_->round() <= event.round && !group_paused_) {
+        const std::string reason = event.message.empty()
+                                       ? fmt::format("round {} is closing", event.round)
+                                       : event.message;
+        std::vector<int> unpaused;
+        if (PauseInProcess(event.graceful, reason, unpaused)) {
+          if (event.graceful) PersistNewestSnapshot("a graceful round change");
+          return std::nullopt;
+        }
         // Graceful: the next round's workers may start while these exit (after their final
         // snapshot, and when they hold no GPU memory). Not with --launcher: its one process
         // stands for workers of several local ranks, some of which may still be writing.
-        StopWorkers(event.graceful,
-                    event.message.empty() ? fmt::format("round {} is closing", event.round)
-                                          : event.message,
-                    /*release_after_snapshot=*/event.graceful && !options_.launcher);
+        StopWorkers(event.graceful, reason,
+                    /*release_after_snapshot=*/event.graceful && !options_.launcher, unpaused);
         // The workers' final commit is in shared memory now: store it before the next round.
         if (event.graceful) PersistNewestSnapshot("a graceful round change");
       }
@@ -300,35 +308,10 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
 }
 
 std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
-  if (group_) {
+  if (group_ && !group_paused_) {
     StopWorkers(/*graceful=*/false, fmt::format("round {} started", a.round));
   }
-  if (pending_failure_) {
-    const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
-    std::string detail =
-        fmt::format("rank {} {}", f.exit.rank, DescribeWaitStatus(f.exit.wait_status));
-    if (!a.standby && a.nnodes < f.nnodes) {
-      // A peer left with the failure: its loss broke our workers; not our failure.
-      EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
-                    f.round, detail);
-    } else {
-      ExplainPeerConnectError(f.round, f.connect_error);
-      if (++restarts_ > options_.max_restarts) {
-        const std::string reason =
-            fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
-                        detail, f.round, restarts_, options_.max_restarts);
-        EFDL_LOG_ERROR("giving up: {}", reason);
-        // The other nodes print it at once, `efdl status` shows it.
-        if (Status st = rdzv_.RecordGiveUp(reason, f.stderr_tail); !st.ok()) {
-          EFDL_LOG_WARN("{}", st.message());
-        }
-        rdzv_.Leave();
-        return 1;
-      }
-      EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
-                    detail, f.round);
-    }
-  }
+  if (auto code = CountPendingFailure(a)) return code;
   assignment_ = a;
   control_->SetRound(a.round);
   if (persister_) {
@@ -336,6 +319,10 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
         PersistTargetsFor(persister_->options(), a.rank_offset, a.standby ? 0 : a.nproc));
   }
   if (a.standby) {
+    if (group_) {
+      // Paused in-process at the last round's close: they snapshotted and wait; they exit now.
+      StopWorkers(/*graceful=*/true, fmt::format("round {}: this node is a standby", a.round));
+    }
     if (options_.world_size > 0) {
       EFDL_LOG_INFO("round {}: standby (the members' processes already add up to world size "
                     "{}); waiting for a member to leave", a.round, options_.world_size);
@@ -346,6 +333,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     return std::nullopt;
   }
   const int restart_count = rounds_started_++;
+  if (group_ && ContinueInProcess(a, restart_count)) return std::nullopt;
   WorkerGroupOptions wg;
   wg.argv = options_.command;
   wg.round = a.round;
@@ -382,6 +370,33 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     return 1;
   }
   group_ = std::move(group).value();
+  return std::nullopt;
+}
+
+std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
+  if (!pending_failure_) return std::nullopt;
+  const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
+  if (!a.standby && a.nnodes < f.nnodes) {
+    // A peer left with the failure: its loss broke our workers; not our failure.
+    EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
+                  f.round, f.detail);
+    return std::nullopt;
+  }
+  ExplainPeerConnectError(f.round, f.connect_error);
+  if (++restarts_ > options_.max_restarts) {
+    const std::string reason =
+        fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
+                    f.detail, f.round, restarts_, options_.max_restarts);
+    EFDL_LOG_ERROR("giving up: {}", reason);
+    // The other nodes print it at once, `efdl status` shows it.
+    if (Status st = rdzv_.RecordGiveUp(reason, f.stderr_tail); !st.ok()) {
+      EFDL_LOG_WARN("{}", st.message());
+    }
+    rdzv_.Leave();
+    return 1;
+  }
+  EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
+                f.detail, f.round);
   return std::nullopt;
 }
 
@@ -459,8 +474,10 @@ void Agent::CheckAgentStore() {
   agent_store_.reset();
 }
 
-void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot) {
+void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot,
+                        const std::vector<int>& terminate_now) {
   horovod_server_.reset();   // the round is over for this node
+  group_paused_ = false;
   if (!group_) return;
   const int64_t round = group_->round();
   if (group_->running() > 0) {
@@ -468,7 +485,7 @@ void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_a
                   graceful ? "graceful" : "not graceful", reason);
   }
   StopPolicy policy{graceful, reason, options_.stop_grace, release_after_snapshot};
-  group_->Stop(policy, control_.get());
+  group_->Stop(policy, control_.get(), terminate_now);
   if (group_->running() > 0) {
     // Released after their final snapshot: only a graceful stop, whose failures count for
     // nothing and whose output explains no failure, gets here.

@@ -112,7 +112,7 @@ class Agent {
   struct PendingFailure {
     int64_t round = 0;
     int nnodes = 0;
-    WorkerExit exit;
+    std::string detail;                               // "rank N exited with status 1", ...
     std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
     std::vector<std::string> stderr_tail;             // the failing rank's last stderr lines
   };
@@ -121,6 +121,22 @@ class Agent {
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
+  // A failure of the round that closed (pending_failure_), counted against --max-restarts
+  // unless it came with a node leaving; an exit code when that gives up.
+  std::optional<int> CountPendingFailure(const rdzv::Assignment& next);
+
+  // In-process round changes (agent_in_process.cc; docs/control-protocol.md): workers under
+  // efdl.elastic.run are paused at a round's close and given the next round's place instead of
+  // being stopped and started again.
+  // At a round's close: pauses the workers when every one of them takes round changes
+  // in-process; true once all paused (group_ is kept for the next round). False: stop them
+  // (the restart path); `unpaused` then holds the local ranks that did not pause in the grace.
+  bool PauseInProcess(bool graceful, const std::string& reason, std::vector<int>& unpaused);
+  // At the next round: gives the paused workers their place in `a`; false when they cannot
+  // continue (this node's worker count changed, a worker is gone): then group_ is stopped.
+  bool ContinueInProcess(const rdzv::Assignment& a, int restart_count);
+  // A worker's report that a collective of the current round failed: the round is redone.
+  void ServeInProcessFailures();
   int RunUntilDone();   // Run() less the wait for retiring workers
   int Shutdown(int signal);
   // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
@@ -135,7 +151,9 @@ class Agent {
   void CheckAgentStore();
   // `release_after_snapshot` (a graceful round change): returns once each worker exited or
   // reported its final snapshot without a GPU; those still exiting go to retiring_.
-  void StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot = false);
+  // `terminate_now`: local ranks that get SIGTERM at once (WorkerGroup::Stop).
+  void StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot = false,
+                   const std::vector<int>& terminate_now = {});
   // Reaps retiring workers that exited and escalates the stop of the others; with `wait`, until
   // none is left.
   void RetireOldWorkers(bool wait);
@@ -175,6 +193,8 @@ class Agent {
   std::unique_ptr<AgentStore> agent_store_;   // run in one of the spares, for the agent's life
   std::chrono::steady_clock::time_point next_orphan_reap_{};
   std::unique_ptr<WorkerGroup> group_;
+  // group_'s workers paused in-process at the close of their round (PauseInProcess).
+  bool group_paused_ = false;
   // Workers of earlier rounds that took their final snapshot and are still exiting, while the
   // next round's run (StopPolicy::release_after_snapshot).
   std::vector<std::unique_ptr<WorkerGroup>> retiring_;

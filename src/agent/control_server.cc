@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -111,6 +112,7 @@ void ControlServer::SetRound(int64_t round) {
   round_ = round;
   stopping_.erase(stopping_.begin(), stopping_.lower_bound(round - 1));  // keep it bounded
   released_.erase(released_.begin(), released_.lower_bound(round - 1));
+  paused_.erase(paused_.begin(), paused_.lower_bound(round - 1));
 }
 
 bool ControlServer::IsConnected(int64_t round, int local_rank) const {
@@ -133,6 +135,59 @@ std::vector<int> ControlServer::RequestStop(int64_t round, bool graceful,
     reached.push_back(c.local_rank);
   }
   return reached;
+}
+
+std::vector<int> ControlServer::InProcessRanks(int64_t round) const {
+  MutexLock lock(mutex_);
+  std::vector<int> out;
+  for (const auto& [fd, c] : clients_) {
+    if (c.said_hello && c.in_process && c.round == round) out.push_back(c.local_rank);
+  }
+  return out;
+}
+
+std::vector<int> ControlServer::RequestPause(int64_t round, bool graceful,
+                                             const std::string& reason) {
+  std::string line = Line({{"type", "pause"}, {"round", round}, {"graceful", graceful},
+                           {"reason", reason}});
+  MutexLock lock(mutex_);
+  std::vector<int> reached;
+  for (const auto& [fd, c] : clients_) {
+    if (!c.said_hello || !c.in_process || c.round != round) continue;
+    SendLocked(fd, line);
+    reached.push_back(c.local_rank);
+  }
+  return reached;
+}
+
+std::vector<int> ControlServer::PausedRanks(int64_t round) const {
+  MutexLock lock(mutex_);
+  auto it = paused_.find(round);
+  return it == paused_.end() ? std::vector<int>{} : it->second;
+}
+
+bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round,
+                                const std::map<std::string, std::string>& env) {
+  std::string line = Line({{"type", "round"}, {"round", new_round}, {"env", env}});
+  MutexLock lock(mutex_);
+  for (auto& [fd, c] : clients_) {
+    if (!c.said_hello || !c.in_process || c.round != round || c.local_rank != local_rank) {
+      continue;
+    }
+    SendLocked(fd, line);
+    c.round = new_round;
+    auto rank = env.find("RANK");
+    if (rank != env.end()) c.rank = std::atoi(rank->second.c_str());
+    return true;
+  }
+  return false;
+}
+
+std::vector<InProcessFailure> ControlServer::TakeInProcessFailures() {
+  MutexLock lock(mutex_);
+  std::vector<InProcessFailure> out;
+  out.swap(failures_);
+  return out;
 }
 
 std::optional<int64_t> ControlServer::newest_step() const {
@@ -229,6 +284,31 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
       EFDL_LOG_INFO("rank {} stopping after step {} (snapshot: {}{})", client.rank, step,
                     BoolField(msg, "snapshot", false), gpu ? "; it used a GPU" : "");
     }
+    return true;
+  }
+  if (type == "in_process") {
+    if (client.said_hello) client.in_process = true;
+    EFDL_LOG_DEBUG("control socket: rank {} (pid {}) takes round changes in-process",
+                   client.rank, client.pid);
+    return true;
+  }
+  if (type == "failed") {
+    const int64_t round = IntField(msg, "round", client.round);
+    const std::string message = StringField(msg, "message");
+    if (client.said_hello && failures_.size() < kMaxPendingFlushes) {
+      failures_.push_back({round, client.rank, client.local_rank,
+                           message.empty() ? "no detail given" : message});
+    }
+    return true;
+  }
+  if (type == "paused") {
+    const int64_t round = IntField(msg, "round", client.round);
+    const int64_t step = IntField(msg, "step", -1);
+    if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
+    if (client.said_hello) paused_[round].push_back(client.local_rank);
+    EFDL_LOG_INFO("rank {} paused in round {} at step {} ({})", client.rank, round, step,
+                  BoolField(msg, "snapshot", false) ? "snapshot taken"
+                                                    : "going back to its newest snapshot");
     return true;
   }
   if (type == "persisted") {

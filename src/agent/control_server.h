@@ -30,6 +30,16 @@ struct FlushRequest {
   std::chrono::milliseconds timeout{0};
 };
 
+// An in-process worker's report that a collective of its round failed ("failed";
+// docs/control-protocol.md "In-process round changes"): it leaves the round, goes back to its
+// newest snapshot and waits for the next round. The agent reports the round broken.
+struct InProcessFailure {
+  int64_t round = 0;
+  int rank = -1;
+  int local_rank = -1;
+  std::string message;
+};
+
 struct ControlServerOptions {
   std::string socket_path;   // created (must not exist); removed again by the destructor
   std::string job_id;
@@ -58,6 +68,21 @@ class ControlServer {
   // Those of them whose "stopping" said `"gpu": false`: nothing of theirs is on a GPU, so a
   // new worker may start while they exit (WorkerGroup's StopPolicy::release_after_snapshot).
   std::vector<int> ReleasedRanks(int64_t round) const;
+  // In-process round changes (efdl.elastic.run; docs/control-protocol.md).
+  // Local ranks of `round` that are connected and said "in_process".
+  std::vector<int> InProcessRanks(int64_t round) const;
+  // Sends "pause" to every connected in-process worker of `round`; returns the local ranks
+  // reached.
+  std::vector<int> RequestPause(int64_t round, bool graceful, const std::string& reason);
+  // Local ranks that said "paused" for `round` (connected or not since).
+  std::vector<int> PausedRanks(int64_t round) const;
+  // Sends the in-process worker of `round` with `local_rank` its place in `new_round` (a
+  // "round" line carrying `env`, the environment a worker started for it would get), and counts
+  // it a worker of `new_round` from now on. False when no such worker is connected.
+  bool AssignRound(int64_t round, int local_rank, int64_t new_round,
+                   const std::map<std::string, std::string>& env);
+  // The failures reported ("failed") since the last call, oldest first.
+  std::vector<InProcessFailure> TakeInProcessFailures();
   // The newest step a worker reported as persisted to storage ("persisted"), if any.
   std::optional<int64_t> newest_persisted_step() const;
   // Flush requests received since the last call, oldest first (the agent's loop takes them).
@@ -76,6 +101,7 @@ class ControlServer {
     int rank = -1;
     int local_rank = -1;
     int64_t round = -1;
+    bool in_process = false;   // said "in_process": takes round changes without a restart
   };
 
   explicit ControlServer(ControlServerOptions options) : options_(std::move(options)) {}
@@ -98,6 +124,8 @@ class ControlServer {
   std::optional<int64_t> newest_persisted_ EFDL_GUARDED_BY(mutex_);
   std::map<int64_t, std::vector<int>> stopping_ EFDL_GUARDED_BY(mutex_);   // by round
   std::map<int64_t, std::vector<int>> released_ EFDL_GUARDED_BY(mutex_);   // by round
+  std::map<int64_t, std::vector<int>> paused_ EFDL_GUARDED_BY(mutex_);     // by round
+  std::vector<InProcessFailure> failures_ EFDL_GUARDED_BY(mutex_);        // not yet taken
   std::vector<FlushRequest> flushes_ EFDL_GUARDED_BY(mutex_);             // not yet taken
   uint64_t next_connection_ EFDL_GUARDED_BY(mutex_) = 1;
 };

@@ -60,6 +60,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
   if (options.argv.empty()) return Status::InvalidArgument("no worker command given");
   std::unique_ptr<WorkerGroup> group(new WorkerGroup(std::move(options)));
   const auto& opts = group->options_;
+  group->round_ = opts.round;
 
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -101,12 +102,16 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
     if (!proc.ok()) {
       return proc.status().WithContext(fmt::format("starting rank {}", spec.rank));
     }
-    std::string prefix = fmt::format("[rank {}] ", spec.rank);
+    const size_t index = group->workers_.size();
+    {
+      MutexLock lock(group->connect_error_mu_);
+      group->names_.push_back({spec.rank, fmt::format("[rank {}] ", spec.rank)});
+    }
     int out = proc->ReleaseStdout();
     int err = proc->ReleaseStderr();
     for (int fd : {out, err}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-    group->streams_.push_back(Stream{out, opts.out_fd, log_fd, spec.rank, prefix, {}});
-    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, spec.rank, prefix, {}, true});
+    group->streams_.push_back(Stream{out, opts.out_fd, log_fd, index, {}});
+    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, index, {}, true});
     group->workers_.push_back(Worker{spec, std::move(proc).value(), false, std::nullopt});
   }
   if (opts.spares != nullptr) {
@@ -184,18 +189,29 @@ std::vector<pid_t> WorkerGroup::pids() const {
   return out;
 }
 
-void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control) {
+void WorkerGroup::Renumber(int64_t round, const std::vector<int>& ranks) {
+  round_ = round;
+  MutexLock lock(connect_error_mu_);
+  for (size_t i = 0; i < workers_.size() && i < ranks.size(); ++i) {
+    workers_[i].spec.rank = ranks[i];
+    names_[i] = {ranks[i], fmt::format("[rank {}] ", ranks[i])};
+  }
+}
+
+void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control,
+                       const std::vector<int>& terminate_now) {
   stop_policy_ = policy;
   stop_start_ = Clock::now();
   // Local ranks reached over the control socket, and those that answered "stopping" in this
   // round already (one may have closed its connection on its way out): they get the grace.
   std::set<int> asked;
   if (control != nullptr) {
-    for (int lr : control->RequestStop(options_.round, policy.graceful, policy.reason)) {
+    for (int lr : control->RequestStop(round_, policy.graceful, policy.reason)) {
       asked.insert(lr);
     }
-    for (int lr : control->StoppingRanks(options_.round)) asked.insert(lr);
+    for (int lr : control->StoppingRanks(round_)) asked.insert(lr);
   }
+  for (int lr : terminate_now) asked.erase(lr);
   for (Worker& w : workers_) {
     if (ReapOne(w)) continue;
     if (!policy.graceful || asked.count(w.spec.local_rank) == 0) {
@@ -207,7 +223,7 @@ void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control) {
   auto step = std::chrono::milliseconds(1);
   while (!StopStep()) {
     if (may_release) {
-      const std::vector<int> released = control->ReleasedRanks(options_.round);
+      const std::vector<int> released = control->ReleasedRanks(round_);
       const std::set<int> done(released.begin(), released.end());
       bool all = true;
       for (const Worker& w : workers_) all = all && (w.reaped || done.count(w.spec.local_rank));
@@ -254,20 +270,29 @@ void WorkerGroup::KillGroupStragglers() {
 
 void WorkerGroup::EmitLine(Stream& s, std::string_view line) {
   std::string out;
-  out.reserve(s.prefix.size() + line.size() + 1);
-  out.append(s.prefix).append(line).push_back('\n');
+  int rank = 0;
+  size_t prefix_size = 0;
+  {
+    MutexLock lock(connect_error_mu_);
+    const OutputName& name = names_[s.worker];
+    rank = name.rank;
+    prefix_size = name.prefix.size();
+    out.reserve(prefix_size + line.size() + 1);
+    out.append(name.prefix);
+  }
+  out.append(line).push_back('\n');
   WriteAll(s.dest_fd, out.data(), out.size());  // one write per line: lines never interleave
-  if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + s.prefix.size(), line.size() + 1);
+  if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + prefix_size, line.size() + 1);
   if (s.is_stderr) {
     MutexLock lock(connect_error_mu_);
-    auto& tail = stderr_tails_[s.rank];
+    auto& tail = stderr_tails_[rank];
     tail.emplace_back(line.substr(0, kStderrTailChars));
     if (tail.size() > kStderrTailLines) tail.pop_front();
   }
   if (auto err = ParsePeerConnectError(line)) {
     MutexLock lock(connect_error_mu_);
     if (!connect_error_) {
-      err->rank = s.rank;
+      err->rank = rank;
       connect_error_ = std::move(err);
     }
   }

@@ -88,7 +88,12 @@ class WorkerGroup {
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  int64_t round() const { return options_.round; }
+  int64_t round() const { return round_; }
+  size_t size() const { return workers_.size(); }
+  // The workers continue in `round` without a restart (in-process round change): `ranks[i]` is
+  // the new global rank of the i-th worker (local rank i). Their output lines carry the new rank
+  // from now on; their log files stay those of the round they started in.
+  void Renumber(int64_t round, const std::vector<int>& ranks);
   // Reaps exited workers without blocking: kFailed as soon as one exited non-zero, kSucceeded
   // once all exited 0.
   State Poll();
@@ -99,8 +104,11 @@ class WorkerGroup {
 
   // The stop sequence of docs/control-protocol.md; returns when every worker has exited (or,
   // with policy.release_after_snapshot, was released: see there). A `control` of nullptr means
-  // no worker is reachable that way (all get SIGTERM at once).
-  void Stop(const StopPolicy& policy, ControlServer* control);
+  // no worker is reachable that way (all get SIGTERM at once). `terminate_now`: local ranks
+  // that get SIGTERM at once, whatever the policy says: in-process workers that did not pause
+  // within the grace already had theirs (a collective hung on a frozen peer).
+  void Stop(const StopPolicy& policy, ControlServer* control,
+            const std::vector<int>& terminate_now = {});
   // After a Stop() that returned with workers still running: reaps the ones that exited and
   // goes on with the stop sequence (SIGTERM, then SIGKILL, each after the policy's grace)
   // without blocking. True once every worker has exited; then Close() only joins the output.
@@ -128,10 +136,15 @@ class WorkerGroup {
     int fd = -1;            // read end, non-blocking
     int dest_fd = -1;       // agent's stdout or stderr
     int log_fd = -1;        // shared by a worker's two streams; owned by log_fds_
-    int rank = 0;
-    std::string prefix;     // "[rank N] "
+    size_t worker = 0;      // index into workers_ and names_
     std::string partial;    // bytes after the last newline
     bool is_stderr = false;
+  };
+  // What a worker's output lines are marked with; Renumber() changes it while the output
+  // thread reads it.
+  struct OutputName {
+    int rank = 0;
+    std::string prefix;     // "[rank N] "
   };
 
   explicit WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {}
@@ -145,6 +158,7 @@ class WorkerGroup {
   void KillGroupStragglers();
 
   const WorkerGroupOptions options_;
+  int64_t round_ = 0;                 // options_.round, then Renumber()'s
   std::vector<Worker> workers_;
   std::vector<Stream> streams_;     // touched only by the output thread once it runs
   std::vector<int> log_fds_;
@@ -152,6 +166,7 @@ class WorkerGroup {
   StopPolicy stop_policy_;                              // of the last Stop()
   std::chrono::steady_clock::time_point stop_start_{};
   mutable Mutex connect_error_mu_;
+  std::vector<OutputName> names_ EFDL_GUARDED_BY(connect_error_mu_);   // by worker
   // Written by the output thread.
   std::optional<PeerConnectError> connect_error_ EFDL_GUARDED_BY(connect_error_mu_);
   std::map<int, std::deque<std::string>> stderr_tails_  // by rank

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "common/net.h"
+#include "agent_loop_fixture.h"
 #include "queued_rendezvous.h"
 #include "test_util.h"
 
@@ -24,130 +25,14 @@ namespace {
 using namespace std::chrono_literals;
 using rdzv::Assignment;
 using rdzv::Event;
+using testing::AgentLoopTest;
+using testing::MakeAssignment;
 using testing::ReadFile;
+using testing::ScriptedRendezvous;
+using testing::Simple;
+using testing::Started;
+using testing::StderrCapture;
 using testing::WaitUntil;
-
-class ScriptedRendezvous : public testing::QueuedRendezvous {
- public:
-  // Reactions the script runs (under no lock) when the agent reports.
-  std::function<void(int64_t round, const std::string& detail)> on_failure;
-  std::function<void(int64_t round)> on_success;
-
-  void ReportWorkerFailure(int64_t round, const std::string& detail) override {
-    {
-      std::lock_guard lock(mu_);
-      failures_.push_back(detail);
-    }
-    if (on_failure) on_failure(round, detail);
-  }
-  void ReportWorkersSucceeded(int64_t round) override {
-    {
-      std::lock_guard lock(mu_);
-      successes_.push_back(round);
-    }
-    if (on_success) on_success(round);
-  }
-  void Leave() override {
-    std::lock_guard lock(mu_);
-    ++leaves_;
-  }
-  Status RecordGiveUp(const std::string& reason,
-                      const std::vector<std::string>& stderr_tail) override {
-    std::lock_guard lock(mu_);
-    gave_up_ = reason;
-    gave_up_tail_ = stderr_tail;
-    return Status::OK();
-  }
-
-  std::vector<std::string> failures() const { std::lock_guard l(mu_); return failures_; }
-  std::vector<int64_t> successes() const { std::lock_guard l(mu_); return successes_; }
-  int leaves() const { std::lock_guard l(mu_); return leaves_; }
-  std::string gave_up() const { std::lock_guard l(mu_); return gave_up_; }
-  std::vector<std::string> gave_up_tail() const { std::lock_guard l(mu_); return gave_up_tail_; }
-
- private:
-  mutable std::mutex mu_;   // guards the reports below
-  std::vector<std::string> failures_;
-  std::vector<int64_t> successes_;
-  int leaves_ = 0;
-  std::string gave_up_;
-  std::vector<std::string> gave_up_tail_;
-};
-
-Assignment MakeAssignment(int64_t round, int node_rank, int nnodes, int rank_offset, int nproc,
-                          int world) {
-  Assignment a;
-  a.round = round;
-  a.node_rank = node_rank;
-  a.nnodes = nnodes;
-  a.rank_offset = rank_offset;
-  a.nproc = nproc;
-  a.world_size = world;
-  a.master_addr = "127.0.0.1";
-  a.master_port = 29555;
-  return a;
-}
-
-Event Started(const Assignment& a) {
-  Event e;
-  e.type = Event::Type::kRoundStarted;
-  e.round = a.round;
-  e.assignment = a;
-  return e;
-}
-Event Simple(Event::Type type, int64_t round, bool graceful = false, std::string msg = {}) {
-  Event e;
-  e.type = type;
-  e.round = round;
-  e.graceful = graceful;
-  e.message = std::move(msg);
-  return e;
-}
-
-// Sends the agent's log lines (fd 2) to a file for the test's lifetime.
-class StderrCapture {
- public:
-  explicit StderrCapture(std::string path) : path_(std::move(path)) {
-    saved_ = ::dup(STDERR_FILENO);
-    int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, STDERR_FILENO);
-    ::close(fd);
-  }
-  ~StderrCapture() {
-    ::dup2(saved_, STDERR_FILENO);
-    ::close(saved_);
-  }
-  std::string Text() const { return ReadFile(path_); }
-
- private:
-  std::string path_;
-  int saved_ = -1;
-};
-
-class AgentLoopTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto dir = TempDir::Create("efdl-agent-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
-    out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    opts_.job_id = "job-1";
-    opts_.node_id = "node-a";
-    opts_.min_nodes = 1;
-    opts_.max_nodes = 3;
-    opts_.snapshot_dir = dir_.path() + "/snap";
-    opts_.stop_grace = 5s;
-    opts_.poll_interval = 20ms;
-    opts_.out_fd = out_fd_;
-  }
-  void TearDown() override { ::close(out_fd_); }
-  std::string Out() const { return ReadFile(dir_.path() + "/out"); }
-
-  TempDir dir_;
-  int out_fd_ = -1;
-  AgentOptions opts_;
-  ScriptedRendezvous rdzv_;
-};
 
 TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
   opts_.nproc = 2;

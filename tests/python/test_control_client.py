@@ -190,3 +190,78 @@ def test_stopping_says_whether_the_process_may_hold_gpu_memory(agent_with, monke
             time.sleep(0.01)
     assert [(m["type"], m["step"], m["gpu"]) for m in agent.requests] == [
         ("stopping", 12, False), ("stopping", 13, True)]
+
+
+# -- in-process round changes (efdl.elastic.run) -------------------------------------------------
+
+def _in_process_agent(msg):
+    """Answers "in_process" with a pause of round 4, and "paused" with round 5's place."""
+    if msg["type"] == "in_process":
+        return [{"type": "pause", "round": 4, "graceful": True, "reason": "node b joined"}]
+    if msg["type"] == "paused":
+        return [{"type": "round", "round": 3, "env": {"RANK": "9"}},   # an old one: ignored
+                {"type": "round", "round": 5, "env": {"RANK": "7", "LOCAL_RANK": "1",
+                                                      "WORLD_SIZE": 8}}]
+    return []
+
+
+def test_a_pause_is_seen_as_a_stop_request_and_the_next_round_brings_its_environment(agent_with):
+    agent, client = agent_with(_in_process_agent)
+    with client:
+        client.announce_in_process()
+        assert wait_until(client.stop_requested)
+        assert client.stop_request() is None, "a pause is not a stop"
+        assert client.pause_request().reason == "node b joined"
+        client.notify_paused(12, snapshot=True)
+        env = client.wait_for_round(timeout=5)
+        assert env == {"RANK": "7", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
+        assert (client.round, client.rank, client.local_rank) == (5, 7, 1)
+        assert client.pause_request() is None and not client.stop_requested()
+    assert agent.requests[1] == {"type": "paused", "round": 4, "step": 12, "snapshot": True}
+
+
+def test_a_pause_reaches_only_a_worker_that_announced_in_process(agent_with):
+    _, client = agent_with(lambda m: [{"type": "pause", "round": 4, "graceful": True,
+                                       "reason": "x"}] if m["type"] == "committed" else [])
+    with client:
+        client._send({"type": "committed", "step": 1})
+        time.sleep(0.1)
+        assert not client.stop_requested(), "a plain worker is stopped, never paused"
+
+
+def test_a_stop_while_waiting_for_the_next_round_ends_the_wait(agent_with):
+    _, client = agent_with(lambda m: [{"type": "stop", "round": 4, "graceful": True,
+                                       "reason": "standby"}] if m["type"] == "paused" else [])
+    with client:
+        client.announce_in_process()
+        client.notify_paused(3, snapshot=True)
+        assert client.wait_for_round(timeout=5) is None
+        assert client.stop_request().reason == "standby"
+
+
+def test_a_failure_report_carries_the_round_and_the_message(agent_with):
+    agent, client = agent_with(lambda m: [])
+    with client:
+        client.notify_failed("RuntimeError: Connection closed by peer")
+        assert wait_until(lambda: agent.requests)
+    assert agent.requests[0] == {"type": "failed", "round": 4,
+                                 "message": "RuntimeError: Connection closed by peer"}
+
+
+def test_an_agent_gone_while_waiting_for_the_next_round_is_a_stop(agent_with):
+    agent, client = agent_with(lambda m: [])
+    with client:
+        client.announce_in_process()
+        agent._listen.close()
+        client._sock.shutdown(socket.SHUT_RDWR)   # the agent's end closes
+        assert client.wait_for_round(timeout=5) is None
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    return predicate()

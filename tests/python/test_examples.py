@@ -201,7 +201,8 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
             proc.wait()
 
 
-@pytest.mark.parametrize("script", ["train_ddp_state.py", "train_ddp_native.py"])
+@pytest.mark.parametrize("script", ["train_ddp_state.py", "train_elastic_run.py",
+                                    "train_ddp_native.py"])
 def test_example_trains_under_a_one_node_efdl_run(tmp_path, script):
     (tmp_path / "shm").mkdir()
     rc, out = run([EFDL, "run", "--snapshot-dir", str(tmp_path / "snap"), "--job",
@@ -209,7 +210,7 @@ def test_example_trains_under_a_one_node_efdl_run(tmp_path, script):
                    "--epochs", "1"], timeout=90, cwd=str(tmp_path),
                   EFDL_SHM_DIR=str(tmp_path / "shm"))
     assert rc == 0, out[-4000:]
-    if script == "train_ddp_state.py":
+    if script in ("train_ddp_state.py", "train_elastic_run.py"):
         assert re.search(r"^\[rank 0\] training complete: 1438 samples, test accuracy", out,
                          re.M), out[-4000:]
     else:

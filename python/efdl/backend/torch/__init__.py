@@ -4,16 +4,18 @@
     efdl.get_rank(), efdl.get_world_size(), efdl.get_local_rank(), efdl.get_local_world_size()
     efdl.data.DistributedSampler(...)
     efdl.resume_step(...), efdl.exact_resume(...)   # see efdl.resume
+    @efdl.elastic.run                # round changes without restarting the process (elastic.py)
 
 The get_* functions work with or without init(): before it they read the launcher's env
 (1-process defaults: rank 0 of 1).
 """
 
 from efdl import _dist, _env, data, resume
+from efdl.backend.torch import elastic
 from efdl.resume import exact_resume, resume_step
 
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_local_rank",
-           "get_local_world_size", "data", "resume", "resume_step", "exact_resume"]
+           "get_local_world_size", "data", "resume", "resume_step", "exact_resume", "elastic"]
 
 
 def init(timeout=None, backend=None):

@@ -1,0 +1,115 @@
+// In-process round changes (docs/control-protocol.md, "In-process round changes"): workers that
+// run under efdl.elastic.run said "in_process" on the control socket. At a round's close they
+// are paused instead of stopped (they leave the round's process group after an agreed snapshot,
+// or after a failed collective, and wait); at the next round each gets its new place as a
+// "round" message and builds the new process group in the same process. Whatever cannot take
+// that path - a worker that does not pause within --stop-grace (gloo cannot interrupt a
+// collective waiting for a frozen peer), a changed local worker count, a standby round - falls
+// back to the restart path: the workers are stopped and new ones started.
+#include <algorithm>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "agent/agent.h"
+#include "common/log.h"
+#include "horovod/rendezvous_server.h"
+
+namespace efdl::agent {
+
+bool Agent::PauseInProcess(bool graceful, const std::string& reason, std::vector<int>& unpaused) {
+  unpaused.clear();
+  if (options_.launcher || !group_ || group_->size() == 0) return false;
+  const int64_t round = group_->round();
+  const size_t n = group_->size();
+  const std::vector<int> in_process = control_->InProcessRanks(round);
+  if (in_process.size() != n || group_->running() != static_cast<int>(n)) return false;
+  horovod_server_.reset();   // the round is over for this node
+  control_->RequestPause(round, graceful, reason);
+  EFDL_LOG_INFO("round {}: pausing {} worker(s) in-process ({}): {}", round, n,
+                graceful ? "graceful" : "not graceful", reason);
+  const auto start = std::chrono::steady_clock::now();
+  auto step = std::chrono::milliseconds(1);
+  while (true) {
+    const std::vector<int> paused = control_->PausedRanks(round);
+    const std::set<int> done(paused.begin(), paused.end());
+    if (done.size() >= n) break;
+    if (group_->Poll() != WorkerGroup::State::kRunning) {
+      EFDL_LOG_WARN("round {}: a worker exited while pausing; this node's workers are restarted",
+                    round);
+      return false;
+    }
+    if (std::chrono::steady_clock::now() - start >= options_.stop_grace) {
+      for (int lr = 0; lr < static_cast<int>(n); ++lr) {
+        if (done.count(lr) == 0) unpaused.push_back(lr);
+      }
+      EFDL_LOG_WARN("round {}: local rank(s) {} did not pause within {} ms (a collective waiting "
+                    "for a frozen or cut-off peer cannot be interrupted); this node's workers "
+                    "are restarted", round, fmt::join(unpaused, ", "),
+                    options_.stop_grace.count());
+      return false;
+    }
+    if (PendingSignal() != 0) return false;   // the loop shuts down next
+    std::this_thread::sleep_for(step);
+    step = std::min(step * 2, std::chrono::milliseconds(10));
+  }
+  EFDL_LOG_INFO("round {}: {} worker(s) paused; they continue in the next round", round, n);
+  group_paused_ = true;
+  return true;
+}
+
+bool Agent::ContinueInProcess(const rdzv::Assignment& a, int restart_count) {
+  if (!group_paused_) return false;
+  const int64_t old_round = group_->round();
+  const auto n = static_cast<int>(group_->size());
+  std::string why;
+  if (a.nproc != n) {
+    why = fmt::format("this node runs {} worker(s) now, {} before", a.nproc, n);
+  } else if (group_->Poll() != WorkerGroup::State::kRunning) {
+    why = "a paused worker exited";
+  } else if (static_cast<int>(control_->InProcessRanks(old_round).size()) != n) {
+    why = "a paused worker closed its control connection";
+  }
+  std::vector<int> ranks;
+  for (int lr = 0; lr < n; ++lr) ranks.push_back(a.rank_offset + lr);
+  if (why.empty()) {
+    group_->Renumber(a.round, ranks);
+    for (int lr = 0; lr < n && why.empty(); ++lr) {
+      auto env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
+      env["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
+      if (!control_->AssignRound(old_round, lr, a.round, env)) {
+        why = fmt::format("local rank {} could not be reached", lr);
+      }
+    }
+  }
+  if (!why.empty()) {
+    EFDL_LOG_INFO("round {}: the paused workers cannot continue ({}): starting new ones", a.round,
+                  why);
+    StopWorkers(/*graceful=*/true, fmt::format("round {}: {}", a.round, why));
+    return false;
+  }
+  group_paused_ = false;
+  EFDL_LOG_INFO("round {}: node rank {} of {}, ranks {}..{} of world {}, master {}:{}; {} "
+                "worker(s) continue in-process", a.round, a.node_rank, a.nnodes, a.rank_offset,
+                a.rank_offset + n - 1, a.world_size, a.master_addr, a.master_port, n);
+  StartHorovodRendezvous(a);
+  return true;
+}
+
+void Agent::ServeInProcessFailures() {
+  for (const InProcessFailure& f : control_->TakeInProcessFailures()) {
+    // A report of an older round, or of one whose close already paused the workers, is news
+    // the rendezvous already has.
+    if (!group_ || group_paused_ || f.round != group_->round() || pending_failure_) continue;
+    const std::string detail = fmt::format("rank {}: a collective failed ({})", f.rank,
+                                           f.message);
+    EFDL_LOG_WARN("round {}: {}; the round is formed again, the workers wait in-process",
+                  f.round, detail);
+    rdzv_.ReportWorkerFailure(f.round, detail);
+    pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}};
+  }
+}
+
+}  // namespace efdl::agent

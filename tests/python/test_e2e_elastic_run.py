@@ -1,0 +1,167 @@
+"""In-process round changes end to end: real agents on one etcd, workers written with
+efdl.elastic.run (workers/elastic_run_worker.py) doing real gloo DDP steps.
+
+A node leaves, one joins and one is SIGKILLed while the job trains: the surviving workers keep
+their processes, the steps go on without a repeat or a gap at the graceful changes, every rank
+holds the same parameters at every step, and the job ends with the parameters of an
+uninterrupted single-process run. A collective stuck on a frozen peer falls back to the restart
+path. Short settings as in test_e2e_elastic.py (--ttl 3, --last-call 1, --stop-grace 3).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+import cluster  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
+                                reason="efdl binary not built (set EFDL_BIN)")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                      "elastic_run_worker.py")
+LINE_RE = re.compile(r"^\[rank \d+\] STEP round=(\d+) rank=(\d+) world=(\d+) step=(\d+) "
+                     r"pid=(\d+) params=(\S+) resets=(\d+)")
+FINAL_RE = re.compile(r"^\[rank \d+\] FINAL rank=(\d+) pid=(\d+) steps=(\d+) params=(.*)$")
+
+
+@pytest.fixture
+def job():
+    c = cluster.Cluster(job="e2e-inproc-%d" % os.getpid())
+    try:
+        c.start_etcd()
+        yield c
+    finally:
+        c.close()
+
+
+def steps_of(agent):
+    """(time, round, rank, world, step, pid, params sum, resets) of each STEP line."""
+    out = []
+    for t, text in list(agent.lines):
+        m = LINE_RE.match(text)
+        if m:
+            r = m.groups()
+            out.append((t, int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5]),
+                        int(r[6])))
+    return out
+
+
+def finals_of(agent):
+    out = []
+    for _, text in list(agent.lines):
+        m = FINAL_RE.match(text)
+        if m:
+            out.append((int(m.group(1)), int(m.group(2)), int(m.group(3)),
+                        json.loads(m.group(4))))
+    return out
+
+
+def wait_world(agents, world, since, timeout=60):
+    """Waits until every rank of a round of `world` ranks logged a step after `since`."""
+    def seen():
+        by_round = {}
+        for a in agents:
+            for s in steps_of(a):
+                if s[0] >= since and s[3] == world:
+                    by_round.setdefault(s[1], set()).add(s[2])
+        return any(len(ranks) == world for ranks in by_round.values())
+    cluster.wait_for(seen, timeout, "a round of world %d after t=%.1f; outputs:\n%s" % (
+        world, since, "\n----\n".join(a.name + ":\n" + a.output()[-2500:] for a in agents)))
+
+
+def reference_params(tmp_path, steps):
+    env = cluster.base_env()
+    env.update({"WORKER_STEPS": str(steps), "WORKER_STEP_TIME": "0",
+                "EFDL_SNAPSHOT_DIR": str(tmp_path / "ref-snapshots"),
+                "EFDL_JOB_ID": "ref-%d" % os.getpid(), "EFDL_SHM_DIR": str(tmp_path)})
+    proc = subprocess.run([cluster.PYTHON, WORKER], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = [line for line in proc.stdout.splitlines() if line.startswith("FINAL ")]
+    return json.loads(final[0].split("params=", 1)[1])
+
+
+def test_survivors_keep_their_processes_across_a_leave_a_join_and_a_crash(job, tmp_path):
+    steps = 600
+    env = {"WORKER_STEPS": str(steps), "WORKER_STEP_TIME": "0.02"}
+    command = [cluster.PYTHON, WORKER]
+    a = job.start_agent("node-a", env=env, command=command)
+    b = job.start_agent("node-b", env=env, command=command)
+    c = job.start_agent("node-c", env=env, command=command)
+    wait_world([a, b, c], 3, 0)
+
+    left = time.monotonic()
+    c.proc.send_signal(signal.SIGTERM)                 # a graceful leave
+    wait_world([a, b], 2, left)
+    assert c.wait(30) == 128 + signal.SIGTERM
+    joined = time.monotonic()
+    d = job.start_agent("node-d", env=env, command=command)   # a join
+    wait_world([a, b, d], 3, joined, timeout=90)
+    killed = time.monotonic()
+    b.signal_group(signal.SIGKILL)                      # a crash of a whole node
+    wait_world([a, d], 2, killed)
+    for agent in (a, d):
+        assert agent.wait(120) == 0, agent.output()[-3000:]
+
+    out_a = a.output()
+    assert "continue in-process" in out_a, out_a[-3000:]
+    # The survivors' processes never changed: node-a's worker ran every round, node-d's every
+    # round from its join on.
+    for agent in (a, d):
+        pids = {s[5] for s in steps_of(agent)}
+        assert len(pids) == 1, (agent.name, pids, agent.output()[-3000:])
+    rounds_a = sorted({s[1] for s in steps_of(a)})
+    assert len(rounds_a) >= 4, rounds_a   # 3 nodes, 2 after the leave, 3 after the join, 2
+
+    # Every rank of a round holds the same parameters at the same step.
+    by_step = {}
+    for agent in (a, b, c, d):
+        for s in steps_of(agent):
+            by_step.setdefault((s[1], s[4]), set()).add(s[6])
+    differing = {k: v for k, v in by_step.items() if len(v) > 1}
+    assert not differing, differing
+
+    # Steps in order: a graceful change repeats and skips nothing on a survivor; the crash goes
+    # back at most to the newest snapshot (every step commits), so it repeats at most one step
+    # (or, when a peer completed the step this rank was in, continues after it).
+    seq = [s[4] for s in steps_of(a)]
+    gaps = [(x, y) for x, y in zip(seq, seq[1:]) if y != x + 1]
+    assert len(gaps) <= 1 and all(y in (x, x + 2) for x, y in gaps), (gaps, seq)
+    assert seq[-1] == steps - 1
+    # The reset callbacks ran once per in-process round change on node-a's worker.
+    assert steps_of(a)[-1][7] == len(rounds_a) - 1
+
+    # The same parameters as a run without any event (float rounding of the all-reduce aside).
+    want = reference_params(tmp_path, steps)
+    for agent in (a, d):
+        finals = finals_of(agent)
+        assert finals and finals[0][2] == steps, agent.output()[-2000:]
+        got = finals[0][3]
+        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3, (got, want)
+
+
+def test_a_collective_stuck_on_a_frozen_peer_falls_back_to_the_restart_path(job):
+    env = {"WORKER_STEPS": "100000", "WORKER_STEP_TIME": "0.02"}
+    command = [cluster.PYTHON, WORKER]
+    a = job.start_agent("node-a", env=env, command=command)
+    b = job.start_agent("node-b", env=env, command=command)
+    c = job.start_agent("node-c", env=env, command=command)
+    wait_world([a, b, c], 3, 0)
+    pids_before = {s[5] for s in steps_of(a)}
+    frozen = time.monotonic()
+    c.signal_group(signal.SIGSTOP)   # agent and worker: the lease lapses, sockets stay open
+    try:
+        wait_world([a, b], 2, frozen, timeout=90)
+        out = a.output()
+        assert "did not pause within 3000 ms" in out, out[-3000:]
+        pids_after = {s[5] for s in steps_of(a) if s[0] > frozen and s[3] == 2}
+        assert pids_after and not pids_after & pids_before, (pids_before, pids_after)
+    finally:
+        c.kill()

@@ -1,0 +1,74 @@
+"""A worker written with efdl.elastic.run for the end-to-end tests of in-process round changes.
+
+A linear model trained with SGD on fixed synthetic data; every step uses the same global batch
+of WORKER_GLOBAL_BATCH samples (12: divisible by every world size up to 4), split evenly over
+the ranks, so the parameters after step S do not depend on how many ranks computed them (up to
+float rounding in the all-reduce). A run with nodes joining, leaving and crashing must therefore
+end with the parameters of an uninterrupted single-process run (REFERENCE=1, no agent).
+
+One line per step, before its commit:
+    STEP round=R rank=r world=W step=S pid=P params=<sum of the parameters, 9 digits>
+and at the end, on every rank:
+    FINAL rank=r pid=P steps=N params=[...]
+Environment: WORKER_STEPS (default 300), WORKER_STEP_TIME (seconds per step, 0.03).
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import efdl.backend.torch as efdl
+
+STEPS = int(os.environ.get("WORKER_STEPS", "300"))
+STEP_TIME = float(os.environ.get("WORKER_STEP_TIME", "0.03"))
+GLOBAL_BATCH = int(os.environ.get("WORKER_GLOBAL_BATCH", "12"))
+
+torch.manual_seed(0)
+DATA = torch.randn(240, 8)
+TARGET = DATA @ torch.randn(8, 4) + 0.1 * torch.randn(240, 4)
+
+
+def params_of(model):
+    return [round(float(v), 6) for p in model.parameters() for v in p.detach().flatten()]
+
+
+def main():
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    state = efdl.State(model, optimizer, step=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(efdl.get_world_size())])
+
+    @efdl.elastic.run
+    def train(state):
+        ddp = torch.nn.parallel.DistributedDataParallel(state.model)
+        world, rank = efdl.get_world_size(), efdl.get_rank()
+        per_rank = GLOBAL_BATCH // world
+        while state.step < STEPS:
+            start = (state.step * GLOBAL_BATCH) % len(DATA)
+            rows = torch.arange(start + rank * per_rank, start + (rank + 1) * per_rank) % len(DATA)
+            optimizer.zero_grad()
+            F.mse_loss(ddp(DATA[rows]), TARGET[rows]).backward()
+            optimizer.step()
+            # Printed before the commit: at a pause, commit() raises once the snapshot is taken.
+            print("STEP round=%s rank=%d world=%d step=%d pid=%d params=%.9f resets=%d"
+                  % (os.environ.get("EFDL_ROUND", "0"), rank, world, state.step, os.getpid(),
+                     sum(params_of(state.model)), len(resets)), flush=True)
+            time.sleep(STEP_TIME)
+            state.step += 1
+            state.commit()
+        return rank
+
+    rank = train(state)
+    print("FINAL rank=%d pid=%d steps=%d params=%s" % (rank, os.getpid(), state.step,
+                                                        json.dumps(params_of(state.model))),
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
