@@ -48,7 +48,8 @@ def main():
     state.set_commit_interval(args.commit_interval)
 
     def on_reset():
-        # Called after every in-process round change, once the state is agreed.
+        # Called after every in-process round change once the state is agreed (and in a
+        # worker that joins a running job).
         state.world_size = efdl.get_world_size()
 
     state.register_reset_callbacks([on_reset])

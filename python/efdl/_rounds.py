@@ -13,10 +13,14 @@ Under elastic.run a worker keeps its process from one round to the next. State t
   snapshot, with the same decision as a State constructed in a new round (the newest some rank
   holds; ranks lacking it receive it from a holder), and restores it - except on a rank whose
   memory already is that snapshot (it paused right after taking it, or it is a new process that
-  restored it at construction): there nothing is copied.
+  restored it at construction): there nothing is copied. A new process whose State was built
+  after the round's process group (hvd.init() at the top of a Horovod program) agreed in its
+  constructor already, in step with the other ranks' agreement here: it does not agree twice.
 
 A mixin of State (efdl/state.py), which owns everything it uses.
 """
+
+import os
 
 from efdl import _agreement
 
@@ -37,11 +41,16 @@ class InProcessRounds:
         # a process that restored at construction, or that paused right after its snapshot.
         self._mem_clean = True
         self._reset_callbacks = []
+        # The round whose process group this State agreed in at construction (a program that
+        # creates the group before the State, as hvd.init() at the top of a Horovod program).
+        self._agreed_round = None
 
     def register_reset_callbacks(self, callbacks):
-        """Functions called without arguments after every in-process round change, once the
-        ranks agreed on the state and before the training function runs again (e.g. to scale
-        the learning rate with the new world size). Not called in the first round."""
+        """Functions called without arguments under efdl.elastic.run after every in-process
+        round change, once the ranks agreed on the state and before the training function runs
+        again (e.g. to scale the learning rate with the new world size); also in a new process
+        whose state was restored from a snapshot (it joined a running job), never at a fresh
+        start."""
         if callable(callbacks):
             callbacks = [callbacks]
         callbacks = list(callbacks)
@@ -74,6 +83,12 @@ class InProcessRounds:
         the step the round continues from (None: a fresh start)."""
         given = [p for p in _PARTS if getattr(self, p) is not None]
         world = _agreement.group_size()
+        agreed, self._agreed_round = self._agreed_round, None
+        if world and agreed is not None and agreed == os.environ.get("EFDL_ROUND"):
+            # Constructed in this round's group: its constructor's agreement was this round's
+            # (it paired with the other ranks' agreement here); nothing changed since.
+            ref = self._restored
+            return None if ref is None else ref.step
         if world:
             chosen = self._agreed_snapshot(world)
         elif not self._mem_clean:

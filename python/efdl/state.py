@@ -162,6 +162,7 @@ class State(_rounds.InProcessRounds):
         world = _agreement.group_size()
         if world:
             self._restore_agreed(world)
+            self._agreed_round = os.environ.get("EFDL_ROUND")   # see _rounds._sync_round
         else:
             self._restore_newest()
         if self._restored is not None and rank == 0:
@@ -275,14 +276,7 @@ class State(_rounds.InProcessRounds):
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
         step = d["_values"].get("step", d["_commits"])
-        control = d["_control"]
-        stop = control is not None and control.stop_requested()
-        if not d["_vote_checked"]:
-            d["_vote_checked"] = True
-            if _agreement.group_size():
-                d["_vote"] = _agreement.StopVote()
-        if d["_vote"] is not None:
-            stop = d["_vote"].poll(stop)
+        stop = self._stop_agreed()
         d["_commits"] += 1
         if not stop and d["_interval"] > 1:
             try:
@@ -297,6 +291,21 @@ class State(_rounds.InProcessRounds):
         if stop:
             self._stop_now(step)
         return took
+
+    def _stop_agreed(self):
+        """Whether this worker stops (or, under efdl.elastic.run, pauses) at this call: the
+        agent's request, agreed on by the ranks of the round (StopVote). Every rank must call
+        it as often as the others; commit() does, once per call."""
+        d = self.__dict__
+        control = d["_control"]
+        stop = control is not None and control.stop_requested()
+        if not d["_vote_checked"]:
+            d["_vote_checked"] = True
+            if _agreement.group_size():
+                d["_vote"] = _agreement.StopVote()
+        if d["_vote"] is not None:
+            stop = d["_vote"].poll(stop)
+        return stop
 
     def flush(self, timeout=_FLUSH_TIMEOUT_S):
         """Waits until the newest snapshot is in storage (raises SnapshotError on failure).

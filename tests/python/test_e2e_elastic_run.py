@@ -165,3 +165,69 @@ def test_a_collective_stuck_on_a_frozen_peer_falls_back_to_the_restart_path(job)
         assert pids_after and not pids_after & pids_before, (pids_before, pids_after)
     finally:
         c.kill()
+
+
+HVD_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                          "hvd_elastic_worker.py")
+HSTEP_RE = re.compile(r"^\[rank \d+\] HSTEP round=(\d+) rank=(\d+) size=(\d+) epoch=(\d+) "
+                      r"batch=(\d+) lr=(\S+) pid=(\d+) params=(\S+) processed=(\d+)")
+
+
+def hsteps_of(agent):
+    """(time, round, rank, size, epoch, batch, lr, pid, params sum) of each HSTEP line."""
+    out = []
+    for t, text in list(agent.lines):
+        m = HSTEP_RE.match(text)
+        if m:
+            g = m.groups()
+            out.append((t, int(g[0]), int(g[1]), int(g[2]), int(g[3]), int(g[4]), float(g[5]),
+                        int(g[6]), float(g[7])))
+    return out
+
+
+def wait_hvd_size(agents, size, since, timeout=60):
+    def seen():
+        by_round = {}
+        for a in agents:
+            for s in hsteps_of(a):
+                if s[0] >= since and s[3] == size:
+                    by_round.setdefault(s[1], set()).add(s[2])
+        return any(len(r) == size for r in by_round.values())
+    cluster.wait_for(seen, timeout, "a round of size %d; outputs:\n%s" % (
+        size, "\n----\n".join(a.name + ":\n" + a.output()[-2500:] for a in agents)))
+
+
+def test_a_horovod_elastic_program_keeps_its_processes_across_a_kill_and_a_join(job):
+    env = {"WORKER_EPOCHS": "8", "WORKER_STEP_TIME": "0.02", "EFDL_HOROVOD": "torch"}
+    command = [cluster.PYTHON, HVD_WORKER]
+    a = job.start_agent("node-a", env=env, command=command)
+    b = job.start_agent("node-b", env=env, command=command)
+    c = job.start_agent("node-c", env=env, command=command)
+    wait_hvd_size([a, b, c], 3, 0)
+    killed = time.monotonic()
+    c.signal_group(signal.SIGKILL)
+    wait_hvd_size([a, b], 2, killed)
+    joined = time.monotonic()
+    d = job.start_agent("node-d", env=env, command=command)
+    wait_hvd_size([a, b, d], 3, joined, timeout=90)
+    for agent in (a, b, d):
+        assert agent.wait(120) == 0, agent.output()[-3000:]
+
+    for agent in (a, b, d):   # the survivors kept their processes through both events
+        pids = {s[7] for s in hsteps_of(agent)}
+        assert len(pids) == 1, (agent.name, pids, agent.output()[-3000:])
+    # The reset callback scaled the learning rate with the size of every round.
+    wrong_lr = [s for agent in (a, b, c, d) for s in hsteps_of(agent)
+                if abs(s[6] - 0.01 * s[3]) > 1e-9]
+    assert not wrong_lr, wrong_lr[:5]
+    # Every rank of a round holds the same parameters after each batch.
+    by_batch = {}
+    for agent in (a, b, c, d):
+        for s in hsteps_of(agent):
+            by_batch.setdefault((s[1], s[4], s[5]), set()).add(s[8])
+    assert not {k: v for k, v in by_batch.items() if len(v) > 1}
+    # Each epoch went through the whole data set, across the round changes.
+    epochs = [line for line in (a.output() + b.output()).splitlines() if "] EPOCH " in line]
+    assert len(epochs) == 8 and all(line.endswith("processed=480 of 480") for line in epochs), \
+        epochs
+    assert sorted({s[3] for s in hsteps_of(a)}) == [2, 3], "sizes 3, 2 after the kill, 3"

@@ -39,7 +39,7 @@ import time
 from efdl import _dist
 from efdl._rounds import RoundChangeInterrupt
 
-__all__ = ["run", "RoundChangeInterrupt", "is_collective_failure"]
+__all__ = ["run", "run_rounds", "RoundChangeInterrupt", "is_collective_failure"]
 
 # What torch 1.13's gloo and NCCL process groups and the TCP store say when a peer is gone.
 _FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -49,7 +49,11 @@ _FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Brok
 
 def is_collective_failure(error):
     """Whether `error` says a collective or the process group's store lost a peer (then run
-    continues in the next round; any other exception ends the worker as without run)."""
+    continues in the next round; any other exception ends the worker as without run). An
+    exception that says so itself (`efdl_collective_failure = True`, as hvd.HorovodInternalError
+    does) counts too."""
+    if getattr(error, "efdl_collective_failure", False):
+        return True
     return isinstance(error, RuntimeError) and any(w in str(error) for w in _FAILURE_WORDS)
 
 
@@ -63,25 +67,32 @@ def run(func):
     The first argument must be the efdl.State that the function trains."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        return _run(func, state, args, kwargs)
+        return run_rounds(func, state, args, kwargs)
     return wrapper
 
 
-def _run(func, state, args, kwargs):
+def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
+               stop_group=_dist.shutdown):
+    """The loop of run(): `start_group()` creates the round's process group from the
+    environment (a no-op when one exists), `stop_group()` destroys it (hvd.elastic.run passes
+    its layer's init and shutdown)."""
     control = getattr(state, "_control", None)
     if control is None:
         # Not under `efdl run` (or its agent is unreachable): one round, no round changes.
-        _dist.init_process_group()
+        start_group()
         state._sync_round()
         return func(state, *args, **kwargs)
     state._in_process = True
     control.announce_in_process()
     paused_at = None
     while True:
-        _dist.init_process_group()
+        start_group()
         step = state._sync_round()
-        if paused_at is not None:
+        # After a round change, and in a process whose state came from a snapshot (it joined a
+        # running job, or the job continues from storage): the state predates this round.
+        if paused_at is not None or state._restored is not None:
             state._run_reset_callbacks()
+        if paused_at is not None:
             if _dist.rank() == 0:
                 sys.stderr.write("efdl: round %d: %d rank(s) continue in-process from step %s "
                                  "(%.2f s since the pause)\n"
@@ -99,7 +110,7 @@ def _run(func, state, args, kwargs):
             failure = _first_line(e)
             control.notify_failed(failure)
         paused_at = time.monotonic()
-        _leave_round(state, clean=failure is None)
+        _leave_round(state, failure is None, stop_group)
         control.notify_paused(state._last_step, snapshot=failure is None)
         env = control.wait_for_round()
         if env is None:
@@ -107,10 +118,10 @@ def _run(func, state, args, kwargs):
         os.environ.update(env)
 
 
-def _leave_round(state, clean):
+def _leave_round(state, clean, stop_group):
     """Destroys the round's process group. What the training function built on it (its DDP
     wrapper, buckets and hooks) was released with its frame; collecting cycles now makes sure
     the group's sockets close here, so peers still waiting on this rank fail at once."""
     state._leave_round(clean)
     gc.collect()
-    _dist.shutdown()
+    stop_group()

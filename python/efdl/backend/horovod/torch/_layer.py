@@ -676,3 +676,15 @@ def _reroute_scheduler_step(optimizer):
     step._with_counter = counts
     step._wrapped_by_lr_sched = tracks
     optimizer.step = step
+
+
+# hvd.elastic (Horovod's elastic API over efdl's in-process round changes) and its exceptions,
+# imported on first use: they need efdl.State, which this layer alone does not.
+_ELASTIC_NAMES = ("HorovodInternalError", "HostsUpdatedInterrupt")
+
+
+def __getattr__(name):
+    if name == "elastic" or name in _ELASTIC_NAMES:
+        from efdl.backend.horovod.torch import elastic
+        return elastic if name == "elastic" else getattr(elastic, name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
