@@ -6,8 +6,10 @@ Run (after building; `make demo` does both):
 
 What it does, all on loopback, every process in its own process group:
   1. starts an etcd (`efdl etcd --port 0`) and three agents (`efdl run --nnodes 2:3`, nodes
-     node-a, node-b, node-c) running examples/train_ddp_state.py (small CNN on the digits data set,
-     State + DistributedSampler, a commit every --commit-interval steps, one shared snapshot dir);
+     node-a, node-b, node-c) running examples/train_elastic_run.py (small CNN on the digits data
+     set, State + DistributedSampler, a commit every --commit-interval steps, one shared snapshot
+     dir; written with efdl.elastic.run, so the workers of the nodes that stay keep their
+     processes at every event: only newcomers start one);
   2. once training runs at world 3: SIGKILLs node-c's agent and workers without warning (a crash);
      once training runs again: starts node-d (a join); once it runs at world 3 again: SIGTERMs
      node-a's agent (a graceful leave); then lets the job finish;
@@ -37,15 +39,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = "/usr/bin/python3"
-SCRIPT = os.path.join(REPO, "examples", "train_ddp_state.py")
+SCRIPT = os.path.join(REPO, "examples", "train_elastic_run.py")
 
-# Lines of train_ddp_state.py's rank 0, as the agent forwards them ("[rank 0] " prefix).
+# Lines of train_elastic_run.py's rank 0 (train_ddp_state.py's too), as the agent forwards them ("[rank 0] " prefix).
 RESUME_RE = re.compile(r"^(?:\[rank 0\] )?resuming at epoch (\d+), sample (\d+) of the epoch, "
                        r"(\d+) samples in all, world (\d+), round (\S+)")
 STEP_RE = re.compile(r"^(?:\[rank 0\] )?epoch (\d+) step (\d+) samples (\d+) loss ([\d.naif]+) "
                      r"world (\d+) samples/s (\d+)")
 EPOCH_RE = re.compile(r"^(?:\[rank 0\] )?epoch (\d+) done: test accuracy ([\d.]+)")
 ROUND_RE = re.compile(r"efdl: round (\d+): node rank \d+ of")
+KEPT_RE = re.compile(r"efdl: round (\d+): node rank .* continue in-process")
 CLOSING_RE = re.compile(r"efdl: round (\d+) closing \((?:not )?graceful\): (.*)")
 DONE_RE = re.compile(r"^(?:\[rank 0\] )?training complete: (\d+) samples, test accuracy ([\d.]+)")
 
@@ -194,6 +197,7 @@ class Demo:
         self.complete = None  # (t, total_samples, accuracy)
         self.baseline = None  # (t, total_samples, accuracy)
         self.round_starts = {}  # round -> t the first agent started its workers
+        self.kept = {}          # round -> nodes whose workers continued in-process
         self._seen = set()     # agent messages already shown once (every agent logs them)
         self.events = []
         self.t0 = time.monotonic()
@@ -236,6 +240,9 @@ class Demo:
                 m, c = ROUND_RE.search(line), CLOSING_RE.search(line)
                 if m:
                     self.round_starts.setdefault(m.group(1), t)
+                k = KEPT_RE.search(line)
+                if k:
+                    self.kept.setdefault(k.group(1), set()).add(p.name)
                 key = ("closing", c.group(1)) if c else line
                 if self.args.verbose or (key not in self._seen and re.search(
                         r"giving up|error|standby|formed|closing", line, re.IGNORECASE)):
@@ -336,16 +343,17 @@ class Demo:
               "rendezvous_s": self.round_starts.get(resume[5], first[0]) - t,
               "worker_start_s": first[0] - self.round_starts.get(resume[5], t),
               "gap_s": first[0] - last[0] if last else None,
+              "kept": len(self.kept.get(resume[5], ())),
               "last_samples": last[3] if last else 0, "resume_samples": resume[3]}
         lost = max(0, ev["last_samples"] - ev["resume_samples"])
         ev["samples_lost"] = lost
         ev["steps_lost"] = lost / float(self.args.batch_size * (world_before or 1))
         self.events.append(ev)
         self.say("<< training resumed in round %s at world %d, %.1f s after the %s (new round "
-                 "after %.1f s + %.1f s worker start and restore; gap between steps %.1f s), "
-                 "samples lost: %d" % (ev["round"], ev["world_after"], ev["pause_s"], kind,
-                                       ev["rendezvous_s"], ev["worker_start_s"],
-                                       ev["gap_s"] or 0, lost))
+                 "after %.1f s + %.1f s to resume; gap between steps %.1f s; the workers of %d "
+                 "node(s) kept their processes), samples lost: %d"
+                 % (ev["round"], ev["world_after"], ev["pause_s"], kind, ev["rendezvous_s"],
+                    ev["worker_start_s"], ev["gap_s"] or 0, ev["kept"], lost))
 
     def run(self):
         a = self.args
@@ -396,19 +404,21 @@ class Demo:
     def summary(self, codes):
         a = self.args
         print("\n" + "=" * 96)
-        print("%-6s %-7s %7s %6s %6s %8s %7s %8s %6s %8s %6s" % (
-            "event", "node", "at s", "world", "round", "pause s", "=rdzv", "+worker", "gap s",
-            "samples", "steps"))
-        print("%-6s %-7s %7s %6s %6s %8s %7s %8s %6s %8s %6s" % (
-            "", "", "", "", "", "", "", "start", "", "lost", "lost"))
+        print("%-6s %-7s %7s %6s %6s %8s %7s %8s %6s %8s %6s %6s" % (
+            "event", "node", "at s", "world", "round", "pause s", "=rdzv", "+resume", "gap s",
+            "samples", "steps", "nodes"))
+        print("%-6s %-7s %7s %6s %6s %8s %7s %8s %6s %8s %6s %6s" % (
+            "", "", "", "", "", "", "", "", "", "lost", "lost", "kept"))
         for e in self.events:
-            print("%-6s %-7s %7.1f %6s %6s %8.1f %7.1f %8.1f %6.1f %8d %6.2f" % (
+            print("%-6s %-7s %7.1f %6s %6s %8.1f %7.1f %8.1f %6.1f %8d %6.2f %6d" % (
                 e["kind"], e["node"], e["t"], "%s->%s" % (e["world_before"], e["world_after"]),
                 e["round"], e["pause_s"], e["rendezvous_s"], e["worker_start_s"],
-                e["gap_s"] or 0, e["samples_lost"], e["steps_lost"]))
-        print("(pause = event -> first step of the new round = rendezvous until the new round's "
-              "workers are started + worker start (python, torch import, State restore); "
-              "gap = last step before -> first step after)")
+                e["gap_s"] or 0, e["samples_lost"], e["steps_lost"], e["kept"]))
+        print("(pause = event -> first step of the new round = rendezvous until the new round "
+              "starts + resume: the nodes kept rebuild the process group in-process and agree "
+              "on the state, a new node's worker starts and receives it; gap = last step "
+              "before -> first step after; nodes kept = nodes whose workers kept their "
+              "processes)")
         print("(steps lost = samples lost / global batch before the event; commit interval %d "
               "steps; graceful changes should lose 0, a crash at most %d)"
               % (a.commit_interval, a.commit_interval))

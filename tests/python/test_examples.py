@@ -120,6 +120,9 @@ def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
     assert join["samples_lost"] == 0 and leave["samples_lost"] == 0, events
     for e in events:
         assert 0 < e["pause_s"] < 120, e
+    # The program runs under efdl.elastic.run: at each event the two nodes that stay keep their
+    # workers' processes (the crash's, the join's and the leave's survivors).
+    assert [e["kept"] for e in events] == [2, 2, 2], events
     # Every epoch of the digits training set (1438 samples): nothing skipped; padding of the
     # last batch at world 3 may add a sample per rank and epoch.
     epochs = summary["epochs"]
