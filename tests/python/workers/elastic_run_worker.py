@@ -10,7 +10,9 @@ One line per step, before its commit:
     STEP round=R rank=r world=W step=S pid=P params=<sum of the parameters, 9 digits>
 and at the end, on every rank:
     FINAL rank=r pid=P steps=N params=[...]
-Environment: WORKER_STEPS (default 300), WORKER_STEP_TIME (seconds per step, 0.03).
+Environment: WORKER_STEPS (default 300), WORKER_STEP_TIME (seconds per step, 0.03),
+WORKER_DEVICE (cpu; cuda: the model and batches on this process' first visible GPU, so
+efdl.elastic.run builds NCCL groups).
 """
 
 import json
@@ -26,6 +28,7 @@ import efdl.backend.torch as efdl
 STEPS = int(os.environ.get("WORKER_STEPS", "300"))
 STEP_TIME = float(os.environ.get("WORKER_STEP_TIME", "0.03"))
 GLOBAL_BATCH = int(os.environ.get("WORKER_GLOBAL_BATCH", "12"))
+DEVICE = torch.device("cuda", 0) if os.environ.get("WORKER_DEVICE") == "cuda" else None
 
 torch.manual_seed(0)
 DATA = torch.randn(240, 8)
@@ -39,6 +42,8 @@ def params_of(model):
 def main():
     torch.manual_seed(1)
     model = torch.nn.Linear(8, 4)
+    if DEVICE is not None:
+        model = model.to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     state = efdl.State(model, optimizer, step=0)
     resets = []
@@ -46,14 +51,18 @@ def main():
 
     @efdl.elastic.run
     def train(state):
-        ddp = torch.nn.parallel.DistributedDataParallel(state.model)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            state.model, device_ids=None if DEVICE is None else [DEVICE.index])
         world, rank = efdl.get_world_size(), efdl.get_rank()
         per_rank = GLOBAL_BATCH // world
         while state.step < STEPS:
             start = (state.step * GLOBAL_BATCH) % len(DATA)
             rows = torch.arange(start + rank * per_rank, start + (rank + 1) * per_rank) % len(DATA)
             optimizer.zero_grad()
-            F.mse_loss(ddp(DATA[rows]), TARGET[rows]).backward()
+            x, y = DATA[rows], TARGET[rows]
+            if DEVICE is not None:
+                x, y = x.to(DEVICE), y.to(DEVICE)
+            F.mse_loss(ddp(x), y).backward()
             optimizer.step()
             # Printed before the commit: at a pause, commit() raises once the snapshot is taken.
             print("STEP round=%s rank=%d world=%d step=%d pid=%d params=%.9f resets=%d"
