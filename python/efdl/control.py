@@ -135,7 +135,7 @@ class ControlClient:
         """Tells the agent that this worker takes round changes in-process: at a round's close
         it is sent "pause" instead of "stop", and then the next round's place ("round")."""
         self._in_process = True
-        self._send({"type": "in_process", "round": self.round})
+        self._send_quiet({"type": "in_process", "round": self.round})
 
     def notify_failed(self, message):
         """A collective of the current round failed here: the agent has the round formed again

@@ -254,6 +254,9 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
           if (event.graceful) PersistNewestSnapshot("a graceful round change");
           return std::nullopt;
         }
+        // A worker that failed on its own while pausing is this node's failure, as above.
+        if (auto code = PollWorkers()) return *code;
+        if (!group_) return std::nullopt;
         // Graceful: the next round's workers may start while these exit (after their final
         // snapshot, and when they hold no GPU memory). Not with --launcher: its one process
         // stands for workers of several local ranks, some of which may still be writing.

@@ -125,12 +125,17 @@ bool ControlServer::IsConnected(int64_t round, int local_rank) const {
 
 std::vector<int> ControlServer::RequestStop(int64_t round, bool graceful,
                                             const std::string& reason) {
-  std::string line = Line({{"type", "stop"}, {"round", round}, {"graceful", graceful},
+  return SendToRound("stop", round, graceful, reason, /*in_process_only=*/false);
+}
+
+std::vector<int> ControlServer::SendToRound(const char* type, int64_t round, bool graceful,
+                                            const std::string& reason, bool in_process_only) {
+  std::string line = Line({{"type", type}, {"round", round}, {"graceful", graceful},
                            {"reason", reason}});
   MutexLock lock(mutex_);
   std::vector<int> reached;
   for (const auto& [fd, c] : clients_) {
-    if (!c.said_hello || c.round != round) continue;
+    if (!c.said_hello || c.round != round || (in_process_only && !c.in_process)) continue;
     SendLocked(fd, line);
     reached.push_back(c.local_rank);
   }
@@ -148,16 +153,7 @@ std::vector<int> ControlServer::InProcessRanks(int64_t round) const {
 
 std::vector<int> ControlServer::RequestPause(int64_t round, bool graceful,
                                              const std::string& reason) {
-  std::string line = Line({{"type", "pause"}, {"round", round}, {"graceful", graceful},
-                           {"reason", reason}});
-  MutexLock lock(mutex_);
-  std::vector<int> reached;
-  for (const auto& [fd, c] : clients_) {
-    if (!c.said_hello || !c.in_process || c.round != round) continue;
-    SendLocked(fd, line);
-    reached.push_back(c.local_rank);
-  }
-  return reached;
+  return SendToRound("pause", round, graceful, reason, /*in_process_only=*/true);
 }
 
 std::vector<int> ControlServer::PausedRanks(int64_t round) const {

@@ -109,6 +109,10 @@ class ControlServer {
   // Handles one line from client `fd`; returns false when the connection must be closed.
   bool HandleLine(int fd, Client& client, const std::string& line) EFDL_REQUIRES(mutex_);
   void SendLocked(int fd, const std::string& json_line) EFDL_REQUIRES(mutex_);
+  // Sends {type, round, graceful, reason} to the connected workers of `round` (only those that
+  // said "in_process" with `in_process_only`); returns their local ranks.
+  std::vector<int> SendToRound(const char* type, int64_t round, bool graceful,
+                               const std::string& reason, bool in_process_only);
 
   const ControlServerOptions options_;
   int listen_fd_ = -1;

@@ -157,6 +157,34 @@ TEST_F(AgentLoopTest, ACollectiveFailureReportedInProcessRedoesTheRoundWithTheSa
   EXPECT_EQ(agent.restarts(), 0) << "a failure that came with a node leaving is not counted";
 }
 
+TEST_F(AgentLoopTest, AWorkerThatFailsInsteadOfPausingIsThisNodesFailure) {
+  opts_.nproc = 1;
+  // Round 1's worker exits 3 when asked to pause (its own error, not a peer's).
+  opts_.command = InProcessWorker(
+      dir_.path(),
+      "if c.round == 1:\n"
+      "    while c.pause_request() is None: time.sleep(0.002)\n"
+      "    sys.exit(3)\n");
+  const std::string w0 = dir_.path() + "/worker.0";
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  Agent agent(opts_, rdzv_);
+  std::thread script([&] {
+    if (WaitUntil([&] { return RoundLines(w0).size() == 1; }, 20s)) {
+      rdzv_.Push(Simple(Event::Type::kRoundClosing, 1, /*graceful=*/true, "node c joined"));
+      rdzv_.Push(Started(MakeAssignment(2, 0, 3, 0, 1, 3)));
+      WaitUntil([&] { return RoundLines(w0).size() == 2; }, 20s);
+    }
+    agent.RequestShutdown(SIGTERM);
+  });
+  EXPECT_EQ(agent.Run(), 128 + SIGTERM);
+  script.join();
+  ASSERT_EQ(rdzv_.failures().size(), 1u);
+  EXPECT_NE(rdzv_.failures()[0].find("exited with status 3"), std::string::npos)
+      << rdzv_.failures()[0];
+  EXPECT_EQ(agent.restarts(), 1) << "counted: no node left with it";
+  EXPECT_EQ(RoundLines(w0).size(), 2u) << "round 2 started a new worker";
+}
+
 TEST_F(AgentLoopTest, PausedWorkersOfANodeThatBecomesAStandbyAreStopped) {
   opts_.nproc = 1;
   opts_.command = InProcessWorker(dir_.path());
