@@ -11,6 +11,7 @@ One line per step, before its commit:
 and at the end, on every rank:
     FINAL rank=r pid=P steps=N params=[...]
 Environment: WORKER_STEPS (default 300), WORKER_STEP_TIME (seconds per step, 0.03),
+WORKER_MODE (restart: the loop without efdl.elastic.run, State built after efdl.init()),
 WORKER_DEVICE (cpu; cuda: the model and batches on this process' first visible GPU, so
 efdl.elastic.run builds NCCL groups).
 """
@@ -45,11 +46,13 @@ def main():
     if DEVICE is not None:
         model = model.to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    restart_path = os.environ.get("WORKER_MODE") == "restart"
+    if restart_path:
+        efdl.init()   # the spec's order: the group first, then State agrees on the snapshot
     state = efdl.State(model, optimizer, step=0)
     resets = []
     state.register_reset_callbacks([lambda: resets.append(efdl.get_world_size())])
 
-    @efdl.elastic.run
     def train(state):
         ddp = torch.nn.parallel.DistributedDataParallel(
             state.model, device_ids=None if DEVICE is None else [DEVICE.index])
@@ -73,7 +76,8 @@ def main():
             state.commit()
         return rank
 
-    rank = train(state)
+    # WORKER_MODE=restart: the same loop without the decorator (the restart path).
+    rank = train(state) if restart_path else efdl.elastic.run(train)(state)
     print("FINAL rank=%d pid=%d steps=%d params=%s" % (rank, os.getpid(), state.step,
                                                         json.dumps(params_of(state.model))),
           flush=True)
