@@ -131,11 +131,19 @@ class ControlClient:
 
     # -- in-process round changes (efdl.elastic.run) -------------------------------------------
 
-    def announce_in_process(self):
+    def announce_in_process(self, timeout=5.0):
         """Tells the agent that this worker takes round changes in-process: at a round's close
-        it is sent "pause" instead of "stop", and then the next round's place ("round")."""
+        it is sent "pause" instead of "stop", and then the next round's place ("round").
+        Returns once the agent answered (True: counted from now on), False when it did not
+        (an agent that is gone, or one that predates in-process rounds: it stops the worker
+        at round changes, as for a program without efdl.elastic.run)."""
         self._in_process = True
-        self._send_quiet({"type": "in_process", "round": self.round})
+        try:
+            self._send({"type": "in_process", "round": self.round})
+            answer = self._wait_for(lambda m: m.get("type") in ("in_process", "error"), timeout)
+        except (OSError, ControlError):
+            return False
+        return answer.get("type") == "in_process" and bool(answer.get("accepted", True))
 
     def notify_failed(self, message):
         """A collective of the current round failed here: the agent has the round formed again

@@ -284,12 +284,17 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
   }
   if (type == "in_process") {
     if (client.said_hello) client.in_process = true;
+    // The answer tells the worker it is counted: a round's close from now on pauses it.
+    SendLocked(fd, Line({{"type", "in_process"}, {"round", client.round},
+                         {"accepted", client.said_hello}}));
     EFDL_LOG_DEBUG("control socket: rank {} (pid {}) takes round changes in-process",
                    client.rank, client.pid);
     return true;
   }
+  // A worker speaks for its own round only (the one it said hello for, or was assigned): the
+  // message's "round" is not trusted, so nothing here grows with made-up rounds.
   if (type == "failed") {
-    const int64_t round = IntField(msg, "round", client.round);
+    const int64_t round = client.round;
     const std::string message = StringField(msg, "message");
     if (client.said_hello && failures_.size() < kMaxPendingFlushes) {
       failures_.push_back({round, client.rank, client.local_rank,
@@ -298,7 +303,7 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     return true;
   }
   if (type == "paused") {
-    const int64_t round = IntField(msg, "round", client.round);
+    const int64_t round = client.round;
     const int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
     if (client.said_hello) paused_[round].push_back(client.local_rank);

@@ -131,9 +131,15 @@ TEST_F(AgentLoopTest, AnInProcessWorkerThatDoesNotPauseWithinTheGraceIsReplacedB
 
 TEST_F(AgentLoopTest, ACollectiveFailureReportedInProcessRedoesTheRoundWithTheSameWorkers) {
   opts_.nproc = 2;
-  // Both local ranks see the failure; the round is reported broken once.
+  // Both local ranks see the failure (once both took part: a worker that has not said
+  // in_process yet is restarted); the round is reported broken once.
   opts_.command = InProcessWorker(
-      dir_.path(), "if c.round == 1: c.notify_failed('RuntimeError: Connection closed by peer')\n");
+      dir_.path(),
+      "if c.round == 1:\n"
+      "    while not all(os.path.exists('" + dir_.path() + "/worker.%d' % i) for i in (0, 1)):\n"
+      "        time.sleep(0.005)\n"
+      "    time.sleep(0.2)\n"
+      "    c.notify_failed('RuntimeError: Connection closed by peer')\n");
   const std::string w0 = dir_.path() + "/worker.0", w1 = dir_.path() + "/worker.1";
   rdzv_.on_failure = [&](int64_t round, const std::string&) {
     // A peer node was lost with it: the next round has one node fewer.

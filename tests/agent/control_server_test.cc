@@ -54,6 +54,53 @@ TEST_F(ControlServerTest, HelloOfTheCurrentRoundIsWelcomedAndCanBeStopped) {
   EXPECT_EQ(server_->newest_step(), std::optional<int64_t>(17));
 }
 
+TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRound) {
+  ControlConn c(server_->path());
+  ControlConn plain(server_->path());
+  ASSERT_TRUE(c.SendJson({{"type", "hello"}, {"pid", 7}, {"rank", 5}, {"local_rank", 1},
+                          {"round", 3}}));
+  ASSERT_EQ(c.ReadJson()["type"], "welcome");
+  ASSERT_TRUE(plain.SendJson({{"type", "hello"}, {"pid", 8}, {"rank", 4}, {"local_rank", 0},
+                              {"round", 3}}));
+  ASSERT_EQ(plain.ReadJson()["type"], "welcome");
+  ASSERT_TRUE(c.SendJson({{"type", "in_process"}, {"round", 3}}));
+  json accepted = c.ReadJson();
+  EXPECT_EQ(accepted["type"], "in_process");
+  EXPECT_EQ(accepted["accepted"], true);
+  EXPECT_EQ(server_->InProcessRanks(3), std::vector<int>{1}) << "counted before the answer";
+
+  EXPECT_EQ(server_->RequestPause(3, true, "node c joined"), std::vector<int>{1})
+      << "a worker that did not say in_process is never paused";
+  json pause = c.ReadJson();
+  EXPECT_EQ(pause["type"], "pause");
+  EXPECT_EQ(pause["graceful"], true);
+  EXPECT_EQ(plain.ReadJson(std::chrono::milliseconds(200)), nullptr);
+
+  // Reports count for the worker's own round, whatever round they name.
+  ASSERT_TRUE(c.SendJson({{"type", "failed"}, {"round", 99}, {"message", "Connection reset"}}));
+  ASSERT_TRUE(c.SendJson({{"type", "paused"}, {"round", 99}, {"step", 18}, {"snapshot", false}}));
+  ASSERT_TRUE(WaitUntil([&] { return server_->PausedRanks(3) == std::vector<int>{1}; }));
+  EXPECT_TRUE(server_->PausedRanks(99).empty());
+  auto failures = server_->TakeInProcessFailures();
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_EQ(failures[0].round, 3);
+  EXPECT_EQ(failures[0].rank, 5);
+  EXPECT_EQ(failures[0].message, "Connection reset");
+  EXPECT_TRUE(server_->TakeInProcessFailures().empty()) << "taken once";
+  EXPECT_EQ(server_->newest_step(), std::optional<int64_t>(18));
+
+  EXPECT_TRUE(server_->AssignRound(3, 1, 4, {{"RANK", "9"}, {"WORLD_SIZE", "10"}}));
+  json next = c.ReadJson();
+  EXPECT_EQ(next["type"], "round");
+  EXPECT_EQ(next["round"], 4);
+  EXPECT_EQ(next["env"]["RANK"], "9");
+  EXPECT_EQ(server_->InProcessRanks(4), std::vector<int>{1});
+  EXPECT_FALSE(server_->AssignRound(3, 1, 5, {})) << "it belongs to round 4 now";
+  EXPECT_FALSE(server_->AssignRound(3, 0, 4, {})) << "the plain worker is never assigned";
+  EXPECT_EQ(server_->RequestStop(4, true, "standby"), std::vector<int>{1});
+  EXPECT_EQ(c.ReadJson()["type"], "stop");
+}
+
 TEST_F(ControlServerTest, HelloFromAnOldRoundIsToldToStop) {
   ControlConn c(server_->path());
   ASSERT_TRUE(c.SendJson(

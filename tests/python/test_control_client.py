@@ -197,7 +197,8 @@ def test_stopping_says_whether_the_process_may_hold_gpu_memory(agent_with, monke
 def _in_process_agent(msg):
     """Answers "in_process" with a pause of round 4, and "paused" with round 5's place."""
     if msg["type"] == "in_process":
-        return [{"type": "pause", "round": 4, "graceful": True, "reason": "node b joined"}]
+        return [{"type": "in_process", "round": 4, "accepted": True},
+                {"type": "pause", "round": 4, "graceful": True, "reason": "node b joined"}]
     if msg["type"] == "paused":
         return [{"type": "round", "round": 3, "env": {"RANK": "9"}},   # an old one: ignored
                 {"type": "round", "round": 5, "env": {"RANK": "7", "LOCAL_RANK": "1",
@@ -229,11 +230,20 @@ def test_a_pause_reaches_only_a_worker_that_announced_in_process(agent_with):
         assert not client.stop_requested(), "a plain worker is stopped, never paused"
 
 
+def test_announcing_in_process_waits_for_the_agents_answer(agent_with):
+    _, client = agent_with(lambda m: [{"type": "in_process", "round": 4, "accepted": True}])
+    with client:
+        assert client.announce_in_process() is True
+    _, old_agent = agent_with(lambda m: [{"type": "error", "message": "unknown request type"}])
+    with old_agent:
+        assert old_agent.announce_in_process() is False, "an agent without in-process rounds"
+
+
 def test_a_stop_while_waiting_for_the_next_round_ends_the_wait(agent_with):
     _, client = agent_with(lambda m: [{"type": "stop", "round": 4, "graceful": True,
                                        "reason": "standby"}] if m["type"] == "paused" else [])
     with client:
-        client.announce_in_process()
+        client.announce_in_process(timeout=0.2)
         client.notify_paused(3, snapshot=True)
         assert client.wait_for_round(timeout=5) is None
         assert client.stop_request().reason == "standby"
@@ -251,7 +261,7 @@ def test_a_failure_report_carries_the_round_and_the_message(agent_with):
 def test_an_agent_gone_while_waiting_for_the_next_round_is_a_stop(agent_with):
     agent, client = agent_with(lambda m: [])
     with client:
-        client.announce_in_process()
+        client.announce_in_process(timeout=0.2)
         agent._listen.close()
         client._sock.shutdown(socket.SHUT_RDWR)   # the agent's end closes
         assert client.wait_for_round(timeout=5) is None

@@ -77,13 +77,16 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
     environment (a no-op when one exists), `stop_group()` destroys it (hvd.elastic.run passes
     its layer's init and shutdown)."""
     control = getattr(state, "_control", None)
+    if control is not None and not control.announce_in_process():
+        sys.stderr.write("efdl: the agent did not take this worker's round changes in-process "
+                         "(an older efdl?): it is stopped and started again at each one\n")
+        control = None
     if control is None:
         # Not under `efdl run` (or its agent is unreachable): one round, no round changes.
         start_group()
         state._sync_round()
         return func(state, *args, **kwargs)
     state._in_process = True
-    control.announce_in_process()
     paused_at = None
     while True:
         start_group()
