@@ -111,9 +111,10 @@ class ElasticSampler(torch.utils.data.Sampler):
         """The dataset indices of batch `batch_idx` on every rank."""
         lo = batch_idx * batch_size
         hi = min(lo + batch_size, self.num_samples)
+        n = self.num_replicas
         out = []
-        for r in range(self.num_replicas):
-            out.extend(self._order[r:self.total_size:self.num_replicas][lo:hi])
+        for r in range(n):   # rank r's k-th sample is _order[r + k * n]: O(batch), per batch
+            out.extend(self._order[r + lo * n:r + hi * n:n])
         return out
 
     def state_dict(self):
