@@ -11,7 +11,8 @@ export PATH := $(CURDIR)/$(BUILD_DIR):$(PATH)
 export PYTHONPATH := $(CURDIR)/python
 export EFDL_BIN := $(CURDIR)/$(BUILD_DIR)/efdl
 
-.PHONY: all deps configure build test test-cpp test-python demo install bench clean sanitize test-faults soak
+.PHONY: all deps configure build test test-cpp test-python demo install uninstall test-install bench clean \
+	sanitize test-faults soak
 
 all: build
 
@@ -53,9 +54,23 @@ sanitize: deps
 bench: build
 	scripts/run-benchmarks
 
+# /usr/local/bin/efdl (cmake, listed in $(BUILD_DIR)/install_manifest.txt) and the efdl package for
+# $(PYTHON); its site-packages gets efdl-install-record.txt, which lists both.
 install: build
 	cmake --install $(BUILD_DIR)
-	$(PYTHON) scripts/install-python-package.py $(CURDIR)/python
+	$(PYTHON) scripts/install-python-package.py $(CURDIR)/python \
+	    --cmake-manifest $(abspath $(BUILD_DIR))/install_manifest.txt
+
+# Removes exactly what `make install` put on the machine (the record and cmake's manifest) and
+# prints each path; refuses in one line when nothing is recorded. Needs no build.
+uninstall:
+	@$(PYTHON) scripts/install-python-package.py --uninstall \
+	    --cmake-manifest $(abspath $(BUILD_DIR))/install_manifest.txt
+
+# As root, on a machine without EFDL installed (part of CI): make install, check the installed
+# command and package (scripts/test-install), make uninstall, check nothing of it is left.
+test-install: build
+	scripts/test-install --build-dir $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -1,9 +1,13 @@
 """Shared pytest fixtures for the Python package's tests.
 
-Tests import `efdl` from the source tree (python/); processes they start get the same PYTHONPATH
-and /usr/bin/python3 (the interpreter with the Debian torch), never the first python3 on PATH.
+Tests use the working tree's EFDL whatever is installed on the machine (`make install`): they
+import `efdl` from python/, processes they start get PYTHONPATH=python/ first, EFDL_BIN (the
+build tree's efdl, build/efdl unless set) and that directory first on PATH, and
+/usr/bin/python3 (the interpreter with the Debian torch), never the first python3 on PATH. The
+session stops at once if an interpreter started that way would import efdl from anywhere else.
 """
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -16,8 +20,46 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PYTHON_DIR = os.path.join(REPO, "python")
 PYTHON = "/usr/bin/python3"
 
-if PYTHON_DIR not in sys.path:
+if sys.path[:1] != [PYTHON_DIR]:
     sys.path.insert(0, PYTHON_DIR)
+# What every process a test starts inherits (tests that build their own environment set the
+# same): the working tree's package and the build tree's `efdl` ahead of an installed copy.
+os.environ.setdefault("EFDL_BIN", os.path.join(REPO, "build", "efdl"))
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != PYTHON_DIR:
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [PYTHON_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+_BIN_DIR = os.path.dirname(os.path.abspath(os.environ["EFDL_BIN"]))
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN_DIR:
+    os.environ["PATH"] = _BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+WORKING_TREE_EFDL = os.path.join(PYTHON_DIR, "efdl", "__init__.py")
+
+
+def efdl_import_origins():
+    """Where `import efdl` resolves here and in a fresh /usr/bin/python3 started, from /, with
+    this environment: {"tests": path, "child processes": path}."""
+    module = sys.modules.get("efdl")
+    here = getattr(module, "__file__", None) if module else importlib.util.find_spec(
+        "efdl").origin
+    proc = subprocess.run([PYTHON, "-c", "import importlib.util as u; "
+                           "print(u.find_spec('efdl').origin)"], cwd="/", capture_output=True,
+                          text=True, timeout=60)
+    child = proc.stdout.strip() if proc.returncode == 0 else "nowhere (%s)" % (
+        proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"tests": here, "child processes": child}
+
+
+def pytest_sessionstart(session):
+    for who, origin in efdl_import_origins().items():
+        if os.path.realpath(origin or "") != os.path.realpath(WORKING_TREE_EFDL):
+            pytest.exit("conftest: %s would import efdl from %s, not the working tree's %s; "
+                        "put %s first on PYTHONPATH" % (who, origin, WORKING_TREE_EFDL,
+                                                        PYTHON_DIR), returncode=3)
+
+
+def pytest_report_header(config):
+    return "efdl under test: package %s, command %s (EFDL_BIN)" % (
+        os.path.dirname(WORKING_TREE_EFDL), os.environ["EFDL_BIN"])
 
 # Variables through which a launcher or an agent places a process in a job; a test starts its
 # processes without them unless it sets them on purpose.
