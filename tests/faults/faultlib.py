@@ -262,7 +262,13 @@ class Job:
         groups = self.groups_of([node])
         d, tmp = self._wait_persisting(node, timeout)
         fault = self.signal_groups(groups, signal.SIGSTOP)
-        time.sleep(0.2)   # a rename in flight at the stop has landed by now
+        # SIGSTOP lands asynchronously, and a thread stops only on its way back from a system
+        # call: once every thread of the agent (the writer) is stopped, a rename in flight at
+        # the stop has landed and no other can start (not a fixed pause, which a loaded machine
+        # can outlast).
+        if not wait_stopped(self.nodes[node].proc.pid, 30):
+            raise AssertionError("the agent of %s did not stop within 30 s of SIGSTOP\n%s"
+                                 % (node, self.dump()))
         if os.path.exists(os.path.join(d, tmp)):
             return fault, tmp, self._seq_of(tmp)
         return fault, None, None
@@ -757,6 +763,44 @@ def restart_etcd(job):
                                   start_new_session=True)
     log.close()
     assert etcd_healthy(job.c.endpoint, 30), "etcd did not come back within 30 s"
+
+
+class EtcdOutage:
+    """An outage of the job's single etcd made by etcd_outage(), in wall times: `killed` right
+    before the SIGKILL, `dead` once etcd was reaped, `restarted` right before it was started
+    again, `healthy` once it first answered /health. etcd certainly served nothing from `dead`
+    to `restarted`, and served again by `healthy`: the outage lasted at least `least` and at
+    most `most` seconds, whatever this machine's speed and etcd's start-up."""
+
+    def __init__(self, killed, dead, restarted, healthy):
+        self.killed, self.dead, self.restarted, self.healthy = killed, dead, restarted, healthy
+        self.least = restarted - dead
+        self.most = healthy - killed
+
+    def within(self, low, high):
+        """True when the outage certainly lasted more than `low` and less than `high` s."""
+        return self.least > low and self.most < high
+
+    def __str__(self):
+        return ("etcd killed at %.3f (reaped %.3f), started again at %.3f, healthy at %.3f: "
+                "down at least %.2f s, at most %.2f s" % (self.killed, self.dead, self.restarted,
+                                                          self.healthy, self.least, self.most))
+
+
+def etcd_outage(job, down_for):
+    """SIGKILLs the job's etcd and starts it again (same ports and data directory) `down_for`
+    seconds after it was reaped, measured, not assumed: the restart moment comes from the
+    measured time of the death, so etcd's own start-up only lengthens the outage. Returns the
+    EtcdOutage; the caller checks it is the outage it needs (a loaded machine can oversleep or
+    start etcd slowly) and makes it again, on a fresh set-up, when it is not."""
+    killed = time.time()
+    os.killpg(job.c.etcd.pid, signal.SIGKILL)
+    job.c.etcd.wait()
+    dead = time.time()
+    time.sleep(max(0.0, dead + down_for - time.time()))
+    restarted = time.time()
+    restart_etcd(job)
+    return EtcdOutage(killed, dead, restarted, time.time())
 
 
 class EtcdCluster:

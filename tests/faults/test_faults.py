@@ -533,33 +533,50 @@ def test_worker_hanging_in_a_collective_and_ignoring_sigterm_is_killed(make_job)
 
 # -- etcd ------------------------------------------------------------------------------------
 
+# How many times the etcd-restart case makes its set-up (a fresh job, an outage) before it gives
+# up: a machine too loaded to restart etcd within the window is the set-up's failure, not the
+# product's.
+ETCD_OUTAGE_TRIES = 3
+# How long past TTL/3 the etcd-restart case restarts etcd after its death: a renewal period and
+# this margin for the keep-alive's own timing, so at least one renewal surely fails.
+ETCD_OUTAGE_MARGIN = 0.3
+
+
 def test_etcd_restart_shorter_than_the_ttl_does_not_interrupt_training(make_job):
-    """etcd SIGKILLed and started again 2 s later (same data) while training under --ttl 8.
-    etcd itself takes 1-2 s to serve again, so it is down about 3-4 s, measured from the kill to
-    its first healthy answer, and the case checks that this outage is what it is about: longer
-    than a renewal period (TTL/3, so at least one renewal fails) and shorter than two thirds of
-    the TTL (a lease is sure to outlive that: its local expiry is at worst TTL - TTL/3 after the
-    last renewal answered before the kill). etcd extends the leases when it is back. No lease is
-    lost, no new round forms, no step gap above 1 s, and training goes on for more than one full
-    TTL after etcd is back. The client side, 20 outages per case:
+    """etcd SIGKILLed while training under --ttl 8 and started again (same data) TTL/3 + 0.3 s
+    after it died (faultlib.etcd_outage: the moment comes from the measured death, so etcd's
+    own start-up only adds to it). The case checks that the outage, measured from the kill to
+    etcd's first healthy answer, is what it is about: longer than a renewal period (TTL/3, so
+    at least one renewal fails) and shorter than two thirds of the TTL (a lease is sure to
+    outlive that: its local expiry is at worst TTL - TTL/3 after the last renewal answered
+    before the kill). A machine too slow to bring etcd back inside that window fails the
+    set-up, not the product: the case then starts over with a fresh job, up to
+    ETCD_OUTAGE_TRIES times, and says so. etcd extends the leases when it is back. No lease is
+    lost, no new round forms, no step gap above 1 s, and training goes on for more than one
+    full TTL after etcd is back. The client side, 20 outages per case:
     tests/etcd/lease_outage_test.cc."""
     ttl = 8
-    job = make_job("etcd-restart", steps=400, nnodes="2:2")
-    two_nodes(job, ttl=ttl)
-    job.wait_step(8, world=2)
-    killed = time.time()
-    os.killpg(job.c.etcd.pid, signal.SIGKILL)
-    job.c.etcd.wait()
-    time.sleep(2.0)   # etcd's own start adds 1-2 s to this
-    restarted = time.time()
-    faultlib.restart_etcd(job)
-    back = time.time()
-    down = back - killed
-    outage = "etcd killed at %.3f, started again at %.3f, healthy at %.3f (down %.2f s)" % (
-        killed, restarted, back, down)
-    assert ttl / 3 < down < ttl * 2 / 3, (
-        "%s: the case needs an outage between TTL/3 (%.2f s) and 2/3 TTL (%.2f s)" % (
-            outage, ttl / 3, ttl * 2 / 3))
+    low, high = ttl / 3, ttl * 2 / 3
+    tries = []
+    for attempt in range(1, ETCD_OUTAGE_TRIES + 1):
+        job = make_job("etcd-restart", steps=400, nnodes="2:2")
+        two_nodes(job, ttl=ttl)
+        job.wait_step(8, world=2)
+        made = faultlib.etcd_outage(job, down_for=low + ETCD_OUTAGE_MARGIN)
+        tries.append(str(made))
+        if made.within(low, high):
+            break
+        print("set-up try %d of %d missed: %s, not inside (TTL/3, 2/3 TTL) = (%.2f s, %.2f s) "
+              "(this machine oversleeps or starts etcd slowly); a fresh job tries again"
+              % (attempt, ETCD_OUTAGE_TRIES, made, low, high), flush=True)
+        job.close()
+    else:
+        pytest.fail("set-up failed, not the product: in %d tries no etcd outage landed inside "
+                    "(TTL/3, 2/3 TTL) = (%.2f s, %.2f s):\n%s" % (
+                        ETCD_OUTAGE_TRIES, low, high, "\n".join(tries)))
+    print("set-up try %d: %s" % (attempt, made))
+    back = made.healthy
+    outage = str(made)
     job.wait_for(lambda: any(e["t"] > back + ttl + 1 for e in job.events({"STEP"})),
                  60, "steps more than one TTL after etcd came back")
     job.check_all(["node-a", "node-b"])
