@@ -187,14 +187,24 @@ TEST_F(AgentLoopTest, AWorkerThatFailedRightBeforeAPeersClosingIsStillReported) 
   opts_.nproc = 1;
   opts_.poll_interval = 30s;   // the agent looks at its workers only when an event wakes it
   const std::string go = dir_.path() + "/go";
-  opts_.command = {"sh", "-c", "echo about to fail; while [ ! -e " + go +
+  opts_.command = {"sh", "-c", "echo about to fail $$.; while [ ! -e " + go +
                                    " ]; do sleep 0.01; done; exit 3"};
   rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
-    ASSERT_TRUE(WaitUntil([&] { return Out().find("about to fail") != std::string::npos; }));
+    const std::string said = "about to fail ";
+    ASSERT_TRUE(WaitUntil([&] {
+      const std::string out = Out();
+      const size_t at = out.find(said);
+      return at != std::string::npos && out.find('.', at) != std::string::npos;
+    }));
+    const std::string out = Out();
+    const pid_t worker = std::stoi(out.substr(out.find(said) + said.size()));
     { std::ofstream(go) << "x"; }
-    std::this_thread::sleep_for(500ms);   // the worker has exited 3; the agent has not looked
+    // The worker has exited 3 (a zombie: the agent has not looked) before the closing event:
+    // waited for, not assumed after a fixed time a loaded machine can outlast.
+    EXPECT_TRUE(WaitUntil([&] { return !testing::ProcessAlive(worker); }, 30s))
+        << "the worker " << worker << " did not exit within 30 s";
     rdzv_.Push(Simple(Event::Type::kRoundClosing, 1, false, "workers of node node-b failed"));
     rdzv_.Push(Simple(Event::Type::kJobComplete, 2));
   });
@@ -252,22 +262,27 @@ TEST_F(AgentLoopTest, GracefulClosingReachesConnectedWorkersThroughTheSocket) {
   EXPECT_EQ(ReadFile(marker), "node c joined");
 }
 
-// A round-1 worker that answers the graceful stop, then takes 1.5 s to exit (as an interpreter
+// A round-1 worker that answers the graceful stop, then is slow to exit (as an interpreter
 // with torch loaded may), writing when it is really done; `gpu` fakes a process that may hold
-// GPU memory. Round 2's worker writes when it started.
+// GPU memory. Round 2's worker writes when it started. The slow exit lasts until round 2's
+// worker started (at most 60 s), so "round 2 started while round 1 still exited" does not
+// depend on how fast this machine starts an interpreter; with `gpu` the agent must wait for the
+// exit, so it ends after 1.5 s unless round 2 started before.
 std::vector<std::string> SlowExitWorker(const std::string& dir, bool gpu) {
   return testing::PythonWorker(
       "import atexit, os, sys, time\n"
       "from efdl import control\n"
       "if os.environ['EFDL_ROUND'] != '1':\n"
-      "    open('" + dir + "/round2-started', 'w').write(repr(time.time())); sys.exit(0)\n" +
+      "    t = repr(time.time()); open('" + dir + "/round2-started', 'w').write(t); sys.exit(0)\n" +
       (gpu ? std::string("sys.modules['tensorflow'] = sys\n") : std::string()) +
       "c = control.connect_from_env()\n"
       "print('connected', flush=True)\n"
       "while not c.stop_requested(): time.sleep(0.002)\n"
       "c.notify_stopping(7)\n"
       "def slow_exit():\n"
-      "    time.sleep(1.5)\n"
+      "    t = time.monotonic() + " + std::string(gpu ? "1.5" : "60") + "\n"
+      "    while not os.path.exists('" + dir + "/round2-started') and time.monotonic() < t:\n"
+      "        time.sleep(0.01)\n"
       "    open('" + dir + "/round1-exited', 'w').write(repr(time.time()))\n"
       "atexit.register(slow_exit)\n"
       "sys.exit(0)\n");
@@ -305,7 +320,10 @@ TEST_F(AgentLoopTest, GracefulClosingStartsTheNextRoundWhileTheOldWorkersExit) {
   const auto [started, exited] =
       RunGracefulChangeWithASlowExit(opts_, rdzv_, dir_.path(), /*gpu=*/false);
   ASSERT_GT(started, 0.0);
-  ASSERT_GT(exited, 0.0) << "the agent did not let the old worker finish its exit";
+  // The old worker exits once round 2's started: an agent that waits for its exit instead
+  // kills it after the stop grace, and it never writes that it exited.
+  ASSERT_GT(exited, 0.0) << "the agent did not let the old worker finish its exit (it waited "
+                            "for it instead of starting round 2, and killed it after the grace?)";
   EXPECT_LT(started, exited) << "round 2 waited for round 1's worker to exit";
 }
 

@@ -238,7 +238,15 @@ TEST_F(WorkerGroupTest, AReleasingStopReturnsOnceTheWorkerAnsweredAndRetireReaps
   auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
   ASSERT_TRUE(server.ok());
   (*server)->SetRound(4);
-  auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(), "time.sleep(1.5)\n"));
+  // The worker exits only once the test opens its gate (at most 60 s), so the checks of the
+  // released, still running worker below do not race a fixed exit time on a loaded machine.
+  const std::string gate = dir_.path() + "/gate";
+  auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(),
+                                   "import os\n"
+                                   "t = time.monotonic() + 60\n"
+                                   "while not os.path.exists('" + gate +
+                                       "') and time.monotonic() < t:\n"
+                                   "    time.sleep(0.01)\n"));
   ASSERT_TRUE(g);
   ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
   StopPolicy policy{true, "scale out", 20s, /*release_after_snapshot=*/true};
@@ -246,6 +254,7 @@ TEST_F(WorkerGroupTest, AReleasingStopReturnsOnceTheWorkerAnsweredAndRetireReaps
   EXPECT_EQ(g->running(), 1) << "Stop() waited for the exit";
   EXPECT_EQ((*server)->ReleasedRanks(4), std::vector<int>{0});
   EXPECT_FALSE(g->Retire());
+  { std::ofstream(gate) << "1"; }
   EXPECT_TRUE(WaitUntil([&] { return g->Retire(); }, 10s));
   EXPECT_EQ(g->running(), 0);
   EXPECT_FALSE(g->first_failure().has_value());

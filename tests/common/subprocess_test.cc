@@ -45,10 +45,16 @@ TEST(SubprocessTest, MissingProgramFailsBeforeStarting) {
 
 TEST(SubprocessTest, StopEscalatesToSigkillForAChildIgnoringSigterm) {
   SpawnOptions o;
-  o.argv = {"sh", "-c", "trap '' TERM; while true; do sleep 0.05; done"};
+  o.argv = {"sh", "-c", "trap '' TERM; echo ignoring; while true; do sleep 0.05; done"};
+  o.stdout_mode = SpawnOptions::Stdio::kPipe;
   auto p = Subprocess::Spawn(o);
   ASSERT_TRUE(p.ok());
-  std::this_thread::sleep_for(100ms);
+  // The stop must find SIGTERM ignored: wait for the shell to say so, not for a fixed time
+  // (a loaded machine may not have run the trap yet, and SIGTERM would end it at once).
+  std::string said;
+  char c;
+  while (said.find('\n') == std::string::npos && ::read(p->stdout_fd(), &c, 1) == 1) said += c;
+  ASSERT_EQ(said, "ignoring\n");
   auto start = std::chrono::steady_clock::now();
   int st = p->Stop(300ms);
   auto took = std::chrono::steady_clock::now() - start;

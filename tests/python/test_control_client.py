@@ -222,11 +222,17 @@ def test_a_pause_is_seen_as_a_stop_request_and_the_next_round_brings_its_environ
 
 
 def test_a_pause_reaches_only_a_worker_that_announced_in_process(agent_with):
-    _, client = agent_with(lambda m: [{"type": "pause", "round": 4, "graceful": True,
-                                       "reason": "x"}] if m["type"] == "committed" else [])
+    def answer(m):
+        if m["type"] == "committed":
+            return [{"type": "pause", "round": 4, "graceful": True, "reason": "x"}]
+        return [{"type": "reply", "id": m["id"], "restore_step": 1}]
+    _, client = agent_with(answer)
     with client:
         client._send({"type": "committed", "step": 1})
-        time.sleep(0.1)
+        # The peer answers in order: once the query's reply is in, the pause sent before it was
+        # read and handled too (a fixed pause could end before it arrives, and show nothing).
+        assert client.query_restore_step(timeout=10) == 1
+        assert client.pause_request() is None
         assert not client.stop_requested(), "a plain worker is stopped, never paused"
 
 
