@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/etcd_rendezvous_impl.h"
+#include "rendezvous/node_rules.h"
 
 namespace efdl::rdzv {
 namespace internal {
@@ -350,14 +351,7 @@ void EtcdRendezvous::Handle(Input& in) {
       if (in.round < acked_round_) break;
       SendAck(AckState::kFailed, in.round);
       if (round_.round == in.round && round_.phase == Phase::kActive) {
-        RoundRecord next = round_;
-        next.round = round_.round + 1;
-        next.phase = Phase::kProposed;
-        next.coordinator = opt_.node_id;
-        next.graceful = false;
-        next.message = fmt::format("workers of node {} failed: {}", opt_.node_id, in.detail);
-        // Keep the deputies but never name ourselves (a coordinator is not its own deputy).
-        std::erase(next.deputies, opt_.node_id);
+        const RoundRecord next = FailureProposal(round_, opt_.node_id, in.detail);
         if (!CasRoundAt(next, round_mod_rev_)) RereadRound();
       }
       break;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -17,6 +18,7 @@
 #include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "rendezvous/coordinator.h"
+#include "rendezvous/node_rules.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/registration.h"
 #include "rendezvous/rendezvous.h"
@@ -120,6 +122,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void OnCoordinatorGone(const std::string& coordinator);
   void TakeOver();
   void Fence(const std::string& why);
+  NodePart Part() const;       // this node's part, for node_rules.h
   void Fail(const std::string& message);
   void ReleaseRegistration(bool announce_leaving);
   // A coordinator that leaves names its successor and proposes the next round itself (graceful).
@@ -161,6 +164,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   int64_t round_mod_rev_ = 0;
   std::optional<AssignRecord> assign_;
   int64_t acked_round_ = 0;
+  Succession succession_;                       // whom this node follows (UpdateDeputyWatch)
+  std::mt19937_64 rng_{std::random_device{}()}; // the spread of a non-deputy's takeover
   int64_t started_round_ = 0;
   bool started_standby_ = false;
   int64_t fenced_round_ = 0;

@@ -12,6 +12,7 @@
 #include "common/net.h"
 #include "rendezvous/coordination.h"
 #include "rendezvous/etcd_rendezvous_impl.h"
+#include "rendezvous/node_rules.h"
 #include "rendezvous/suspend.h"
 
 namespace efdl::rdzv::internal {
@@ -141,6 +142,7 @@ Status EtcdRendezvous::Register() {
 
 void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
   if (mod_rev <= round_mod_rev_) return;
+  const int64_t held_round = round_mod_rev_ == 0 ? 0 : round_.round;
   round_ = rec;
   round_mod_rev_ = mod_rev;
   if (rec.phase == Phase::kSuspended) {
@@ -161,7 +163,7 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
     ReleaseRegistration(false);
     return;
   }
-  if (started_round_ != 0 && (rec.round != started_round_ || rec.phase != Phase::kActive)) {
+  if (ClosesStartedRound(rec, Part())) {
     if (!started_standby_) {
       Emit(MakeEvent(Event::Type::kRoundClosing, started_round_, rec.graceful, rec.message));
     }
@@ -169,7 +171,12 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
     started_standby_ = false;
     unplaced_since_ = Clock::now();
   }
-  if (rec.phase == Phase::kProposed && rec.round > acked_round_ && rec.round > fenced_round_) {
+  if (ShouldAck(rec, Part())) {
+    SendAck(AckState::kAck, rec.round);
+  } else if (AnnouncesLate(held_round, rec, Part())) {
+    EFDL_LOG_INFO("rdzv {}: a proposal was decided before this node saw it (now round {}, "
+                  "{}); announcing itself to coordinator {}",
+                  opt_.node_id, rec.round, PhaseName(rec.phase), rec.coordinator);
     SendAck(AckState::kAck, rec.round);
   }
   if (rec.coordinator == opt_.node_id && !coordinator_.active()) {
@@ -182,10 +189,7 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
 }
 
 void EtcdRendezvous::TryStart() {
-  if (round_.phase != Phase::kActive || !assign_ || assign_->round != round_.round ||
-      started_round_ == round_.round || round_.round <= fenced_round_) {
-    return;
-  }
+  if (!MayStart(round_, assign_, Part())) return;
   Event e;
   e.type = Event::Type::kRoundStarted;
   e.round = round_.round;
@@ -260,21 +264,22 @@ void EtcdRendezvous::RereadRound() {
   if (rec.ok()) ApplyRound(*rec, (*rd)->mod_revision);
 }
 
+NodePart EtcdRendezvous::Part() const {
+  return {opt_.node_id, acked_round_, started_round_, started_standby_, fenced_round_};
+}
+
 void EtcdRendezvous::UpdateDeputyWatch() {
-  const bool named = std::find(round_.deputies.begin(), round_.deputies.end(), opt_.node_id) !=
-                     round_.deputies.end();
-  // A node waiting outside an active round (a newcomer or a standby) also watches the
-  // coordinator, after every named deputy (Handle: index = deputies.size()): when the whole round
-  // died at once its deputies are dead too, and without this nobody would ever take over. Only
-  // nodes outside the round do it, so a formed job of N members adds no watches.
-  const bool waiting_outside = round_.phase == Phase::kActive &&
-                               (started_round_ == 0 || started_standby_);
-  bool deputy = round_.coordinator != opt_.node_id && !round_.coordinator.empty() &&
-                (named || waiting_outside);
-  std::string target = deputy ? round_.coordinator : std::string();
-  if (target == registration_.followed()) return;
+  // node_rules.h WhomToFollow: deputies, and every node that runs no place of an active round
+  // (after the deputies), so that a round whose coordinator and deputies all died is taken over.
+  succession_ = WhomToFollow(round_, Part());
+  if (succession_.follow == registration_.followed()) return;
   takeover_at_.reset();
-  if (registration_.FollowCoordinator(target)) OnCoordinatorGone(target);
+  // A deputy reads the coordinator's key first; the others (spread) watch it from the round
+  // record's revision, written while that coordinator was alive, at no request's cost.
+  const int64_t after = succession_.spread ? round_mod_rev_ : 0;
+  if (registration_.FollowCoordinator(succession_.follow, after)) {
+    OnCoordinatorGone(succession_.follow);
+  }
 }
 
 void EtcdRendezvous::OnCoordinatorGone(const std::string& coordinator) {
@@ -282,9 +287,12 @@ void EtcdRendezvous::OnCoordinatorGone(const std::string& coordinator) {
       takeover_at_) {
     return;
   }
-  auto it = std::find(round_.deputies.begin(), round_.deputies.end(), opt_.node_id);
-  auto index = it - round_.deputies.begin();
-  takeover_at_ = Clock::now() + index * opt_.takeover_step;
+  auto delay = succession_.after_steps * opt_.takeover_step;
+  if (succession_.spread) {
+    std::uniform_int_distribution<int64_t> extra(0, kSpreadSteps * opt_.takeover_step.count());
+    delay += std::chrono::milliseconds(extra(rng_));
+  }
+  takeover_at_ = Clock::now() + delay;
 }
 
 void EtcdRendezvous::TakeOver() {

@@ -122,17 +122,21 @@ Result<Registration::Reread> Registration::Rewatch() {
   return Reread{*rd, *as};
 }
 
-bool Registration::FollowCoordinator(const std::string& coordinator) {
+bool Registration::FollowCoordinator(const std::string& coordinator, int64_t after_revision) {
   if (coordinator == followed_) return false;
   coordinator_watch_.reset();
   followed_ = coordinator;
   if (coordinator.empty()) return false;
-  auto ck = client_.Get(keys_.Node(coordinator));
-  if (!ck.ok()) return false;
-  if (!ck->has_value()) return true;
+  int64_t from = after_revision;
+  if (from == 0) {
+    auto ck = client_.Get(keys_.Node(coordinator));
+    if (!ck.ok()) return false;
+    if (!ck->has_value()) return true;
+    from = (*ck)->mod_revision;
+  }
   const uint64_t gen = generation_;
   auto w = client_.StartWatch(
-      keys_.Node(coordinator), {false, (*ck)->mod_revision + 1, false},
+      keys_.Node(coordinator), {false, from + 1, false},
       [gone_cb = cb_.coordinator_gone, gen, coordinator](const etcd::WatchUpdate& u) {
         bool gone = !u.error.ok() || u.compacted;
         for (const auto& e : u.events) gone |= e.type == etcd::WatchEvent::Type::kDelete;

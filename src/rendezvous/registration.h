@@ -62,8 +62,10 @@ class Registration {
   Result<Reread> Rewatch();
 
   // Follows the node key of `coordinator` ("" follows none) and reports it gone through
-  // Callbacks::coordinator_gone. Returns true when it is gone already (nothing is reported then).
-  bool FollowCoordinator(const std::string& coordinator);
+  // Callbacks::coordinator_gone. after_revision 0: reads the key first and returns true when it
+  // is gone already (nothing is reported then); else watches for its deletion after that
+  // revision without a read (returns false), so that a crowd of followers costs no request.
+  bool FollowCoordinator(const std::string& coordinator, int64_t after_revision = 0);
   const std::string& followed() const { return followed_; }
 
   // Stops following the round, the assignment and the coordinator (the give-up records go on).

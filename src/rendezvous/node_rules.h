@@ -1,0 +1,75 @@
+// A node's own decisions in the round protocol (protocol.h), as pure functions like the
+// coordinator's in coordination.h: no etcd, no clock, no logging. etcd_rendezvous_node.cc
+// carries them out; tests/rendezvous/interleaving_checker_test.cc drives them, with the
+// coordinator's, over a model of etcd to check every interleaving of small jobs.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "rendezvous/coordination.h"
+#include "rendezvous/protocol.h"
+
+namespace efdl::rdzv {
+
+// What a node knows of its own part in the job.
+struct NodePart {
+  std::string self;
+  int64_t acked_round = 0;      // the newest round it acked
+  int64_t started_round = 0;    // the round whose place it took (0: none since the last close)
+  bool started_standby = false;
+  int64_t fenced_round = 0;     // it was fenced out of every round up to this one
+};
+
+// A proposed round the node has not acked yet: it acks it.
+bool ShouldAck(const RoundRecord& round, const NodePart& part);
+
+// A node that held round `held_round` (0: none yet) and now applies a `round` whose proposal
+// it never acked: it read that record directly (a takeover attempt or a re-read found the
+// proposal already decided) and so skipped the proposal, and the coordinator marked it
+// unresponsive. Active `round`: the proposal was round itself; gathering `round`: the proposal
+// round-1 that did not form. It announces itself with a late ack of `round`: the coordinator
+// takes it as a join during an active round (or makes it a standby) and counts it again while
+// gathering. Found by the interleaving checker (issue #30): without it the node waited outside
+// the round (active) or kept a job below MIN (gathering) until its join timeout. A node that
+// registers now announces itself by registering (held_round 0).
+bool AnnouncesLate(int64_t held_round, const RoundRecord& round, const NodePart& part);
+
+// The node has taken a place that `round` ends (another round, or the same one leaving the
+// active phase): it closes it (its workers stop).
+bool ClosesStartedRound(const RoundRecord& round, const NodePart& part);
+
+// The node may take its place in `round` (active, its assignment of that round in hand, not
+// started yet, not fenced out of it).
+bool MayStart(const RoundRecord& round, const std::optional<AssignRecord>& assign,
+              const NodePart& part);
+
+// SUCCESSION. Which coordinator a node follows (watches the node key of), and how many takeover
+// steps after that key is deleted it takes over if the round record still names the dead
+// coordinator:
+//   - deputy j of the round record: after j steps;
+//   - a node that runs no place of an active round (every node while the job gathers or a round
+//     is proposed, a newcomer or standby during an active round): after kMaxDeputies steps,
+//     spread by a random part of `spread_steps` more (so a crowd does not take over at once).
+//     Without this, a proposal whose coordinator and deputies all died (a whole job restarted
+//     within its TTL) would be followed by nobody: the job would wait out the join timeout;
+//   - a member running its place of the active round follows nobody unless it is a deputy:
+//     if the round breaks its workers fail, and a failure proposes the next round itself.
+// The time to replace a dead coordinator is therefore bounded by its lease (TTL) plus at most
+// (kMaxDeputies + spread_steps) takeover steps.
+struct Succession {
+  std::string follow;           // "" follows nobody
+  int after_steps = 0;
+  bool spread = false;          // add a random delay of up to kSpreadSteps steps
+};
+inline constexpr int kSpreadSteps = 4;
+Succession WhomToFollow(const RoundRecord& round, const NodePart& part);
+
+// The record a node writes when its workers failed in the active round `round`: the next round,
+// proposed by itself as coordinator (a failure usually means a peer died, and that peer may be
+// the coordinator, whose lease takes a TTL to end).
+RoundRecord FailureProposal(const RoundRecord& round, const std::string& self,
+                            const std::string& detail);
+
+}  // namespace efdl::rdzv
