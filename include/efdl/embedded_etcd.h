@@ -2,7 +2,12 @@
 // single-machine use (`efdl etcd`, and `efdl run` without a given etcd).
 //
 // Ownership: the EmbeddedEtcd owns the etcd process (stopped by the destructor) and, when it
-// made it, the temporary data directory (removed by the destructor). etcd's output goes to
+// made it, the temporary data directory <tmp>/efdl-etcd-XXXXXX (removed by the destructor; should
+// this process die without running it - SIGKILL, the OOM killer - a GroupReaper it forks for the
+// purpose kills etcd and removes the directory, and the directory's owner file lets the next
+// `efdl run`/`efdl sim`/`efdl snapshots gc` tell a dead owner's directory from a live one:
+// src/etcd/private_dirs.h). A temporary etcd also runs with settings that keep it small
+// (docs/operations.md, "Private etcd"). etcd's output goes to
 // `log_path()` inside the data directory. The child is spawned with die_with_parent: it is
 // killed when the thread that called Start()/Restart() exits, so call them from a thread that
 // lives as long as the etcd should. Not thread-safe: one owner drives it.
@@ -21,6 +26,7 @@ namespace efdl {
 
 struct EmbeddedEtcdOptions {
   std::string data_dir;             // empty: a fresh temporary directory, removed at the end
+                                    // (also when this process is killed)
   std::string host = "127.0.0.1";   // listen and advertise address (loopback by default)
   uint16_t client_port = 0;         // 0: a free port
   uint16_t peer_port = 0;           // 0: a free port

@@ -13,6 +13,7 @@
 #include "cli/commands.h"
 #include "common/net.h"
 #include "efdl/embedded_etcd.h"
+#include "etcd/private_dirs.h"
 
 namespace efdl::cli {
 
@@ -48,6 +49,8 @@ int RunEtcd(const EtcdArgs& args) {
   sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  // Private etcd directories of commands that were killed along with their reaper (#38).
+  if (args.data_dir.empty()) etcd::RemoveStalePrivateEtcdDirs(etcd::TempBase());
   EmbeddedEtcdOptions options;
   options.host = args.host;
   options.client_port = static_cast<uint16_t>(args.port);

@@ -15,6 +15,7 @@
 #include "common/net.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
+#include "etcd/private_dirs.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "security/job_secret.h"
@@ -66,6 +67,8 @@ int RunAgent(const RunArgs& args) {
   ::pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
+  // Private etcd directories of commands that were killed along with their reaper (#38).
+  etcd::RemoveStalePrivateEtcdDirs(etcd::TempBase());
   std::unique_ptr<EmbeddedEtcd> embedded;
   std::vector<std::string> endpoints = flags.etcd_endpoints;
   if (plan->embedded_etcd) {

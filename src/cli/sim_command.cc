@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
+#include "etcd/private_dirs.h"
 #include "rendezvous/sim.h"
 
 namespace efdl::cli {
@@ -49,6 +50,8 @@ int RunSim(const SimArgs& args) {
   if (args.ttl_s < 1) return Fail(2, "--ttl must be at least 1 second");
   if (args.liveness_ms < 10) return Fail(2, "--liveness-window-ms must be at least 10");
 
+  // Private etcd directories of commands that were killed along with their reaper (#38).
+  etcd::RemoveStalePrivateEtcdDirs(etcd::TempBase());
   std::unique_ptr<EmbeddedEtcd> embedded;
   etcd::ClientOptions client_options;
   if (args.etcd.empty()) {

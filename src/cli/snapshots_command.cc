@@ -2,7 +2,8 @@
 // persisted snapshots (<snapshot-dir>/<job>/snap-*.efdl, and rank-<N>/ for per-rank snapshots).
 // `efdl snapshots list` without --job: this host's shared-memory arenas (EFDL_SHM_DIR), with
 // size, job and owner; `efdl snapshots gc`: removes the arenas no live process holds
-// (snapshot/arena_dir.h, docs/snapshots.md "Arena lifecycle").
+// (snapshot/arena_dir.h, docs/snapshots.md "Arena lifecycle") and the data directories of private
+// etcds whose owning command died (etcd/private_dirs.h, docs/operations.md "Private etcd").
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "etcd/private_dirs.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
 #include "snapshot/parallel.h"
@@ -80,6 +82,15 @@ int RunArenas(const std::string& action, const SnapshotsArgs& a) {
   }
   auto entries = snap::ScanArenaDir(dir, snap::HolderLockHeld);
   if (action == "gc") {
+    // The private etcd directories of dead commands (#38): in TMPDIR, not the arena directory.
+    const std::string tmp = etcd::TempBase();
+    const auto etcd_dirs = etcd::RemoveStalePrivateEtcdDirs(tmp, a.dry_run);
+    uint64_t etcd_bytes = 0;
+    std::vector<std::string> etcd_paths;
+    for (const auto& d : etcd_dirs) {
+      etcd_bytes += d.bytes;
+      etcd_paths.push_back(d.path);
+    }
     auto plan = snap::PlanGc(entries, "");
     uint64_t freed = 0;
     std::vector<std::string> removed;
@@ -94,12 +105,21 @@ int RunArenas(const std::string& action, const SnapshotsArgs& a) {
     }
     if (a.json) {
       std::cout << nlohmann::json({{"removed", removed}, {"bytes", freed},
+                                   {"etcd_dirs", etcd_paths}, {"etcd_bytes", etcd_bytes},
                                    {"dry_run", a.dry_run}}).dump(2) << "\n";
     } else {
       for (const auto& p : removed) std::cout << (a.dry_run ? "would remove " : "removed ") << p << "\n";
       std::cout << fmt::format("{} {} arena(s), {} MiB, from {}; arenas a live process holds are "
                                "kept\n", a.dry_run ? "would remove" : "removed", removed.size(),
                                Mib(freed), dir);
+      for (const auto& d : etcd_dirs) {
+        std::cout << (a.dry_run ? "would remove " : "removed ") << d.path << " (" << d.why
+                  << ")\n";
+      }
+      std::cout << fmt::format("{} {} private etcd director{}, {} MiB, from {}; those of running "
+                               "commands are kept\n", a.dry_run ? "would remove" : "removed",
+                               etcd_dirs.size(), etcd_dirs.size() == 1 ? "y" : "ies",
+                               Mib(etcd_bytes), tmp);
     }
     return 0;
   }
@@ -238,7 +258,8 @@ void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner) {
         Action{"verify", "Verify every snapshot's checksums; exit 1 if any is damaged"},
         Action{"prune", "Remove all but the newest --keep snapshots"},
         Action{"gc", "Remove this host's shared-memory arenas that no live process holds "
-                     "(EFDL_SHM_DIR)"}}) {
+                     "(EFDL_SHM_DIR) and the private etcd directories of dead commands "
+                     "(TMPDIR/efdl-etcd-*)"}}) {
     auto* sub = cmd->add_subcommand(act.name, act.help);
     const std::string n = act.name;
     if (n == "gc") {

@@ -7,6 +7,12 @@
 // the owner exited, by any means - it SIGKILLs every group still listed and exits. The owner
 // removes a group once it has killed the group itself, so an orderly exit kills nothing.
 //
+// It also removes directories it is told about (AddDirectory): the private etcd's data directory
+// (efdl/embedded_etcd.h), which a SIGKILLed owner never removes. When the owner's end closes it
+// first SIGKILLs the listed groups, waits (at most kDirectoryWait) until they are gone - so no
+// process writes into a directory while it is removed - and then removes each listed directory
+// with everything in it. An orderly owner removes the directory itself and unlists it.
+//
 // The reaper's process name is "efdl-reaper" (ps -o comm). It leads its own process group and ignores SIGINT, SIGTERM, SIGHUP and SIGQUIT, so a
 // signal to the owner's group (Ctrl-C, a supervisor's kill of the group) does not take it along
 // before it did its work. It keeps no descriptor of the owner's but its end of the socket.
@@ -19,6 +25,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "common/thread_annotations.h"
 #include "efdl/status.h"
@@ -39,12 +46,20 @@ class GroupReaper {
   // use: the caller may go on without it).
   Status Add(pid_t pgid);
   Status Remove(pid_t pgid);
+  // Lists / unlists a directory (an absolute path without newlines, < 4096 characters) to remove
+  // recursively when the owner dies (symbolic links inside are removed, never followed).
+  Status AddDirectory(const std::string& path);
+  Status RemoveDirectory(const std::string& path);
+
+  // How long a dying owner's reaper waits for the killed groups before removing directories.
+  static constexpr int kDirectoryWaitMs = 3000;
 
   pid_t pid() const { return pid_; }
 
  private:
   GroupReaper(pid_t pid, int fd) : pid_(pid), fd_(fd) {}
   Status Send(char op, pid_t pgid);
+  Status SendLine(const std::string& msg);
 
   const pid_t pid_;
   const int fd_;

@@ -467,7 +467,8 @@ Result<TempDir> TempDir::Create(const std::string& prefix) {
 
 TempDir& TempDir::operator=(TempDir&& other) noexcept {
   if (this != &other) {
-    this->~TempDir();
+    // Not this->~TempDir(): that would end path_'s lifetime before it is assigned.
+    TempDir old(std::move(*this));   // removes what this held
     path_ = std::exchange(other.path_, {});
   }
   return *this;

@@ -8,10 +8,12 @@
 #include <fstream>
 #include <thread>
 
+#include "common/group_reaper.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/subprocess.h"
 #include "etcd/grpc_client.h"
+#include "etcd/private_dirs.h"
 
 namespace efdl {
 
@@ -41,9 +43,33 @@ bool LogSaysAddressInUse(const std::string& path) {
 }  // namespace
 
 struct EmbeddedEtcd::Impl {
+  // With a temporary data directory: removes it (and kills etcd) should this process die
+  // without doing it. Declared first: it outlives the directory and the process.
+  std::unique_ptr<GroupReaper> reaper;
   TempDir temp_dir;  // set when we made the data directory
   Subprocess process;
+
+  ~Impl() {
+    process = Subprocess();   // killed and reaped (a no-op after Stop)
+    if (!temp_dir.path().empty()) {
+      const std::string path = temp_dir.path();
+      { TempDir gone = std::move(temp_dir); }   // removes it
+      if (reaper) (void)reaper->RemoveDirectory(path);
+    }
+  }
 };
+
+namespace {
+
+// etcd settings of a private (temporary) etcd that keep it small. etcd 3.4 preallocates each
+// 64 MB write-ahead-log segment and the next one (123 MB at start, fixed in 3.4); these bound the
+// growth beyond that: a raft snapshot every 10000 writes (etcd's default before 3.2; 3.4's is
+// 100000, held in memory too) lets etcd release old log segments, and at most 2 released segments
+// and 2 snapshot files are kept (defaults 5 and 5). docs/operations.md, "Private etcd".
+const std::vector<std::string> kPrivateEtcdArgs = {"--snapshot-count", "10000", "--max-wals", "2",
+                                                   "--max-snapshots", "2"};
+
+}  // namespace
 
 EmbeddedEtcd::EmbeddedEtcd(EmbeddedEtcdOptions options)
     : options_(std::move(options)), impl_(std::make_unique<Impl>()) {}
@@ -70,8 +96,21 @@ Result<std::unique_ptr<EmbeddedEtcd>> EmbeddedEtcd::Start(EmbeddedEtcdOptions op
   std::unique_ptr<EmbeddedEtcd> etcd(new EmbeddedEtcd(std::move(options)));
   const EmbeddedEtcdOptions& o = etcd->options_;
   if (o.data_dir.empty()) {
-    EFDL_ASSIGN_OR_RETURN(etcd->impl_->temp_dir, TempDir::Create("efdl-etcd"));
+    // The reaper first: from the moment the directory exists it is removed however we die.
+    if (auto reaper = GroupReaper::Start(); reaper.ok()) {
+      etcd->impl_->reaper = std::move(reaper).value();
+    } else {
+      EFDL_LOG_WARN("{}: a SIGKILL of this process would leave the private etcd's directory "
+                    "behind (the next efdl run, efdl sim or efdl snapshots gc removes it)",
+                    reaper.status().message());
+    }
+    EFDL_ASSIGN_OR_RETURN(etcd->impl_->temp_dir, TempDir::Create(etcd::kPrivateDirPrefix));
     etcd->data_dir_ = etcd->impl_->temp_dir.path();
+    if (etcd->impl_->reaper) {
+      if (Status listed = etcd->impl_->reaper->AddDirectory(etcd->data_dir_); !listed.ok()) {
+        EFDL_LOG_WARN("private etcd directory: {}", listed.message());
+      }
+    }
   } else {
     std::error_code ec;
     std::filesystem::create_directories(o.data_dir, ec);
@@ -99,7 +138,16 @@ Result<std::unique_ptr<EmbeddedEtcd>> EmbeddedEtcd::Start(EmbeddedEtcdOptions op
     }
     std::filesystem::remove(etcd->log_path());  // a fresh log: errors quote this run's output
     last = etcd->Launch(o.wait_until_healthy);
-    if (last.ok()) return etcd;
+    if (last.ok()) {
+      // Written once etcd holds its database's lock: from then on a sweep that cannot see the
+      // owner process (another pid namespace) still sees the lock (etcd/private_dirs.h).
+      if (!etcd->impl_->temp_dir.path().empty()) {
+        if (Status owned = etcd::WriteOwnerFile(etcd->data_dir_); !owned.ok()) {
+          EFDL_LOG_WARN("private etcd directory: {}", owned.message());
+        }
+      }
+      return etcd;
+    }
     // Someone took a port we picked a moment ago: pick again.
     if (!auto_ports || !LogSaysAddressInUse(etcd->log_path())) break;
     EFDL_LOG_INFO("embedded etcd: port taken, retrying with other ports");
@@ -135,6 +183,9 @@ Status EmbeddedEtcd::Launch(bool wait) {
                                            options_.trusted_ca_file});
     }
   }
+  if (!impl_->temp_dir.path().empty()) {
+    spawn.argv.insert(spawn.argv.end(), kPrivateEtcdArgs.begin(), kPrivateEtcdArgs.end());
+  }
   spawn.argv.insert(spawn.argv.end(), options_.extra_args.begin(), options_.extra_args.end());
   // Debian's etcd reads ETCD_* variables too; keep the caller's from changing our setup.
   for (const char* var : {"ETCD_NAME", "ETCD_DATA_DIR", "ETCD_LISTEN_CLIENT_URLS",
@@ -146,6 +197,7 @@ Status EmbeddedEtcd::Launch(bool wait) {
   spawn.stdout_mode = SpawnOptions::Stdio::kFile;
   spawn.stdout_path = log_path();
   spawn.stderr_to_stdout = true;
+  spawn.reaper = impl_->reaper.get();   // its group is killed before the directory goes
   EFDL_ASSIGN_OR_RETURN(impl_->process, Subprocess::Spawn(spawn));
   if (!wait) return Status::OK();
   Status healthy = WaitUntilHealthy();

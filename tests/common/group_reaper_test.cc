@@ -9,12 +9,15 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 
 #include <gtest/gtest.h>
 
+#include "common/net.h"
 #include "common/subprocess.h"
 
 namespace efdl {
@@ -171,6 +174,67 @@ TEST(GroupReaperTest, ASubprocessListsItsGroupFromTheStartAndWhenMoved) {
   ::waitpid(owner, &status, 0);
   EXPECT_TRUE(GoneWithin(child, 5s)) << "the Subprocess's group was not listed";
   ::kill(-child, SIGKILL);  // only if the check failed
+}
+
+// The private etcd's directory (#38): a directory the owner listed is removed, with everything in
+// it, once the owner is SIGKILLed - after the listed group (a writer into it, without
+// PR_SET_PDEATHSIG) was killed. A symbolic link inside is removed, not followed; a directory the
+// owner unlisted again stays.
+TEST(GroupReaperTest, ListedDirectoriesGoWhenTheOwnerIsKilled) {
+  namespace fs = std::filesystem;
+  auto base = TempDir::Create("efdl-reaper-test");
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  const std::string listed = base->path() + "/listed";
+  const std::string unlisted = base->path() + "/unlisted";
+  const std::string outside = base->path() + "/outside";
+  fs::create_directories(listed + "/member-data/member/wal");
+  fs::create_directories(unlisted);
+  fs::create_directories(outside);
+  std::ofstream(listed + "/member-data/member/wal/0.wal") << "wal";
+  std::ofstream(listed + "/etcd.log") << "log";
+  std::ofstream(outside + "/keep") << "keep";
+  fs::create_directory_symlink(outside, listed + "/link");
+  int report[2];
+  ASSERT_EQ(::pipe(report), 0);
+  pid_t owner = ::fork();
+  if (owner == 0) {
+    ::close(report[0]);
+    auto reaper = GroupReaper::Start();
+    if (!reaper.ok()) ::_exit(2);
+    SpawnOptions o;   // writes into the listed directory until killed
+    o.argv = {"sh", "-c", "while :; do date > \"$0/writer\"; sleep 0.01; done", listed};
+    o.die_with_parent = false;
+    o.reaper = reaper->get();
+    auto writer = Subprocess::Spawn(o);
+    if (!writer.ok()) ::_exit(3);
+    if (!(*reaper)->AddDirectory(listed).ok() || !(*reaper)->AddDirectory(unlisted).ok() ||
+        !(*reaper)->RemoveDirectory(unlisted).ok()) {
+      ::_exit(4);
+    }
+    pid_t pids[2] = {writer->pid(), (*reaper)->pid()};
+    if (::write(report[1], pids, sizeof(pids)) != sizeof(pids)) ::_exit(5);
+    while (true) ::pause();
+  }
+  ::close(report[1]);
+  pid_t pids[2] = {-1, -1};
+  ASSERT_EQ(::read(report[0], pids, sizeof(pids)), static_cast<ssize_t>(sizeof(pids)));
+  ::close(report[0]);
+  {
+    auto other = GroupReaper::Start();
+    ASSERT_TRUE(other.ok());
+    EXPECT_FALSE((*other)->AddDirectory("relative/path").ok()) << "only absolute paths";
+  }
+  std::this_thread::sleep_for(100ms);
+  ASSERT_TRUE(fs::exists(listed + "/writer"));
+  ::kill(owner, SIGKILL);
+  int status = 0;
+  ::waitpid(owner, &status, 0);
+  EXPECT_TRUE(GoneWithin(pids[0], 5s)) << "the writer outlived its owner";
+  EXPECT_TRUE(GoneWithin(pids[1], 5s)) << "the reaper did not finish";
+  EXPECT_FALSE(fs::exists(listed)) << "the listed directory outlived its killed owner";
+  EXPECT_TRUE(fs::exists(unlisted)) << "a directory unlisted again was removed";
+  EXPECT_TRUE(fs::exists(outside + "/keep")) << "the reaper followed a symbolic link";
+  ::kill(-pids[0], SIGKILL);  // only if the check failed
 }
 
 }  // namespace
