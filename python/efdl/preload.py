@@ -20,6 +20,12 @@ agent died or discarded the spare) ends the process without running anything.
 the imports once and then forks one spare per request on SOCK_FD, so a spare is ready within
 milliseconds and shares the zygote's pages. The protocol and what a fork inherits are described
 in src/agent/zygote.h, which owns them; docs/agent.md, "Pre-started workers", for users.
+
+Where the worker's interpreter cannot import efdl by itself, the agent starts the zygote (and a
+started spare) with the package's directory in front of PYTHONPATH and in EFDL_PRELOAD_PATH;
+main() takes it out of sys.path and PYTHONPATH again before anything else is imported, so the
+program sees the path its interpreter gives it (src/agent/zygote.h, "Where the zygote finds
+efdl").
 """
 
 import builtins
@@ -37,12 +43,36 @@ DEFAULT_MODULES = "torch,torch.distributed,efdl.backend.torch"
 # A worker forked from the zygote reports the installed modules its program imported in a file
 # here at its exit (src/agent/zygote.h, "Learning the program's imports").
 IMPORTS_DIR_ENV = "EFDL_IMPORTS_DIR"   # src/agent/zygote.h kImportsDirVariable
+# The package directory the agent put in front of PYTHONPATH for this process alone, when the
+# worker's interpreter cannot import efdl by itself (src/agent/zygote.h, "Where the zygote finds
+# efdl").
+PRELOAD_PATH_ENV = "EFDL_PRELOAD_PATH"   # src/agent/zygote.h kPreloadPathVariable
 _MAX_REPORTED = 5000
 # Reports are written this long after the program started, by a daemon thread (a program
 # stopped by SIGTERM at a round change never reaches its exit), and at its exit. The first
 # comes early, for the next round change; the second catches imports of a slower start-up.
 _REPORT_AFTER_S = (2.0, 30.0)
 _modules_before_program = None   # set(sys.modules) when the program started (forked spares)
+
+
+def _forget_preload_path():
+    """Takes the agent's package directory (PRELOAD_PATH_ENV) out of sys.path and PYTHONPATH
+    again. `efdl` is imported by now (`-m efdl.preload` imported the package first), and its
+    submodules are found through the package's own __path__: nothing else may come from that
+    directory, so the program - and the modules the zygote learns from it - see the path their
+    interpreter gives them."""
+    entry = os.environ.pop(PRELOAD_PATH_ENV, None)
+    if not entry:
+        return
+    for i, p in enumerate(sys.path):
+        if i > 0 and p and os.path.abspath(p) == os.path.abspath(entry):
+            del sys.path[i]
+            break
+    rest = os.environ.get("PYTHONPATH", "")
+    if rest == entry:
+        del os.environ["PYTHONPATH"]
+    elif rest.startswith(entry + os.pathsep):
+        os.environ["PYTHONPATH"] = rest[len(entry) + 1:]
 
 
 def _preload(names):
@@ -477,6 +507,7 @@ def _report_imports():
 
 
 def main():
+    _forget_preload_path()
     if sys.argv[1] == "--zygote":
         agent = os.getppid()
         spare = zygote(int(sys.argv[2]))

@@ -170,6 +170,7 @@ int Agent::RunUntilDone() {
     if (sig != 0) return Shutdown(sig);
     sig = StartAgentStore();
     if (sig != 0) return Shutdown(sig);
+    NoteNoPrestart();
   }
 
   if (Status st = rdzv_.Join(); !st.ok()) {
@@ -189,7 +190,10 @@ int Agent::RunUntilDone() {
     if (auto code = PollWorkers()) return *code;
     ServeFlushRequests();
     ServeInProcessFailures();
-    if (spares_) spares_->Maintain();
+    if (spares_) {
+      spares_->Maintain();
+      NoteNoPrestart();
+    }
     if (agent_store_) CheckAgentStore();
     if (!retiring_.empty()) RetireOldWorkers(/*wait=*/false);
     if (const auto now = std::chrono::steady_clock::now(); now >= next_orphan_reap_) {
@@ -428,10 +432,17 @@ void Agent::StartSparePool() {
     return;
   }
   spares_ = std::move(pool).value();
+  if (!spares_->enabled()) return;   // it said why
   spares_->Maintain();
   EFDL_LOG_INFO("pre-starting {} python worker(s) ({})", options_.nproc,
                 options_.prestart_requested ? "--prestart"
                                             : "default for python commands; --no-prestart: off");
+}
+
+void Agent::NoteNoPrestart() {
+  if (no_prestart_noted_ || spares_->enabled()) return;
+  rdzv_.NoteNoPrestart(spares_->off_reason());
+  no_prestart_noted_ = true;
 }
 
 int Agent::PendingSignal() const {

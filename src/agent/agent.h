@@ -142,6 +142,9 @@ class Agent {
   // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
   int Suspend(const rdzv::Event& event);
   void StartSparePool();
+  // Once the spare pool turned itself off (SparePool::off_reason): tells the rendezvous, for
+  // `efdl status` (once).
+  void NoteNoPrestart();
   // Runs the agent store in a warm spare and offers its port to the rendezvous (agent_store.h);
   // a line and no store when that fails. Returns a signal that arrived meanwhile (0: none).
   int StartAgentStore();
@@ -204,6 +207,7 @@ class Agent {
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;
   bool saw_round_ = false;  // any round (standby included) reached this node
+  bool no_prestart_noted_ = false;   // NoteNoPrestart told the rendezvous
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;
   bool peer_connect_explained_ = false;

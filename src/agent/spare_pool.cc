@@ -131,7 +131,52 @@ Result<std::unique_ptr<SparePool>> SparePool::Create(SparePoolOptions options) {
         "MODULE ...'); run with --no-prestart");
   }
   if (options.nproc < 1) return Status::InvalidArgument("spare pool: nproc must be >= 1");
-  return std::unique_ptr<SparePool>(new SparePool(std::move(options), std::move(*cmd)));
+  std::unique_ptr<SparePool> pool(new SparePool(std::move(options), std::move(*cmd)));
+  pool->FindPackage();
+  return pool;
+}
+
+void SparePool::FindPackage() {
+  const std::string& interpreter = cmd_.interpreter.front();
+  auto facts = ProbeInterpreter(cmd_.interpreter, zygote_env_, std::chrono::seconds(10));
+  if (!facts.ok()) {
+    Say(fmt::format("pre-started workers: cannot ask the worker's interpreter {} where it finds "
+                    "efdl ({}); starting them with its own path",
+                    interpreter, facts.status().message()));
+    return;
+  }
+  PackageChoice choice =
+      ChoosePackageDir(*facts, KnownPackageDirs(facts->version), interpreter, SourcePythonDir());
+  if (!choice.problem.empty()) {
+    // Said once, as a warning whether or not the user asked for spares: the node pays for it at
+    // every round change.
+    off_reason_ = std::move(choice.problem);
+    EFDL_LOG_WARN("no pre-started workers on this node: {}", off_reason_);
+    enabled_ = false;
+    for (Slot& s : slots_) s.due.reset();
+    return;
+  }
+  if (!choice.python_dir.empty()) {
+    preload_path_ = std::move(choice.python_dir);
+    EFDL_LOG_INFO("pre-started workers: the worker's interpreter {} (Python {}) cannot import "
+                  "efdl by itself; its zygote is given the package in {} (the program's own "
+                  "sys.path and PYTHONPATH stay as they are)",
+                  interpreter, facts->version, preload_path_);
+  }
+}
+
+std::map<std::string, std::string> SparePool::WithPreloadPath(
+    std::map<std::string, std::string> env) const {
+  if (preload_path_.empty()) return env;
+  std::string rest;
+  if (auto it = env.find("PYTHONPATH"); it != env.end()) {
+    rest = it->second;
+  } else if (const char* v = std::getenv("PYTHONPATH")) {
+    rest = v;
+  }
+  env["PYTHONPATH"] = rest.empty() ? preload_path_ : preload_path_ + ":" + rest;
+  env[kPreloadPathVariable] = preload_path_;
+  return env;
 }
 
 SparePool::SparePool(SparePoolOptions options, PythonCommand cmd)
@@ -177,6 +222,7 @@ void SparePool::Say(const std::string& line) const {
 
 void SparePool::Disable(const std::string& line) {
   Say(line);
+  off_reason_ = line;
   zygote_.reset();
   Clear();
   enabled_ = false;
@@ -193,7 +239,7 @@ void SparePool::ZygoteFailed(const Status& why) {
 bool SparePool::ZygoteSettled() {
   if (!options_.zygote || zygote_off_) return true;
   if (!zygote_) {
-    auto z = Zygote::Start({cmd_.interpreter, zygote_env_, options_.reaper});
+    auto z = Zygote::Start({cmd_.interpreter, WithPreloadPath(zygote_env_), options_.reaper});
     if (!z.ok()) {
       ZygoteFailed(z.status());
       return true;
@@ -365,6 +411,8 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
     ::close(ready[0]);
     return StartSpare(local_rank, slot);
   }
+  const std::map<std::string, std::string> started_with = so.env_set;
+  so.env_set = WithPreloadPath(std::move(so.env_set));
   so.argv = cmd_.interpreter;
   so.argv.insert(so.argv.end(),
                  {"-m", "efdl.preload", std::to_string(fds[0]), std::to_string(ready[1])});
@@ -385,7 +433,7 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
   slot.proc = std::move(proc).value();
   slot.message_fd = fds[1];
   slot.ready_fd = ready[0];
-  slot.started_with = so.env_set;
+  slot.started_with = started_with;
   slot.due.reset();
   EFDL_LOG_DEBUG("pre-started a worker for local rank {} (pid {})", local_rank, slot.proc->pid());
   return Status::OK();
@@ -416,8 +464,9 @@ void SparePool::Maintain() {
     }
     if (!s.due || now < *s.due || !settled) continue;
     if (Status st = StartSpare(static_cast<int>(lr), s); !st.ok()) {
-      EFDL_LOG_WARN("cannot pre-start a worker ({}); spawning workers from now on (no "
-                    "pre-started workers)", st.message());
+      off_reason_ = fmt::format("cannot pre-start a worker ({}); spawning workers from now on "
+                                "(no pre-started workers)", st.message());
+      EFDL_LOG_WARN("{}", off_reason_);
       Clear();
       enabled_ = false;
       return;

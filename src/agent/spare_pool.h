@@ -13,7 +13,11 @@
 // the imports once; a consumed spare is then replaced at once, with no refill delay, and the
 // spares share the zygote's pages. Where the zygote cannot serve (it died, refused, or a local
 // rank's start environment differs from its own), spares are started as their own interpreters
-// as described here, after one line saying why.
+// as described here, after one line saying why. Where the worker's interpreter cannot import
+// efdl by itself (a virtual environment), the zygote and the started spares are given the
+// package this agent knows, and the program still sees only its own path; where no known
+// package loads in that interpreter (another Python version), the pool starts nothing and says
+// so once, as a warning (zygote.h, "Where the zygote finds efdl").
 //
 // A spare gets a second pipe (`-m efdl.preload <fd> <ready fd>`): it writes one byte there and
 // closes it once its imports are done, so that a starting agent can join the rendezvous only
@@ -129,6 +133,8 @@ class SparePool {
   // False once a spare died on its own (the interpreter cannot import efdl.preload, ...): the
   // pool stops starting spares and every worker is spawned normally.
   bool enabled() const { return enabled_; }
+  // Once !enabled(): why the node runs without pre-started workers (one line, for `efdl status`).
+  const std::string& off_reason() const { return off_reason_; }
 
  private:
   struct Slot {
@@ -139,6 +145,12 @@ class SparePool {
     std::optional<std::chrono::steady_clock::time_point> due;  // refill at; none: no refill
   };
   explicit SparePool(SparePoolOptions options, PythonCommand cmd);
+  // Asks the worker's interpreter where it finds efdl (zygote.h, "Where the zygote finds
+  // efdl"): sets preload_path_, or turns the pool off with a warning when no package fits.
+  void FindPackage();
+  // `env` plus preload_path_ in front of PYTHONPATH and as kPreloadPathVariable: what the zygote
+  // and a started spare (never a worker) start with.
+  std::map<std::string, std::string> WithPreloadPath(std::map<std::string, std::string> env) const;
   void Discard(Slot& slot);
   // Writes the spare's one message (`program` for `round` with `env`) and hands it over.
   std::optional<Subprocess> Hand(int local_rank, Slot& slot, int64_t round,
@@ -163,6 +175,8 @@ class SparePool {
   PythonCommand cmd_;
   std::vector<Slot> slots_;
   bool enabled_ = true;
+  std::string off_reason_;                           // why !enabled_
+  std::string preload_path_;                         // the efdl package given to the zygote
   std::unique_ptr<Zygote> zygote_;
   bool zygote_ready_ = false;
   bool zygote_off_ = false;                          // failed once: spares are started

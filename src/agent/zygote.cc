@@ -7,12 +7,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -250,6 +254,155 @@ Result<Subprocess> Zygote::Fork(const std::map<std::string, std::string>& env,
   }
   return Subprocess::Adopt(pid, std::exchange(stdout_read, -1), std::exchange(stderr_read, -1),
                            options_.reaper);
+}
+
+namespace {
+
+// What ProbeInterpreter runs: one JSON line (Python 3 only; find_spec imports nothing).
+constexpr const char* kProbe =
+    "import importlib.machinery, importlib.util, json, sys\n"
+    "print(json.dumps({'version': '%d.%d' % sys.version_info[:2],\n"
+    "                  'suffixes': importlib.machinery.EXTENSION_SUFFIXES,\n"
+    "                  'efdl': importlib.util.find_spec('efdl') is not None}))\n";
+
+// The _efdl*.so files of the package in `python_dir` (file names).
+std::vector<std::string> ExtensionFiles(const std::string& python_dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(python_dir + "/efdl", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with("_efdl.") && name.ends_with(".so")) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// "3.11" for "_efdl.cpython-311-x86_64-linux-gnu.so"; "" when the name does not say.
+std::string PythonVersionOf(const std::string& extension_file) {
+  static const std::regex kTag(R"(\.cpython-(\d)(\d+)[-.])");
+  std::smatch m;
+  if (!std::regex_search(extension_file, m, kTag)) return "";
+  return m[1].str() + "." + m[2].str();
+}
+
+bool HoldsPackage(const std::string& dir) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(dir + "/efdl/preload.py", ec);
+}
+
+}  // namespace
+
+Result<InterpreterFacts> ProbeInterpreter(const std::vector<std::string>& interpreter,
+                                          const std::map<std::string, std::string>& env_set,
+                                          std::chrono::milliseconds timeout) {
+  SpawnOptions so;
+  so.argv = interpreter;
+  so.argv.insert(so.argv.end(), {"-c", kProbe});
+  so.env_set = env_set;
+  so.stdout_mode = SpawnOptions::Stdio::kPipe;
+  so.stderr_mode = SpawnOptions::Stdio::kPipe;
+  auto proc = Subprocess::Spawn(so);
+  if (!proc.ok()) return proc.status();
+  const std::optional<int> st = proc->WaitFor(timeout);
+  if (!st) {
+    (void)proc->Stop(std::chrono::milliseconds(0));
+    return Status::DeadlineExceeded(
+        fmt::format("it did not answer within {} ms", timeout.count()));
+  }
+  const std::string out = ReadAvailable(proc->stdout_fd(), 1 << 16);
+  auto j = nlohmann::json::parse(out, nullptr, false);
+  if (!WaitStatusSuccess(*st) || !j.is_object() || !j.contains("version") ||
+      !j["version"].is_string() || !j.contains("suffixes") || !j["suffixes"].is_array() ||
+      !j.contains("efdl") || !j["efdl"].is_boolean()) {
+    std::string err = ReadAvailable(proc->stderr_fd(), 1 << 16);
+    while (!err.empty() && err.back() == '\n') err.pop_back();
+    if (size_t nl = err.rfind('\n'); nl != std::string::npos) err.erase(0, nl + 1);
+    return Status::Unavailable(fmt::format("it {}{}{}", DescribeWaitStatus(*st),
+                                           err.empty() ? "" : ": ", err));
+  }
+  InterpreterFacts facts;
+  facts.version = j["version"].get<std::string>();
+  for (const auto& s : j["suffixes"]) {
+    if (s.is_string()) facts.extension_suffixes.push_back(s.get<std::string>());
+  }
+  facts.finds_efdl = j["efdl"].get<bool>();
+  return facts;
+}
+
+std::string SourcePythonDir() {
+#ifdef EFDL_SOURCE_PYTHON_DIR
+  return HoldsPackage(EFDL_SOURCE_PYTHON_DIR) ? EFDL_SOURCE_PYTHON_DIR : "";
+#else
+  return "";
+#endif
+}
+
+std::vector<std::string> KnownPackageDirs(const std::string& version) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec && !version.empty()) {
+    const auto prefix = exe.parent_path().parent_path();   // <prefix>/bin/efdl
+    for (const char* kind : {"dist-packages", "site-packages"}) {
+      const std::string dir = (prefix / "lib" / ("python" + version) / kind).string();
+      if (HoldsPackage(dir)) out.push_back(dir);
+    }
+  }
+  if (std::string src = SourcePythonDir(); !src.empty() &&
+      std::find(out.begin(), out.end(), src) == out.end()) {
+    out.push_back(std::move(src));
+  }
+  return out;
+}
+
+PackageChoice ChoosePackageDir(const InterpreterFacts& facts,
+                               const std::vector<std::string>& known_dirs,
+                               const std::string& interpreter,
+                               const std::string& source_python_dir) {
+  if (facts.finds_efdl) return {};
+  std::vector<std::string> built;   // what the known packages were built for
+  for (const std::string& dir : known_dirs) {
+    const auto files = ExtensionFiles(dir);
+    for (const std::string& f : files) {
+      for (const std::string& suffix : facts.extension_suffixes) {
+        if (f == "_efdl" + suffix) return {dir, ""};
+      }
+    }
+    built.push_back(files.empty() ? dir + " (without its compiled part _efdl*.so: not built)"
+                                  : fmt::format("{} ({})", dir, fmt::join(files, ", ")));
+  }
+  const std::string install =
+      source_python_dir.empty()
+          ? fmt::format("`{} scripts/install-python-package.py python` in EFDL's repository",
+                        interpreter)
+          : fmt::format("`{} {} {}`", interpreter,
+                        (std::filesystem::path(source_python_dir).parent_path() / "scripts" /
+                         "install-python-package.py").string(),
+                        source_python_dir);
+  const std::string cost =
+      "every round change starts its workers cold, typically 4-5x slower per event "
+      "(docs/troubleshooting.md)";
+  if (built.empty()) {
+    return {"", fmt::format("the worker's interpreter {} (Python {}) cannot import efdl and this "
+                            "agent knows no efdl package to give it: {}; fix: install efdl into "
+                            "that interpreter: {}",
+                            interpreter, facts.version, cost, install)};
+  }
+  std::string wanted;   // the Python version the known packages load in, if they say
+  for (const std::string& dir : known_dirs) {
+    for (const std::string& f : ExtensionFiles(dir)) {
+      if (wanted.empty()) wanted = PythonVersionOf(f);
+    }
+  }
+  return {"", fmt::format(
+                  "the worker's interpreter {} (Python {}) cannot import efdl, and the efdl "
+                  "package this agent knows does not load there ({}): {}; fix: run the workers "
+                  "with {} (a virtual environment made from it needs nothing more), or install "
+                  "efdl into that interpreter: {} (efdl.State there also needs the extension "
+                  "built for Python {}: cmake -DPython3_EXECUTABLE={})",
+                  interpreter, facts.version, fmt::join(built, "; "), cost,
+                  wanted.empty() ? "the Python version it was built for" : "Python " + wanted,
+                  install, facts.version, interpreter)};
 }
 
 int ReapAdoptedOrphans() {

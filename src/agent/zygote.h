@@ -93,6 +93,54 @@ inline bool IsImportReportName(std::string_view name, bool or_partial = false) {
          (name.ends_with(".json") || (or_partial && name.ends_with(".json.tmp")));
 }
 
+// WHERE THE ZYGOTE FINDS EFDL. The zygote and the spares run `-m efdl.preload` with the worker's
+// interpreter, which may not import efdl by itself (a torchrun program in a virtual or conda
+// environment; `make install` not run). Before its first zygote the SparePool asks that
+// interpreter (ProbeInterpreter) and, where it cannot import efdl, gives the zygote and the
+// spares it starts - never a spawned worker - the directory of a package this agent knows
+// (KnownPackageDirs) whose compiled part that interpreter loads (ChoosePackageDir): in front of
+// PYTHONPATH, and named in kPreloadPathVariable. preload.py takes that entry out of sys.path and
+// PYTHONPATH as soon as `efdl` is imported, before any other import: the program's sys.path is
+// the one its interpreter gives it (the efdl modules already imported stay importable through
+// the package's own path). Where no known package loads there (another Python version or ABI),
+// the pool starts no spares and says so once (ChoosePackageDir's problem: the cost and the fix).
+inline constexpr const char* kPreloadPathVariable = "EFDL_PRELOAD_PATH";
+
+// What the worker's interpreter says about itself (ProbeInterpreter).
+struct InterpreterFacts {
+  std::string version;                           // "3.11": sys.version_info
+  std::vector<std::string> extension_suffixes;   // importlib.machinery.EXTENSION_SUFFIXES
+  bool finds_efdl = false;                       // efdl is on its own path
+};
+// Runs `interpreter -c PROBE` with `env_set` added to this process's environment (what the
+// zygote would start with), in this process's working directory. Fails when it does not answer
+// within `timeout` or says nothing readable (not a Python 3 interpreter).
+Result<InterpreterFacts> ProbeInterpreter(const std::vector<std::string>& interpreter,
+                                          const std::map<std::string, std::string>& env_set,
+                                          std::chrono::milliseconds timeout);
+
+// The directories holding an efdl package (efdl/preload.py) that this agent knows, the first to
+// be preferred: the one `make install` wrote next to this executable
+// (<prefix>/lib/python<version>/{dist,site}-packages for <prefix>/bin/efdl) and the source tree's
+// python/ directory this executable was built from (where the build puts _efdl*.so).
+std::vector<std::string> KnownPackageDirs(const std::string& version);
+
+struct PackageChoice {
+  std::string python_dir;   // the directory to give the zygote; "": none needed, or none fits
+  std::string problem;      // non-empty: none fits; why, what it costs and the fix, one line
+};
+// The decision on the probe's facts (pure; `known_dirs` as KnownPackageDirs returns them,
+// `interpreter` the worker command's interpreter, for the messages): nothing when the
+// interpreter finds efdl itself; else the first known directory with an _efdl*.so whose suffix
+// the interpreter loads; else the problem. `source_python_dir` ("": not known) is where the fix
+// command builds from.
+PackageChoice ChoosePackageDir(const InterpreterFacts& facts,
+                               const std::vector<std::string>& known_dirs,
+                               const std::string& interpreter,
+                               const std::string& source_python_dir);
+// The python/ directory of the source tree this executable was built from ("" when it is gone).
+std::string SourcePythonDir();
+
 class Zygote {
  public:
   // Starts the zygote; does not wait for its imports (Ready). FailedPrecondition when this

@@ -78,6 +78,10 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
     return registration_.MayPublish(committed_at);
   }
   void OfferAgentStore(uint16_t port) override { agent_store_port_.store(port); }
+  void NoteNoPrestart(const std::string& why) override {
+    MutexLock lock(note_mu_);
+    no_prestart_ = why;
+  }
 
  private:
   // --- plumbing ---
@@ -171,6 +175,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   int64_t fenced_round_ = 0;
   int restarts_ = 0;
   std::atomic<uint16_t> agent_store_port_{0};   // OfferAgentStore (set by the agent's thread)
+  Mutex note_mu_;
+  std::string no_prestart_ EFDL_GUARDED_BY(note_mu_);   // NoteNoPrestart (the agent's thread)
   bool finished_ = false;               // complete, failed or left: no more protocol work
   std::optional<TimePoint> unplaced_since_;
   std::optional<TimePoint> rejoin_at_;

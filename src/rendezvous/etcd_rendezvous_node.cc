@@ -225,6 +225,10 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
   ack.round = round;
   ack.state = state;
   ack.restarts = restarts_;
+  {
+    MutexLock lock(note_mu_);
+    ack.no_prestart = no_prestart_;
+  }
   if (state == AckState::kAck) {
     if (const uint16_t store = agent_store_port_.load(); store != 0) {
       ack.port = store;

@@ -78,6 +78,7 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
     it->second.last_report = AckStateName(rec->state);
     it->second.last_report_round = rec->round;
     it->second.restarts = rec->restarts;
+    it->second.no_prestart = rec->no_prestart;
   }
   if (!snap->gets[1].kvs.empty()) {
     // The status record is informational: a damaged one leaves the lists it would have filled
@@ -116,7 +117,8 @@ json NodeJson(const NodeStatus& n) {
   return {{"id", n.id},         {"addr", n.addr},
           {"nproc", n.nproc},   {"node_rank", n.node_rank},
           {"state", n.state},   {"last_report", n.last_report},
-          {"last_report_round", n.last_report_round}, {"restarts", n.restarts}};
+          {"last_report_round", n.last_report_round}, {"restarts", n.restarts},
+          {"no_prestart", n.no_prestart}};
 }
 }  // namespace
 
@@ -175,6 +177,13 @@ std::string JobStatus::ToText() const {
                              ? "-"
                              : fmt::format("{} r{}", n.last_report, n.last_report_round),
                          n.restarts);
+    }
+  }
+  for (const auto* list : {&members, &standbys, &waiting}) {
+    for (const auto& n : *list) {
+      if (n.no_prestart.empty()) continue;
+      out += fmt::format("  {} runs WITHOUT PRE-STARTED WORKERS (each round starts its workers "
+                         "cold): {}\n", n.id, n.no_prestart);
     }
   }
   for (const auto& [node, g] : gave_up) {

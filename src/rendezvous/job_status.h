@@ -24,6 +24,8 @@ struct NodeStatus {
   std::string last_report;     // the node's latest report: ack, done, failed, leaving (or "")
   int64_t last_report_round = 0;
   int restarts = 0;            // worker failures this node reported
+  // Why the node runs without pre-started workers, from its latest report ("": it has them).
+  std::string no_prestart;
 };
 
 struct JobEvent {

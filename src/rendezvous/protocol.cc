@@ -300,6 +300,7 @@ std::string AckRecord::Encode() const {
   if (horovod_port != 0) j["hp"] = horovod_port;
   if (agent_store) j["as"] = true;
   if (restarts != 0) j["rs"] = restarts;
+  if (!no_prestart.empty()) j["np"] = no_prestart;
   return j.dump();
 }
 
@@ -308,7 +309,7 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
     std::string st;
     if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
           Field(j, "hp", a.horovod_port) && Field(j, "as", a.agent_store) &&
-          Field(j, "rs", a.restarts))) {
+          Field(j, "rs", a.restarts) && Field(j, "np", a.no_prestart))) {
       return false;
     }
     for (int i = 0; i < 4; ++i) {

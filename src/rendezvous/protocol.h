@@ -155,6 +155,9 @@ struct AckRecord {
   // kAck, "as": `port` is this node's agent store (a TCPStore server its agent keeps for its
   // whole life, src/agent/agent_store.h), not a free port.
   bool agent_store = false;
+  // "np": why this node runs without pre-started workers, every round change starting its
+  // workers cold ("": it has them, or it runs with --no-prestart, or it is an older agent).
+  std::string no_prestart{};
   std::string Encode() const;
   static Result<AckRecord> Decode(const std::string& text);
 };

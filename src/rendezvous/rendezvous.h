@@ -127,6 +127,9 @@ class Rendezvous {
   // as long as the agent (0: none; offer a free port per round, which rank 0's worker binds).
   // Thread-safe. Doubles need not override it.
   virtual void OfferAgentStore(uint16_t port) { (void)port; }
+  // From the next ack on, tells `efdl status` that this node runs without pre-started workers
+  // and why (one line; src/agent/spare_pool.h). Thread-safe. Doubles need not override it.
+  virtual void NoteNoPrestart(const std::string& why) { (void)why; }
   // This node leaves the job for good because its workers kept failing: records `reason` and
   // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
   // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.

@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -33,7 +35,7 @@ constexpr const char* kProbe = R"(import json, os, signal, sys, time
 import helper
 m = sys.modules["__main__"]
 print(json.dumps({
-    "argv": sys.argv, "file": __file__, "path0": sys.path[0], "name": __name__,
+    "argv": sys.argv, "file": __file__, "path": sys.path, "name": __name__,
     "spec": repr(__spec__), "package": __package__, "cached": __cached__,
     "loader": type(__loader__).__name__, "cwd": os.getcwd(), "helper": helper.VALUE,
     "main_is_module": m.__dict__ is globals(), "unbuffered": sys.stdout.write_through,
@@ -90,7 +92,7 @@ class SparePoolTest : public ::testing::TestWithParam<bool> {
   }
 
   std::vector<std::string> Command(const std::string& mode) {
-    return {EFDL_PYTHON, "-u", dir_.path() + "/probe.py", mode};
+    return {python_, "-u", dir_.path() + "/probe.py", mode};
   }
 
   // The pool of a case: the probe in `mode`, no imports, no refill delay, this case's mode.
@@ -173,8 +175,22 @@ class SparePoolTest : public ::testing::TestWithParam<bool> {
     }, 60s);
   }
 
+  // A virtual environment of EFDL_PYTHON without its site-packages (so without an efdl that
+  // `make install` put there), made in dir_; its interpreter runs the probe from then on, and
+  // nothing on PYTHONPATH holds efdl. "" when it cannot be made.
+  std::string UseVenvWithoutEfdl() {
+    const std::string venv = dir_.path() + "/venv";
+    const std::string cmd = fmt::format("{} -m venv --without-pip {} >/dev/null 2>&1",
+                                        EFDL_PYTHON, venv);
+    if (std::system(cmd.c_str()) != 0) return "";
+    python_ = venv + "/bin/python3";
+    env_["PYTHONPATH"] = dir_.path();   // helper.py only
+    return python_;
+  }
+
   TempDir dir_;
   std::map<std::string, std::string> env_;
+  std::string python_ = EFDL_PYTHON;
 };
 
 std::string ModeName(const ::testing::TestParamInfo<bool>& info) {
@@ -232,6 +248,29 @@ TEST_P(SparePoolTest, ActivatedSpareSeesExactlyWhatASpawnedWorkerSees) {
   EXPECT_NE(spare.out.find("\"unbuffered\": true"), std::string::npos) << spare.out;
   EXPECT_TRUE(WIFEXITED(spare.status) && WEXITSTATUS(spare.status) == 7) << spare.status;
   EXPECT_EQ(spare.status, spawned.status);
+}
+
+// A worker interpreter that cannot import efdl (a torchrun program's virtual environment): the
+// zygote and started spares are given the package of the source tree (issue #39), and the
+// program still sees exactly the sys.path and environment of a spawned worker: the package's
+// directory is neither on its sys.path nor in its PYTHONPATH.
+TEST_P(SparePoolTest, AnInterpreterWithoutEfdlGetsSparesThatKeepItsOwnPath) {
+  ASSERT_FALSE(UseVenvWithoutEfdl().empty());
+  auto facts = ProbeInterpreter({python_}, {{"PYTHONPATH", env_["PYTHONPATH"]}}, 30s);
+  ASSERT_TRUE(facts.ok()) << facts.status().ToString();
+  ASSERT_FALSE(facts->finds_efdl);
+  Run spawned = RunProbe("exit", nullptr);
+  auto pool = Pool("exit");
+  ASSERT_TRUE(pool);
+  ASSERT_TRUE(HasSpares(*pool, 1));
+  ASSERT_TRUE(pool->enabled()) << pool->off_reason();
+  Run spare = RunProbe("exit", pool.get());
+  ASSERT_FALSE(spawned.out.empty());
+  EXPECT_EQ(spare.out, spawned.out);
+  const std::string source_python = std::string(EFDL_SOURCE_DIR) + "/python";
+  EXPECT_EQ(spare.out.find(source_python), std::string::npos) << spare.out;
+  EXPECT_EQ(spare.out.find(kPreloadPathVariable), std::string::npos) << spare.out;
+  EXPECT_TRUE(WIFEXITED(spare.status) && WEXITSTATUS(spare.status) == 7) << spare.status;
 }
 
 TEST_P(SparePoolTest, UncaughtExceptionPrintsTheNormalTracebackAndExitsOne) {
@@ -607,6 +646,73 @@ TEST_P(SparePoolTest, AReportedImportThatInitialisesCudaEndsTheLearning) {
       << log;
   EXPECT_NE(log.find("no more learning of the program's imports"), std::string::npos) << log;
   EXPECT_TRUE(pool->enabled());
+}
+
+// An interpreter of another Python version than the known package's compiled part: no spares
+// at all, and one reason that names the cost and the fix.
+TEST(ChoosePackageDir, DecidesOnTheInterpretersVersionAndExtensionSuffixes) {
+  auto tmp = TempDir::Create("efdl-package-choice");
+  ASSERT_TRUE(tmp.ok());
+  auto package = [&](const std::string& name, const std::vector<std::string>& extensions) {
+    const std::string dir = tmp->path() + "/" + name;
+    std::filesystem::create_directories(dir + "/efdl");
+    std::ofstream(dir + "/efdl/preload.py") << "";
+    for (const auto& e : extensions) std::ofstream(dir + "/efdl/" + e) << "";
+    return dir;
+  };
+  const std::string py311 = package("a", {"_efdl.cpython-311-x86_64-linux-gnu.so"});
+  const std::string py312 = package("b", {"_efdl.cpython-312-x86_64-linux-gnu.so"});
+  const std::string bare = package("c", {});
+  InterpreterFacts f311{"3.11", {".cpython-311-x86_64-linux-gnu.so", ".abi3.so", ".so"}, false};
+  InterpreterFacts f312{"3.12", {".cpython-312-x86_64-linux-gnu.so", ".abi3.so", ".so"}, false};
+
+  // It imports efdl itself: nothing to give.
+  InterpreterFacts own = f312;
+  own.finds_efdl = true;
+  EXPECT_EQ(ChoosePackageDir(own, {py311}, "py", "").python_dir, "");
+  EXPECT_EQ(ChoosePackageDir(own, {py311}, "py", "").problem, "");
+  // The first known package it loads.
+  EXPECT_EQ(ChoosePackageDir(f311, {bare, py311, py312}, "py", "").python_dir, py311);
+  EXPECT_EQ(ChoosePackageDir(f312, {py311, py312}, "py", "").python_dir, py312);
+  EXPECT_EQ(ChoosePackageDir(f312, {py312}, "py", "").problem, "");
+
+  // Another version: the problem names both versions, the cost and the install command.
+  PackageChoice c = ChoosePackageDir(f312, {py311}, "/venv/bin/python3", "/src/python");
+  EXPECT_EQ(c.python_dir, "");
+  for (const char* part : {"/venv/bin/python3 (Python 3.12) cannot import efdl", py311.c_str(),
+                           "_efdl.cpython-311-x86_64-linux-gnu.so", "4-5x slower",
+                           "run the workers with Python 3.11",
+                           "`/venv/bin/python3 /src/scripts/install-python-package.py "
+                           "/src/python`"}) {
+    EXPECT_NE(c.problem.find(part), std::string::npos) << part << " not in: " << c.problem;
+  }
+  // A package without its compiled part is not taken either.
+  c = ChoosePackageDir(f311, {bare}, "py", "");
+  EXPECT_EQ(c.python_dir, "");
+  EXPECT_NE(c.problem.find("without its compiled part"), std::string::npos) << c.problem;
+  // None known: the fix is installing it.
+  c = ChoosePackageDir(f311, {}, "py", "");
+  EXPECT_NE(c.problem.find("knows no efdl package"), std::string::npos) << c.problem;
+  EXPECT_NE(c.problem.find("`py scripts/install-python-package.py python`"), std::string::npos)
+      << c.problem;
+}
+
+// The probe asks the interpreter itself; a program that is no Python 3 interpreter fails it.
+TEST(ProbeInterpreter, ReportsTheVersionSuffixesAndWhetherEfdlIsFound) {
+  auto facts = ProbeInterpreter({EFDL_PYTHON}, {{"PYTHONPATH", std::string(EFDL_SOURCE_DIR) +
+                                                                   "/python"}}, 30s);
+  ASSERT_TRUE(facts.ok()) << facts.status().ToString();
+  EXPECT_TRUE(facts->finds_efdl);
+  const std::string tag = "cpython-" + std::string(facts->version).erase(1, 1);   // 3.11 -> 311
+  EXPECT_TRUE(std::any_of(facts->extension_suffixes.begin(), facts->extension_suffixes.end(),
+                          [&](const std::string& s) { return s.find(tag) != std::string::npos; }))
+      << facts->version;
+  // The build put the extension for this very interpreter into the source tree.
+  EXPECT_EQ(ChoosePackageDir({facts->version, facts->extension_suffixes, false},
+                             KnownPackageDirs(facts->version), "py", SourcePythonDir())
+                .python_dir,
+            SourcePythonDir());
+  EXPECT_FALSE(ProbeInterpreter({"/bin/false"}, {}, 30s).ok());
 }
 
 TEST(ReapAdoptedOrphans, ReapsAdoptedZombiesAndLeavesGroupLeadersToTheirOwner) {
