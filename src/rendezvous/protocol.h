@@ -49,7 +49,24 @@
 //   - up to 3 deputies named in P round (the oldest other nodes) watch the coordinator's node
 //     key; when it is deleted, deputy j waits j x 250 ms, and, if P round still names the dead
 //     coordinator, takes over by CAS (no herd: N-4 nodes never wake up for it);
-//   - a joining node that finds P round's coordinator key missing takes over by CAS.
+//   - a joining node that finds P round's coordinator key missing takes over by CAS;
+//   - every node that runs no place of an active round (all nodes while the job gathers or a
+//     round is proposed; newcomers and standbys of an active round) follows the coordinator too,
+//     after the deputies plus a random spread (node_rules.h WhomToFollow), so a whole job that
+//     died within its TTL is taken over by the nodes that replace it;
+//   - a node that finds a proposal decided without it (it skipped the proposed record) sends a
+//     late ack, taken as a join (node_rules.h AnnouncesLate).
+//
+// INVARIANTS (checked over every explored interleaving of small jobs by
+// tests/rendezvous/interleaving_checker_test.cc; the model and what it abstracts: docs/scale.md):
+//   - safety: in every round, the members that started hold distinct node ranks, disjoint rank
+//     ranges and that round's assignment; no node starts a round older than the round record it
+//     holds; no node's started or acked round, and not P round's number, ever goes back;
+//   - liveness: once faults stop, if at least MIN live nodes stay registered, a round forms in
+//     which every live node has a place (member, or standby at MAX).
+// RECOVERY BOUND: a dead coordinator is replaced at most TTL (its lease, from its last renewal)
+// + (3 + 4) x takeover_step after it died, by whichever live node remains; the round then forms
+// within the liveness window (doubled, up to 8x, for each node left out and back).
 //
 // STABLE RANKS. Members of the previous round keep their relative order; new members go after
 // them in join order (create_revision); at most MAX members, the rest are standbys.

@@ -68,15 +68,41 @@ class CuttableClient final : public etcd::Client {
   Result<std::unique_ptr<etcd::Watch>> StartWatch(const std::string& k, const etcd::WatchOptions& o,
                                                   etcd::WatchCallback cb) override {
     if (*cut_) return Down();
-    return inner_.StartWatch(k, o, [cut = cut_, cb](const etcd::WatchUpdate& u) {
-      if (!*cut) cb(u);
+    const bool round_key = k.ends_with("/round");
+    return inner_.StartWatch(k, o, [cut = cut_, held = held_, round_key, cb](const etcd::WatchUpdate& u) {
+      if (*cut) return;
+      if (round_key) {
+        std::lock_guard<std::mutex> lock(held->mu);
+        if (held->on) {
+          held->updates.push_back({cb, u});
+          return;
+        }
+      }
+      cb(u);
     });
+  }
+  // Delays the updates of the node's round-record watch (a slow watch) until HoldRoundWatch(false),
+  // which delivers them in order.
+  void HoldRoundWatch(bool on) {
+    std::vector<std::pair<etcd::WatchCallback, etcd::WatchUpdate>> late;
+    {
+      std::lock_guard<std::mutex> lock(held_->mu);
+      held_->on = on;
+      if (!on) late.swap(held_->updates);
+    }
+    for (auto& [cb, u] : late) cb(u);
   }
 
  private:
+  struct Held {
+    std::mutex mu;
+    bool on = false;
+    std::vector<std::pair<etcd::WatchCallback, etcd::WatchUpdate>> updates;
+  };
   static Status Down() { return Status::Unavailable("test: node cut off"); }
   etcd::Client& inner_;
   std::shared_ptr<std::atomic<bool>> cut_;
+  std::shared_ptr<Held> held_ = std::make_shared<Held>();
 };
 
 RendezvousOptions Opts(const std::string& node, int min, int max) {
@@ -368,6 +394,38 @@ TEST(RendezvousTest, NewcomersTakeOverWhenTheWholeRoundDiedBeforeItsLeasesExpire
   EXPECT_EQ(ec->assignment.world_size, 2);
   EXPECT_EQ(ec->assignment.node_rank + ed->assignment.node_rank, 1);
   EXPECT_EQ(LeaseOf(db, "a"), 0);
+}
+
+TEST(RendezvousTest, ANodeWhoseTakeoverFindsAProposalDecidedWithoutItAnnouncesItself) {
+  // Found by the interleaving checker (issue #30, schedule 89): c's round watch is slow; the
+  // coordinator dies; b takes over and forms round 2 without c (c never saw the proposal); c's own
+  // takeover attempt then reads the formed round. Without a late ack the coordinator never heard
+  // of c again and c waited outside the job until its join timeout.
+  MemoryEtcd db;
+  auto oa = Opts("a", 1, 1);
+  oa.ttl = 1s;
+  auto a = Start(db, oa);
+  ASSERT_TRUE(a->Started());
+  auto b = Start(db, Opts("b", 1, 1));
+  auto oc = Opts("c", 1, 1);
+  oc.takeover_step = 1s;   // c acts after b: at least 3 s after a's key is gone
+  auto c = Start(db, oc);
+  auto sb = b->Started();
+  auto sc = c->Started();
+  ASSERT_TRUE(sb && sc);
+  ASSERT_TRUE(sb->assignment.standby && sc->assignment.standby);
+  c->client.HoldRoundWatch(true);
+  a->client.Cut();
+  db.PauseKeepAlive(LeaseOf(db, "a"), true);
+  auto b2 = b->Started(8s);
+  ASSERT_TRUE(b2);
+  EXPECT_FALSE(b2->assignment.standby);
+  auto c2 = c->Started(10s);
+  c->client.HoldRoundWatch(false);   // the slow watch's events arrive after all
+  if (!c2) c2 = c->Started(3s);
+  ASSERT_TRUE(c2) << "c never got a place in the round formed without it";
+  EXPECT_EQ(c2->round, b2->round);
+  EXPECT_TRUE(c2->assignment.standby);
 }
 
 TEST(RendezvousTest, BelowMinFailsAfterJoinTimeoutWithClearMessage) {
