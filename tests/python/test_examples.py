@@ -90,12 +90,13 @@ def alive(pid):
 
 
 def demo_leftovers():
-    """What a demo may leave in this machine's temporary directories: its own directories and
-    those of its agents (efdl-agent-*, which a SIGKILLed agent does not remove)."""
+    """What a demo may leave in this machine's temporary directories: its own directories, those
+    of its agents (efdl-agent-*, which a SIGKILLed agent does not remove) and private etcds'
+    data directories (efdl-etcd-*, #38)."""
     names = []
     for d in ("/tmp", "/dev/shm"):
         names += [os.path.join(d, n) for n in os.listdir(d)
-                  if n.startswith(("efdl-demo-", "efdl-agent-"))]
+                  if n.startswith(("efdl-demo-", "efdl-agent-", "efdl-etcd-"))]
     return set(names)
 
 
