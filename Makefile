@@ -38,7 +38,11 @@ test-faults: build
 test: test-cpp test-python test-faults
 
 SOAK_SECONDS ?= 1800
+# The rendezvous interleaving checker over 1,000,000 random schedules (about 5 min; make test runs
+# 40,000), then the fault-injection soak.
+SOAK_SCHEDULES ?= 1000000
 soak: build
+	EFDL_CHECKER_SCHEDULES=$(SOAK_SCHEDULES) $(BUILD_DIR)/tests/rendezvous/rendezvous_interleaving_test
 	$(PYTHON) tests/faults/soak.py --duration $(SOAK_SECONDS)
 
 demo: build
