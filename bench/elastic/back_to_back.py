@@ -15,7 +15,10 @@ Programs:
          torch.save every 20 steps; no efdl import)
 Systems: efdl (`efdl run` defaults: spares forked from a zygote that learns the program's
 imports, the agent store), efdl-nolearn (the same with `--no-learn-imports`, not in the default
-list), efdl-spawn (`--no-prestart`), c10d (torchrun 1.13 with the c10d rendezvous, through
+list), efdl-venv (the defaults, but the worker command's interpreter is a virtual environment's
+that cannot import efdl: made with --system-site-packages, no PYTHONPATH to the package; the
+plain program only, the others import efdl; not in the default list; issue #39),
+efdl-spawn (`--no-prestart`), c10d (torchrun 1.13 with the c10d rendezvous, through
 torchrun_py311.py). torchrun runs the demo
 program too: State then works standalone on each rank, as under any launcher.
 
@@ -28,7 +31,7 @@ Per event, from rank 0's step lines (whichever node holds rank 0; the time a lin
            sample counter goes back), 0 when nothing is repeated
 
 Usage: /usr/bin/python3 bench/elastic/back_to_back.py [--programs demo,elastic,plain]
-       [--systems efdl,efdl-nolearn,efdl-spawn,c10d] [--gap 5] [--log-dir DIR]. Needs EFDL_BIN or ./build/efdl. About 40-80 s
+       [--systems efdl,efdl-nolearn,efdl-venv,efdl-spawn,c10d] [--gap 5] [--log-dir DIR]. Needs EFDL_BIN or ./build/efdl. About 40-80 s
 per program and system. Prints one table per program with ratios against torchrun, and the
 training time lost over the whole sequence (pauses longer than 3 median steps, from the first
 event to 1 s after training resumed at world 2 after the last).
@@ -38,6 +41,7 @@ import argparse
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -68,9 +72,33 @@ def program_argv(program, c):
             "--step-delay", "0.03", "--ckpt-dir", os.path.join(c.dir, "ckpt")]
 
 
+def venv_python(c):
+    """efdl-venv: the interpreter of a virtual environment of cluster.PYTHON (torch from its
+    site-packages) in the cluster's directory, which must not import efdl by itself."""
+    venv = os.path.join(c.dir, "venv")
+    python = os.path.join(venv, "bin", "python3")
+    if not os.path.exists(python):
+        subprocess.run([cluster.PYTHON, "-m", "venv", "--system-site-packages", "--without-pip",
+                        venv], check=True, timeout=120)
+        env = {k: v for k, v in cluster.base_env().items() if k != "PYTHONPATH"}
+        if subprocess.run([python, "-c", "import efdl"], env=env, cwd="/",
+                          capture_output=True, timeout=60).returncode == 0:
+            raise AssertionError("efdl is installed for %s (make install): a venv of it "
+                                 "imports efdl, which is not the case efdl-venv measures"
+                                 % cluster.PYTHON)
+    return python
+
+
 def start_node(c, system, program, name, store_port):
     env = cluster.base_env()
     env["PYTHONPATH"] = os.path.join(REPO, "python")
+    python = cluster.PYTHON
+    if system == "efdl-venv":
+        if program != "plain":
+            raise AssertionError("efdl-venv runs the plain program only (the others import "
+                                 "efdl)")
+        python = venv_python(c)
+        del env["PYTHONPATH"]
     if os.environ.get("EFDL_LOG_LEVEL"):   # base_env() leaves out every EFDL_ variable
         env["EFDL_LOG_LEVEL"] = os.environ["EFDL_LOG_LEVEL"]
     # A SIGKILLed agent cannot remove its socket directory: keep it inside the cluster's.
@@ -87,7 +115,7 @@ def start_node(c, system, program, name, store_port):
                 "--snapshot-dir", os.path.join(c.dir, "snapshots")]
         argv += {"efdl-spawn": ["--no-prestart"],
                  "efdl-nolearn": ["--no-learn-imports"]}.get(system, [])
-        argv += ["--", cluster.PYTHON] + prog
+        argv += ["--", python] + prog
     else:
         argv = TORCHRUN + ["--nnodes", "2:3", "--nproc_per_node", "1", "--max_restarts", "100",
                            "--rdzv_backend", "c10d", "--rdzv_endpoint",
