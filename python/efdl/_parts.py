@@ -60,6 +60,96 @@ def destinations(entries, reuse=None):
     return out, ptrs
 
 
+# -- what State refuses ------------------------------------------------------------------------
+#
+# State snapshots replicated state: every rank holds the same model and optimizer state, a commit
+# copies the tensors of model.state_dict() and of optimizer.state, and any rank's snapshot
+# restores any rank of any world size. State refuses, at State(...) and at the setters, what that
+# cannot restore correctly across a world-size change (docs/user-guide.md, "Which models and
+# optimizers State holds"), with one TypeError line:
+#  - a sharded optimizer: a ZeroRedundancyOptimizer, or any optimizer with a mark of sharding
+#    (a method of _SHARDING_METHODS: ZeRO's, fairscale's OSS);
+#  - an object that is not a torch.optim.Optimizer (State knows no other optimizer's state:
+#    DeepSpeed's ZeRO optimizers, say), or one that keeps its state in another optimizer it wraps
+#    (an attribute that is a torch.optim.Optimizer with a `state` of its own: State would
+#    snapshot only the wrapper's);
+#  - a model that is or contains an FSDP module, and a model or optimizer whose parameters are
+#    sharded tensors (_SHARDED_TENSORS: FSDP's flat parameters, DTensor, ShardedTensor).
+# Classes are recognised by name in the object's class hierarchy, not by import: torch's fsdp
+# package does not even import in some builds (Debian's 1.13 on Python 3.11), and nothing is
+# imported to check an object that cannot be one.
+
+_SHARDING_METHODS = ("consolidate_state_dict", "_partition_parameters", "partition_parameters")
+_SHARDED_MODULES = frozenset(("FullyShardedDataParallel", "FSDPModule"))
+_SHARDED_TENSORS = frozenset(("FlatParameter", "DTensor", "ShardedTensor"))
+_SUPPORTED = ("State snapshots and restores replicated state only (every rank the same, any "
+              "world size): use a torch.optim optimizer over the plain model with "
+              "DistributedDataParallel (sharded state: docs/user-guide.md, \"Which models and "
+              "optimizers State holds\")")
+
+
+def _class_named(obj, names):
+    """The name of the first class in type(obj)'s hierarchy named one of `names`, else None."""
+    for cls in type(obj).__mro__:
+        if cls.__name__ in names:
+            return cls.__name__
+    return None
+
+
+def _a(name):
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def _refused(what, why):
+    return TypeError("efdl.State cannot hold %s: %s; %s" % (what, why, _SUPPORTED))
+
+
+def check_model(model):
+    """Raises TypeError when State cannot restore `model` across a world-size change."""
+    if not isinstance(model, torch.nn.Module):
+        return   # State takes any object with a state_dict(); only a module is checked here
+    for name, module in model.named_modules():
+        cls = _class_named(module, _SHARDED_MODULES)
+        if cls is not None:
+            where = "a model wrapped in %s" % cls if not name else \
+                "a model whose submodule %r is %s" % (name, _a(cls))
+            raise _refused(where, "each rank holds only its shard of the parameters and "
+                                  "their state")
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        cls = _class_named(tensor, _SHARDED_TENSORS)
+        if cls is not None:
+            raise _refused("a model whose %r is %s" % (name, _a(cls)),
+                           "each rank holds only its shard of it")
+
+
+def check_optimizer(optimizer):
+    """Raises TypeError when State cannot restore `optimizer` across a world-size change."""
+    if optimizer is None:
+        return
+    kind = type(optimizer).__name__
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise _refused(_a(kind), "it is not a torch.optim.Optimizer, so State does not know "
+                                 "where its state is or whether ranks share it")
+    for method in _SHARDING_METHODS:
+        if callable(getattr(optimizer, method, None)):
+            raise _refused(_a(kind), "it shards the optimizer state (it has %s()): each rank "
+                                     "holds only its shard, and after a world-size change a "
+                                     "rank's old shard is not the one the new layout gives it"
+                           % method)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            cls = _class_named(p, _SHARDED_TENSORS)
+            if cls is not None:
+                raise _refused("%s over %s parameters" % (_a(kind), cls),
+                               "each rank holds only its shard of these parameters and of "
+                               "their optimizer state")
+    for attr, value in getattr(optimizer, "__dict__", {}).items():
+        if isinstance(value, torch.optim.Optimizer) and value.state is not optimizer.state:
+            raise _refused(_a(kind), "it keeps optimizer state in the %s it wraps (attribute "
+                                     "%r), which State does not snapshot"
+                           % (type(value).__name__, attr))
+
+
 class ModelPart:
     """The model (the unwrapped module, not DDP): the tensors of its state_dict(keep_vars=True)."""
 
@@ -69,6 +159,7 @@ class ModelPart:
         self.set(model)
 
     def set(self, model):
+        check_model(model)
         self.obj = model
         self.cache = None   # [("model/<key>", tensor)], made once per model: entries()
         self.split = None   # (cache it was made from, names, tensors): collect()
@@ -145,6 +236,7 @@ class OptimizerPart:
         self.set(optimizer)
 
     def set(self, optimizer):
+        check_optimizer(optimizer)
         self.obj = optimizer
         self.param_cache = None   # see param_index
 

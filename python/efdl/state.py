@@ -17,7 +17,8 @@ else from storage. See docs/snapshots.md.
 
 Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_SNAPSHOT_DIR,
 EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node, written by local rank 0,
-for data-parallel jobs where all ranks hold the same state; 1: one per rank, for sharded states),
+for data-parallel jobs where all ranks hold the same state; 1: one per rank, for states that
+differ by rank, restorable at the same world size only),
 EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS, EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is
 written at most once a second; exit, SIGTERM and graceful stops persist the newest at once),
 EFDL_AGENT_PERSISTS (1, set by `efdl run`: the node agent persists, the worker never writes
@@ -30,6 +31,10 @@ EFDL_RESTORE_OTHER_PROGRAM (1: restore a snapshot another program wrote under th
 refused by default). The arena's name comes from efdl._efdl.arena_path (EFDL_ARENA_HOLDER, set by
 `efdl run`, or "<host>.0" without an agent); a standalone program removes its arena once its
 final snapshot is persisted at exit.
+
+State holds replicated state only: a model or optimizer it cannot restore across a world-size
+change (a ZeroRedundancyOptimizer, FSDP, ...) is refused at construction and at the setters
+with one TypeError line (efdl/_parts.py, check_model and check_optimizer).
 
 Here: State's construction, commit(), flush(), the restore and the graceful stop. What varies by
 kind of value (model, optimizer, scheduler, keyword arguments) is in efdl/_parts.py, the meta
@@ -92,6 +97,10 @@ class State(_rounds.InProcessRounds):
     """Training state that survives restarts. See the module docstring."""
 
     def __init__(self, model=None, optimizer=None, scheduler=None, **kwargs):
+        # What State cannot restore across a world-size change (a sharded optimizer, FSDP) is
+        # refused before anything is opened: one TypeError line (efdl/_parts.py).
+        _parts.check_model(model)
+        _parts.check_optimizer(optimizer)
         d = self.__dict__
         # The parts (efdl/_parts.py); State's model, optimizer and scheduler are their objects.
         d["_model"] = _parts.ModelPart()
