@@ -3,7 +3,8 @@
 // It drives the real decisions - the coordinator's (coordination.h) and the node's
 // (node_rules.h) - over a model of etcd, and explores the interleavings of small jobs: nodes
 // joining, crashing (their lease ends a TTL later), restarting with new ids, leaving gracefully,
-// their workers failing; watch events delivered in any order across watches and nodes, timers
+// their workers failing, the job suspended (`efdl suspend`, its agents leaving, `efdl resume`,
+// new agents); watch events delivered in any order across watches and nodes, timers
 // firing while events are still in flight. After each step it checks safety; after the faults
 // of a schedule it runs the job fairly to quiescence and checks liveness.
 //
@@ -20,7 +21,8 @@
 //     watches). The spread of a non-deputy's takeover is chosen by the schedule;
 //   - workers are a flag: a member's workers run until its round closes; when a member crashes,
 //     the workers of the round's other members fail (their collective lost a peer), which the
-//     schedule delivers at any later point; the job never completes and is never suspended.
+//     schedule delivers at any later point; the job never completes. A suspended node stops
+//     taking part at once and leaves (releases its lease) at any later point.
 // The glue below (Apply, Register, TakeOver, the coordinator's execution) mirrors
 // etcd_rendezvous_node.cc, etcd_rendezvous.cc and coordinator.cc call for call.
 //
@@ -144,6 +146,7 @@ struct Node {
   JobView view;
   bool running = false;           // its workers of part.started_round run
   std::optional<int64_t> failure;  // its workers failed in this round: to be reported
+  bool leaving_suspended = false;  // saw the job suspended: stops its workers, then leaves
   int64_t max_started = 0, max_acked = 0;
 };
 
@@ -180,6 +183,46 @@ class World {
     n.alive = false;
     store_.Revoke(n.lease);
   }
+  // `efdl suspend` (suspend.cc MarkSuspended): CAS on P round, any phase but complete.
+  bool Suspend() {
+    const KV* r = store_.Get(keys_.round);
+    if (!r) return false;
+    const RoundRecord cur = *RoundRecord::Decode(r->value);
+    if (cur.phase == Phase::kSuspended || cur.phase == Phase::kComplete) return false;
+    RoundRecord next;
+    next.round = cur.round;
+    next.phase = Phase::kSuspended;
+    next.graceful = true;
+    store_.Apply({{false, keys_.round, next.Encode(), 0}});
+    Trace("efdl suspend (round " + std::to_string(cur.round) + ")");
+    return true;
+  }
+  // `efdl resume` (suspend.cc): once no agent is registered, gathering(r+1) without a
+  // coordinator, and the assignments and acks of the suspended job deleted.
+  bool Resume() {
+    const KV* r = store_.Get(keys_.round);
+    if (!r) return false;
+    const RoundRecord cur = *RoundRecord::Decode(r->value);
+    if (cur.phase != Phase::kSuspended) return false;
+    std::vector<Op> ops;
+    for (const auto& [k, v] : store_.kv) {
+      if (k.rfind(keys_.nodes, 0) == 0) return false;   // "agents are still stopping"
+      if (k.rfind(keys_.assign, 0) == 0 || k.rfind(keys_.ack, 0) == 0) ops.push_back({true, k, "", 0});
+    }
+    RoundRecord next;
+    next.round = cur.round + 1;
+    next.phase = Phase::kGathering;
+    next.message = "resumed";
+    ops.push_back({false, keys_.round, next.Encode(), 0});
+    store_.Apply(ops);
+    Trace("efdl resume: round " + std::to_string(next.round) + " gathering");
+    return true;
+  }
+  bool Suspended() const {
+    const KV* r = store_.Get(keys_.round);
+    return r && RoundRecord::Decode(r->value)->phase == Phase::kSuspended;
+  }
+
   void FailWorkers(int i) {   // its program failed by itself
     Trace("workers of " + nodes_[i].id + " fail");
     nodes_[i].failure = nodes_[i].part.started_round;
@@ -189,7 +232,7 @@ class World {
 
   // --- the schedule's choices
   struct Choice {
-    enum Kind { kDeliver, kReportFailure, kTimer } kind;
+    enum Kind { kDeliver, kReportFailure, kTimer, kLeaveSuspended } kind;
     size_t index = 0;
   };
   std::vector<Choice> Enabled() const {
@@ -199,6 +242,9 @@ class World {
     }
     for (size_t i = 0; i < nodes_.size(); ++i) {
       if (nodes_[i].alive && nodes_[i].failure) out.push_back({Choice::kReportFailure, i});
+      if (nodes_[i].alive && nodes_[i].leaving_suspended) {
+        out.push_back({Choice::kLeaveSuspended, i});
+      }
     }
     if (NextTimer()) out.push_back({Choice::kTimer, 0});
     return out;
@@ -214,6 +260,13 @@ class World {
       case Choice::kTimer:
         FireTimers();
         break;
+      case Choice::kLeaveSuspended: {   // its workers stopped: Leave() releases the lease
+        Node& n = nodes_[c.index];
+        Trace(n.id + " leaves the suspended job");
+        n.alive = false;
+        store_.Revoke(n.lease);
+        break;
+      }
     }
   }
   // Runs fairly (events first, timers when nothing is in flight) until nothing is left to do or
@@ -438,7 +491,7 @@ class World {
   // The driver loop's tail after each batch of inputs: due timers, then the coordinator's step.
   void Tail(int i) {
     Node& n = nodes_[i];
-    if (!n.alive) return;
+    if (!n.alive || n.leaving_suspended) return;
     if (n.takeover_at && now_ >= *n.takeover_at) {
       n.takeover_at.reset();
       TakeOver(i);
@@ -488,6 +541,12 @@ class World {
     if (const KV* r = store_.Get(keys_.round)) {
       round = *RoundRecord::Decode(r->value);
       round_rev = r->mod_rev;
+      if (round.phase == Phase::kSuspended) {   // Open refuses: the attempt leaves nothing
+        Trace("join " + n.id + " refused: the job is suspended");
+        store_.Revoke(n.lease);
+        n.alive = false;
+        return;
+      }
     } else {
       round.round = 1;
       round.phase = Phase::kGathering;
@@ -512,6 +571,18 @@ class World {
     const int64_t held_round = n.round_rev == 0 ? 0 : n.round.round;
     n.round = rec;
     n.round_rev = rev;
+    if (rec.phase == Phase::kSuspended) {   // OnSuspended: out of every round, then leave
+      CoordStop(i);
+      DropWatches(i);
+      n.followed.clear();
+      n.takeover_at.reset();
+      n.part.started_round = 0;
+      n.part.started_standby = false;
+      n.running = false;
+      n.failure.reset();
+      n.leaving_suspended = true;
+      return;
+    }
     if (ClosesStartedRound(rec, n.part)) {
       n.part.started_round = 0;
       n.part.started_standby = false;
@@ -588,7 +659,7 @@ class World {
     RoundRecord rec = *RoundRecord::Decode(r->value);
     const int64_t rev = r->mod_rev;
     if (rec.phase == Phase::kComplete || rec.coordinator == n.id) return;
-    if (store_.Get(keys_.Node(rec.coordinator))) {
+    if (rec.phase == Phase::kSuspended || store_.Get(keys_.Node(rec.coordinator))) {
       Apply(i, rec, rev);
       return;
     }
@@ -830,15 +901,17 @@ void Walk(uint64_t seed, const Config& cfg, int initial, const WalkLimits& lim,
     for (size_t i = 0; i < w.nodes().size(); ++i) {
       if (w.nodes()[i].alive) live.push_back(static_cast<int>(i));
     }
-    const int kind = static_cast<int>(rng() % 4);
-    if ((kind == 0 || live.empty()) && joined < lim.max_nodes_ever) {
+    const int kind = static_cast<int>(rng() % 9);
+    if (kind == 8) {
+      w.Suspend();
+    } else if ((kind % 4 == 0 || live.empty()) && joined < lim.max_nodes_ever) {
       w.Join();
       ++joined;
     } else if (!live.empty()) {
       const int i = live[rng() % live.size()];
-      if (kind == 1) {
+      if (kind % 4 == 1) {
         w.Crash(i);
-      } else if (kind == 2) {
+      } else if (kind % 4 == 2) {
         w.Leave(i);
       } else if (w.nodes()[i].running) {
         w.FailWorkers(i);
@@ -848,6 +921,18 @@ void Walk(uint64_t seed, const Config& cfg, int initial, const WalkLimits& lim,
     }
     last_fault = w.now();
     w.CheckSafety();
+  }
+  // A suspended job: its agents leave, then `efdl resume` and new agents.
+  if (w.Suspended()) {
+    if (!w.RunFairly(20000)) {
+      *failure = "no quiescence after a suspend within 20000 steps\n" + Dump(w);
+      return;
+    }
+    if (!w.Resume()) {
+      *failure = "the suspended job could not be resumed (an agent stayed registered)\n" + Dump(w);
+      return;
+    }
+    joined = 0;
   }
   // Top the job up to MIN with newcomers, as an orchestrator restarting pods would.
   while (w.LiveCount() < cfg.min_nodes && joined < lim.max_nodes_ever + cfg.min_nodes) {
