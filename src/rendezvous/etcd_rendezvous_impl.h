@@ -122,11 +122,11 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void TryStart();
   void SendAck(AckState state, int64_t round);
   bool CasRoundAt(const RoundRecord& rec, int64_t expect_mod_rev);   // true when we won
+  NodePart Part() const;       // this node's part, for node_rules.h
   void UpdateDeputyWatch();
   void OnCoordinatorGone(const std::string& coordinator);
   void TakeOver();
   void Fence(const std::string& why);
-  NodePart Part() const;       // this node's part, for node_rules.h
   void Fail(const std::string& message);
   void ReleaseRegistration(bool announce_leaving);
   // A coordinator that leaves names its successor and proposes the next round itself (graceful).
@@ -164,12 +164,12 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   TimePoint last_wait_notice_{};
   TimePoint next_failed_check_{};
   std::optional<TimePoint> takeover_at_;
+  Succession succession_;                       // whom this node follows (UpdateDeputyWatch)
+  std::mt19937_64 rng_{std::random_device{}()}; // the spread of a non-deputy's takeover
   RoundRecord round_;
   int64_t round_mod_rev_ = 0;
   std::optional<AssignRecord> assign_;
   int64_t acked_round_ = 0;
-  Succession succession_;                       // whom this node follows (UpdateDeputyWatch)
-  std::mt19937_64 rng_{std::random_device{}()}; // the spread of a non-deputy's takeover
   int64_t started_round_ = 0;
   bool started_standby_ = false;
   int64_t fenced_round_ = 0;

@@ -207,7 +207,9 @@ class World {
     std::vector<Op> ops;
     for (const auto& [k, v] : store_.kv) {
       if (k.rfind(keys_.nodes, 0) == 0) return false;   // "agents are still stopping"
-      if (k.rfind(keys_.assign, 0) == 0 || k.rfind(keys_.ack, 0) == 0) ops.push_back({true, k, "", 0});
+      if (k.rfind(keys_.assign, 0) == 0 || k.rfind(keys_.ack, 0) == 0) {
+        ops.push_back({true, k, "", 0});
+      }
     }
     RoundRecord next;
     next.round = cur.round + 1;
