@@ -8,8 +8,8 @@ Several nodes: start `efdl etcd` once, then on each node (any number between 1 a
 When a node joins, leaves or crashes, the workers of the other nodes keep their processes:
 commit() raises HostsUpdatedInterrupt (or a collective fails), hvd.elastic.run rebuilds the
 process group, the ranks agree on the state, the reset callback rescales the learning rate and
-train() runs again. Only the import differs from a Horovod program: `from efdl.backend.horovod.torch
-import hvd` (EFDL's Horovod layer; docs/horovod.md, "Elastic programs").
+train() runs again. Only the import differs from a Horovod program: `import efdl.backend.horovod.torch
+as hvd` (EFDL's Horovod layer; docs/horovod.md, "Elastic programs").
 """
 
 import argparse
@@ -22,7 +22,7 @@ from torch import optim
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from efdl.backend.horovod.torch import hvd  # noqa: E402
+import efdl.backend.horovod.torch as hvd  # noqa: E402
 from digits import DigitsCNN, accuracy, load_digits_datasets  # noqa: E402
 
 

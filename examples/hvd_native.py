@@ -7,7 +7,7 @@ Several nodes: start `efdl etcd` once, then on each node (any number between 1 a
         /usr/bin/python3 examples/hvd_native.py
 
 A Horovod program of the usual shape (EFDL-SPEC 3.5) where only the import changed:
-`from efdl.backend.horovod.torch import hvd` instead of `import horovod.torch as hvd`. With Horovod
+`import efdl.backend.horovod.torch as hvd` instead of `import horovod.torch as hvd`. With Horovod
 installed, `hvd` is real Horovod and meets its peers through the rendezvous the agent serves;
 without it, EFDL's Horovod-API layer over torch.distributed (docs/horovod.md).
 
@@ -28,7 +28,7 @@ from torch import optim
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from efdl.backend.horovod.torch import hvd  # noqa: E402
+import efdl.backend.horovod.torch as hvd  # noqa: E402
 from digits import DigitsCNN, accuracy, load_digits_datasets  # noqa: E402
 
 

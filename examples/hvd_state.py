@@ -8,10 +8,10 @@ Several nodes: start `efdl etcd` once, then on each node (any number between 1 a
 Kill a node, add one, or stop one with Ctrl-C: training continues from the last commit, at the
 new world size, without repeating or skipping data.
 
-The Horovod loop of the spec with two changes of import: `from efdl.backend.horovod.torch import
-hvd` and `import efdl.backend.horovod.torch as efdl` (State, data.DistributedSampler). Like
+The Horovod loop of the spec with its import changed to `import efdl.backend.horovod.torch as
+hvd` (Horovod's API plus EFDL's State, data.DistributedSampler, exact_resume). Like
 examples/train_ddp_state.py it commits (epoch+1, 0) at the end of an epoch and resumes from the
-job-wide sample count (efdl.exact_resume) instead of the spec's step recomputation.
+job-wide sample count (hvd.exact_resume) instead of the spec's step recomputation.
 """
 
 import argparse
@@ -26,8 +26,7 @@ from torch import optim
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import efdl.backend.horovod.torch as efdl  # noqa: E402
-from efdl.backend.horovod.torch import hvd  # noqa: E402
+import efdl.backend.horovod.torch as hvd  # noqa: E402
 from digits import DigitsCNN, accuracy, load_digits_datasets  # noqa: E402
 
 
@@ -58,7 +57,7 @@ def main():
     scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     # Restores model, optimizer, scheduler and the counters from the newest snapshot of the job,
     # if there is one (so epoch=0 may come back as epoch=3).
-    state = efdl.State(model, optimizer, scheduler, epoch=0, samples=0, total_samples=0,
+    state = hvd.State(model, optimizer, scheduler, epoch=0, samples=0, total_samples=0,
                        world_size=world)
     state.set_commit_interval(args.commit_interval)
     state.world_size = world
@@ -69,8 +68,8 @@ def main():
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
-    start = efdl.exact_resume(state.samples, args.batch_size, world)
-    sampler = efdl.data.DistributedSampler(train_set, epoch=state.epoch,
+    start = hvd.exact_resume(state.samples, args.batch_size, world)
+    sampler = hvd.data.DistributedSampler(train_set, epoch=state.epoch,
                                            global_start_index=start.global_start_index)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     rank0 = hvd.rank() == 0
@@ -105,7 +104,7 @@ def main():
         # The epoch is done: record the *next* epoch at sample 0, so a restart here does not
         # train this epoch again (the spec's loop commits before advancing the epoch).
         state.epoch, state.samples, state.step = epoch + 1, 0, 0
-        start = efdl.exact_resume(0, args.batch_size, world)
+        start = hvd.exact_resume(0, args.batch_size, world)
         state.commit()
         if rank0:
             print("epoch %d done: test accuracy %.4f" % (epoch, accuracy(model, test_set)),

@@ -3,7 +3,7 @@
 User code imports a backend, not this package:
 
     import efdl.backend.torch as efdl            # torch DDP
-    from efdl.backend.horovod.torch import hvd   # Horovod API
+    import efdl.backend.horovod.torch as hvd     # Horovod API
 
 Importing `efdl` itself stays cheap (no torch import); the submodules `data`, `resume` and
 `backend` load on first attribute access.

@@ -323,6 +323,68 @@ def test_real_horovod_is_chosen_only_when_it_can_join_the_job(clean_env, tmp_pat
     assert native[0] == "ImportError" and "EFDL_HOROVOD=native" in native[1]
 
 
+MODULE_IS_HVD = textwrap.dedent("""
+    import json, sys
+    import efdl.backend.horovod.torch as module
+    from efdl.backend.horovod.torch import hvd
+    names = list(hvd.__all__) + ["elastic", "HorovodInternalError", "HostsUpdatedInterrupt"]
+    differ = [n for n in names if n != "init" and getattr(module, n) is not getattr(hvd, n)]
+    elastic = [getattr(module.elastic, n) is getattr(hvd.elastic, n)
+               for n in ("run", "TorchState", "ElasticSampler")]
+    module.init()
+    print("RESULT " + json.dumps([differ, elastic, module.size(), module.rank(),
+                                  module.is_initialized(), "size" in dir(module)]))
+""")
+
+
+def test_the_module_is_the_whole_horovod_api(clean_env):
+    # `import efdl.backend.horovod.torch as hvd` (#34): every name of Horovod's API the docs list
+    # is the very object of the older `from efdl.backend.horovod.torch import hvd`.
+    proc = subprocess.run([PYTHON, "-c", MODULE_IS_HVD], env=clean_env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    differ, elastic, size, rank, initialized, listed = json.loads(
+        proc.stdout.split("RESULT ", 1)[1])
+    assert differ == [] and elastic == [True, True, True]
+    assert [size, rank, initialized, listed] == [1, 0, True, True]
+
+
+SHIM_PROGRAM = textwrap.dedent("""
+    import json
+    import horovod
+    import horovod.torch as hvd
+    import horovod.torch.elastic
+    import efdl.backend.horovod.torch as module
+    hvd.init()
+    print("RESULT " + json.dumps([hvd.__name__, hvd.size is module.size,
+                                  hvd.DistributedOptimizer is module.DistributedOptimizer,
+                                  hvd.elastic is module.elastic,
+                                  horovod.torch.elastic is module.elastic, module.NATIVE,
+                                  hvd.size(), horovod.__version__]))
+""")
+
+
+def test_the_horovod_stand_in_is_efdls_layer_and_refuses_a_real_horovod(clean_env, tmp_path):
+    # What `efdl run --horovod` puts in front of the workers' PYTHONPATH (#34).
+    import efdl.backend.horovod as backend
+    env = dict(clean_env, PYTHONPATH=backend.SHIM_DIR + os.pathsep + clean_env["PYTHONPATH"])
+    proc = subprocess.run([PYTHON, "-c", SHIM_PROGRAM], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.split("RESULT ", 1)[1]) == [
+        "horovod.torch", True, True, True, True, False, 1, "0+efdl"]
+    # A real Horovod later on the path: the stand-in refuses, in one line.
+    (tmp_path / "horovod").mkdir()
+    (tmp_path / "horovod" / "__init__.py").write_text("")
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    proc = subprocess.run([PYTHON, "-c", "import horovod.torch"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: efdl run --horovod: a real Horovod is installed (%s"
+                           % tmp_path), proc.stderr
+
+
 def test_horovod_backend_offers_the_torch_backends_state():
     import efdl.backend.horovod.torch as hvd_backend
     import efdl.backend.torch as torch_backend

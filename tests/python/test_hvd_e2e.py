@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
 
 TRAIN = textwrap.dedent("""
     import json, os, time, torch, urllib.error, urllib.request
-    from efdl.backend.horovod.torch import hvd
+    import efdl.backend.horovod.torch as hvd
     hvd.init()
 
     def rendezvous(method, path, data=None):

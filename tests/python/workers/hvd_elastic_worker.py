@@ -1,5 +1,5 @@
 """A Horovod elastic program written from Horovod's documentation, with only the import changed
-(`from efdl.backend.horovod.torch import hvd` instead of `import horovod.torch as hvd`).
+(`import efdl.backend.horovod.torch as hvd` instead of `import horovod.torch as hvd`).
 
 hvd.elastic.TorchState with an ElasticSampler, a commit every WORKER_COMMIT_EVERY batches
 (default 4), a reset callback that scales the learning rate with hvd.size(). One line per batch:
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from efdl.backend.horovod.torch import hvd
+import efdl.backend.horovod.torch as hvd
 
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "6"))
 STEP_TIME = float(os.environ.get("WORKER_STEP_TIME", "0.02"))

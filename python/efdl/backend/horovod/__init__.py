@@ -7,6 +7,7 @@ Horovod), `torch` (always the layer).
 """
 
 import importlib
+import importlib.util
 import os
 
 from efdl import _env
@@ -21,9 +22,29 @@ def choice():
     return value
 
 
+# The directory `efdl run --horovod` puts in front of the workers' PYTHONPATH: its `horovod`
+# package is EFDL's stand-in (python/efdl/_horovod_shim/horovod), never real Horovod.
+SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "_horovod_shim")
+
+
+def horovod_is_shim():
+    """Whether `import horovod` gives EFDL's stand-in (efdl run --horovod); looks without
+    importing it."""
+    try:
+        spec = importlib.util.find_spec("horovod")
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) or ""
+    return bool(origin) and os.path.dirname(os.path.dirname(os.path.abspath(origin))) == SHIM_DIR
+
+
 def import_native(module, install_hint):
     """The real Horovod module `module` (e.g. "horovod.tensorflow"), or ImportError whose message
     is one line saying what to install."""
+    if horovod_is_shim():
+        raise ImportError("%s is EFDL's stand-in for Horovod (efdl run --horovod), not real "
+                          "Horovod: %s" % (module, install_hint))
     try:
         return importlib.import_module(module)
     except ImportError as e:

@@ -1,7 +1,11 @@
 """Horovod for PyTorch under EFDL.
 
-    from efdl.backend.horovod.torch import hvd          # instead of: import horovod.torch as hvd
-    import efdl.backend.horovod.torch as efdl           # init, get_rank, ..., data, State
+    import efdl.backend.horovod.torch as hvd            # instead of: import horovod.torch as hvd
+    hvd.init(); hvd.size(); hvd.DistributedOptimizer(...); hvd.elastic.run ...
+
+The module is the whole Horovod API: every name of `hvd` (below) is reachable on it as the same
+object (a module __getattr__), next to EFDL's own (get_rank, ..., data, State). The older
+spelling `from efdl.backend.horovod.torch import hvd` gives that `hvd` itself.
 
 `hvd` is the real horovod.torch when it is installed (and EFDL_HOROVOD is not `torch`); the
 agent provides the HOROVOD_* variables its Gloo controller reads. Otherwise it is EFDL's
@@ -50,17 +54,22 @@ __all__ = ["hvd", "NATIVE", "init", "is_initialized", "get_rank", "get_world_siz
            "exact_resume"]
 
 
-def init(timeout=None, backend=None):
-    """hvd.init() for this round. `timeout` / `backend` apply to EFDL's layer only (they are
-    accepted and ignored with real Horovod, which takes HOROVOD_GLOO_TIMEOUT_SECONDS)."""
+def init(comm=None, process_sets=None, timeout=None, backend=None):
+    """hvd.init() for this round (Horovod's `comm` / `process_sets` go to hvd.init). `timeout` /
+    `backend` apply to EFDL's layer only (they are accepted and ignored with real Horovod, which
+    takes HOROVOD_GLOO_TIMEOUT_SECONDS)."""
     if NATIVE:
-        hvd.init()
+        kwargs = {"comm": comm} if comm is not None else {}
+        if process_sets:
+            kwargs["process_sets"] = process_sets
+        hvd.init(**kwargs)
         return
+    if comm is not None or process_sets:
+        hvd.init(comm=comm, process_sets=process_sets)   # the layer's one-line refusal
     hvd.start(timeout=timeout, backend=backend)
 
 
-def is_initialized():
-    return hvd.is_initialized()
+# is_initialized and the rest of Horovod's API: __getattr__ below (hvd's own objects).
 
 
 def get_rank():
@@ -90,4 +99,15 @@ def __getattr__(name):
     from efdl.backend import torch as torch_backend
     if name in torch_backend._STATE_NAMES:
         return getattr(torch_backend, name)
+    # Everything else of Horovod's API (size, rank, DistributedOptimizer, elastic, ...): hvd's
+    # own object, so that `import efdl.backend.horovod.torch as hvd` is a complete `hvd`.
+    if not name.startswith("__"):
+        try:
+            return getattr(hvd, name)
+        except AttributeError:
+            pass
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def __dir__():
+    return sorted(set(globals()) | set(getattr(hvd, "__all__", dir(hvd))) | {"elastic"})

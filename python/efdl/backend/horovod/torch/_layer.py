@@ -12,6 +12,7 @@ accepted and ignored). Thread-safety: call from one thread per process, like tor
 """
 
 import contextlib
+import importlib
 import warnings
 import weakref
 
@@ -685,6 +686,8 @@ _ELASTIC_NAMES = ("HorovodInternalError", "HostsUpdatedInterrupt")
 
 def __getattr__(name):
     if name == "elastic" or name in _ELASTIC_NAMES:
-        from efdl.backend.horovod.torch import elastic
+        # import_module, not `from ... import elastic`: that form first asks the package for the
+        # attribute, and the package's __getattr__ asks this module (a loop).
+        elastic = importlib.import_module("efdl.backend.horovod.torch.elastic")
         return elastic if name == "elastic" else getattr(elastic, name)
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

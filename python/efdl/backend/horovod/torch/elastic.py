@@ -2,7 +2,7 @@
 changes (efdl.backend.torch.elastic; docs/horovod.md, "Elastic programs").
 
 A Horovod elastic program written from Horovod's documentation runs under `efdl run` with only
-its import changed (`from efdl.backend.horovod.torch import hvd`):
+its import changed (`import efdl.backend.horovod.torch as hvd`):
 
     state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=0, batch=0)
     state.register_reset_callbacks([on_state_reset])
