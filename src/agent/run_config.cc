@@ -180,7 +180,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
     if (!plan.embedded_etcd) {
       return Status::InvalidArgument(
           "--job is required with --etcd: every node of a job passes the same --job ID (or "
-          "sets EFDL_JOB_ID)");
+          "sets EFDL_JOB_ID; inside a Slurm job it defaults to slurm-$SLURM_JOB_ID)");
     }
     job = snapshot::LocalJobId(JobProgram(f.command));
   }

@@ -11,6 +11,7 @@
 #include "agent/run_config.h"
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
+#include "cli/slurm_job.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "efdl/embedded_etcd.h"
@@ -128,8 +129,9 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "EFDL_ETCD_ENDPOINTS");
   AddEtcdSecurityFlags(run, args->etcd_security);
   OptionWithEnv(run, "--job", f.job_id,
-                "job id shared by all nodes of the job (required with --etcd; without it: "
-                "local-<script name>-<8 hex>, the program's own)",
+                "job id shared by all nodes of the job (required with --etcd, except inside a "
+                "Slurm job: slurm-$SLURM_JOB_ID; without --etcd: local-<script name>-<8 hex>, "
+                "the program's own)",
                 "EFDL_JOB_ID");
   OptionWithEnv(run, "--nnodes", f.nnodes,
                 "nodes in the job: N or MIN:MAX (default 1:1; with --world-size N: 1:N)",
@@ -203,6 +205,8 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   }
   run->add_option("command", f.command, "the training command, after --")->expected(-1);
   run->callback([args, prestart, no_prestart, &runner] {
+    // Inside a Slurm allocation every step and node, and the job requeued, share SLURM_JOB_ID.
+    if (args->flags.job_id.empty()) args->flags.job_id = SlurmJobIdFromEnv();
     // Neither flag nor EFDL_PRESTART (CLI11 counts an environment value as a use): auto.
     args->flags.prestart = no_prestart->count() > 0 ? agent::PrestartMode::kOff
                            : prestart->count() == 0 ? agent::PrestartMode::kAuto

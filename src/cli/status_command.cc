@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
+#include "cli/slurm_job.h"
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
 #include "rendezvous/protocol.h"
@@ -35,6 +36,7 @@ int ShowStatus(const StatusArgs& args) {
   auto endpoints = etcd::ParseEndpoints(args.etcd);
   if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
   // Bad input is exit 2 before etcd is contacted, like every other usage error.
+  if (args.job.empty()) return Fail(2, kJobIdMissing);
   if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return Fail(2, st.message());
   etcd::ClientOptions options;
   options.endpoints = *endpoints;
@@ -67,9 +69,13 @@ void RegisterStatusCommand(CLI::App& app, CommandRunner& runner) {
   OptionWithEnv(cmd, "--etcd", args->etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
                 "EFDL_ETCD_ENDPOINTS");
   AddEtcdSecurityFlags(cmd, args->etcd_security);
-  OptionWithEnv(cmd, "--job", args->job, "the job id", "EFDL_JOB_ID")->required();
+  OptionWithEnv(cmd, "--job", args->job,
+                "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", "EFDL_JOB_ID");
   cmd->add_flag("--json", args->json, "one JSON object instead of a table");
-  cmd->callback([args, &runner] { runner.Set([args] { return ShowStatus(*args); }); });
+  cmd->callback([args, &runner] {
+    if (args->job.empty()) args->job = SlurmJobIdFromEnv();
+    runner.Set([args] { return ShowStatus(*args); });
+  });
 }
 
 }  // namespace efdl::cli

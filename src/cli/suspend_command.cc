@@ -12,6 +12,7 @@
 
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
+#include "cli/slurm_job.h"
 #include "efdl/etcd.h"
 #include "rendezvous/suspend.h"
 
@@ -35,6 +36,10 @@ int Fail(const char* command, int code, const std::string& message) {
 // Connects to --etcd; on failure prints the error and sets `code`.
 std::unique_ptr<etcd::Client> ConnectOrFail(const char* command, const SuspendArgs& args,
                                             int& code) {
+  if (args.job.empty()) {
+    code = Fail(command, 2, kJobIdMissing);
+    return nullptr;
+  }
   if (args.etcd.empty()) {
     code = Fail(command, 2,
                 "--etcd HOST:PORT is required (or set EFDL_ETCD_ENDPOINTS): a job run without "
@@ -141,7 +146,8 @@ CLI::App* AddCommon(CLI::App& app, const char* name, const char* help, SuspendAr
   OptionWithEnv(cmd, "--etcd", args.etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
                 "EFDL_ETCD_ENDPOINTS");
   AddEtcdSecurityFlags(cmd, args.etcd_security);
-  OptionWithEnv(cmd, "--job", args.job, "the job id", "EFDL_JOB_ID")->required();
+  OptionWithEnv(cmd, "--job", args.job,
+                "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", "EFDL_JOB_ID");
   return cmd;
 }
 
@@ -155,7 +161,10 @@ void RegisterSuspendCommand(CLI::App& app, CommandRunner& runner) {
   cmd->add_option("--timeout", args->timeout_s,
                   "seconds to wait for the agents to stop (default 300)");
   cmd->add_flag("--no-wait", args->no_wait, "mark the job suspended and return at once");
-  cmd->callback([args, &runner] { runner.Set([args] { return RunSuspend(*args); }); });
+  cmd->callback([args, &runner] {
+    if (args->job.empty()) args->job = SlurmJobIdFromEnv();
+    runner.Set([args] { return RunSuspend(*args); });
+  });
 }
 
 void RegisterResumeCommand(CLI::App& app, CommandRunner& runner) {
@@ -163,7 +172,10 @@ void RegisterResumeCommand(CLI::App& app, CommandRunner& runner) {
   CLI::App* cmd = AddCommon(app, "resume",
                             "Clear a job's suspension; its agents started again continue it",
                             *args);
-  cmd->callback([args, &runner] { runner.Set([args] { return RunResume(*args); }); });
+  cmd->callback([args, &runner] {
+    if (args->job.empty()) args->job = SlurmJobIdFromEnv();
+    runner.Set([args] { return RunResume(*args); });
+  });
 }
 
 }  // namespace efdl::cli
