@@ -28,13 +28,22 @@ the snapshot) when a worker does not pause within --stop-grace (gloo cannot inte
 collective waiting for a frozen peer), when the node's worker count changes, and for programs
 without this decorator. Outside `efdl run` the function runs once, in the process group of
 efdl.init(). docs/user-guide.md, "Recovery without restart".
+
+A torch.utils.data.DistributedSampler built before a round change keeps the num_replicas and
+rank it was built with. When the world size changed, run watches the ones the function can
+reach (its globals and closure, those of the functions it names, its arguments, the state's
+attributes; directly or as a DataLoader's sampler): the first one iterated with a stale
+num_replicas is said once per process, as a RuntimeWarning naming the fix.
 """
 
 import functools
 import gc
+import itertools
 import os
 import sys
 import time
+import types
+import warnings
 
 from efdl import _dist
 from efdl._rounds import RoundChangeInterrupt
@@ -88,9 +97,14 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
         return func(state, *args, **kwargs)
     state._in_process = True
     paused_at = None
+    world = None
+    stale = _StaleSamplerNotice()
     while True:
         start_group()
         step = state._sync_round()
+        if paused_at is not None and _dist.world_size() != world:
+            stale.watch(world, control.round, func, state, args, kwargs)
+        world = _dist.world_size()
         # After a round change, and in a process whose state came from a snapshot (it joined a
         # running job, or the job continues from storage): the state predates this round.
         if paused_at is not None or state._restored is not None:
@@ -128,3 +142,100 @@ def _leave_round(state, clean, stop_group):
     state._leave_round(clean)
     gc.collect()
     stop_group()
+
+
+class _StaleSamplerNotice:
+    """Says once per process that a torch DistributedSampler built before a round change is
+    iterated with the old world's num_replicas (module docstring)."""
+
+    def __init__(self):
+        self.said = False
+        self.round = 0
+
+    def watch(self, old_world, round_, func, state, args, kwargs):
+        """Marks the reachable torch DistributedSamplers of `old_world` ranks: each is checked
+        when next iterated (its class is swapped for a checking subclass until then)."""
+        if self.said:
+            return
+        self.round = round_
+        for sampler in _reachable_samplers(func, state, args, kwargs):
+            if sampler.num_replicas == old_world and not getattr(type(sampler), "_efdl_watch",
+                                                                   False):
+                sampler.__dict__["_efdl_stale_notice"] = self
+                sampler.__class__ = _watching_class(type(sampler))
+
+    def check(self, sampler):
+        world = _dist.world_size()
+        if self.said or sampler.num_replicas == world:
+            return
+        self.said = True
+        warnings.warn(
+            "efdl: round %d: a torch.utils.data.DistributedSampler built before this round "
+            "still has num_replicas=%d, but the job now has %d ranks: this rank keeps its old "
+            "share of the data and the job skips or repeats samples every epoch. Build the "
+            "sampler and its DataLoader inside the @efdl.elastic.run (@hvd.elastic.run) "
+            "function, or use efdl.data.DistributedSampler and call its update(num_replicas=, "
+            "rank=) in a reset callback (with Horovod: hvd.elastic.ElasticSampler)"
+            % (self.round, sampler.num_replicas, world), RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _watching_class(cls):
+    """A subclass of `cls` whose __iter__ checks once, then gives the sampler its class back."""
+    def __iter__(self):
+        notice = self.__dict__.pop("_efdl_stale_notice", None)
+        self.__class__ = cls
+        if notice is not None:
+            notice.check(self)
+        return cls.__iter__(self)
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, "_efdl_watch": True,
+                                       "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _code_names(code, names):
+    names.update(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_names(const, names)
+
+
+def _function_values(fn):
+    """The global values the code of `fn` names, and its closure's values."""
+    fn = getattr(fn, "__wrapped__", fn)
+    if not isinstance(fn, types.FunctionType):
+        return []
+    names = set()
+    _code_names(fn.__code__, names)
+    values = [fn.__globals__[n] for n in names if n in fn.__globals__]
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:   # an empty cell
+            pass
+    return values
+
+
+def _reachable_samplers(func, state, args, kwargs):
+    """torch DistributedSamplers the training function can reach (module docstring)."""
+    import torch.utils.data as tud   # the program runs torch; not imported before it is needed
+    values = _function_values(func)
+    # One level into the functions it calls by name (a train_epoch(loader) helper).
+    values += [v for f in list(values) if isinstance(f, types.FunctionType)
+               for v in _function_values(f)]
+    values += list(args) + list(kwargs.values()) + list(getattr(state, "__dict__", {}).values())
+    found = {}
+    for value in values:
+        # A container's first few items only: a global list may be a whole data set.
+        items = list(itertools.islice(value.values(), 16)) if isinstance(value, dict) else \
+            list(itertools.islice(value, 16)) if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, tud.DataLoader):
+                batch = getattr(item, "batch_sampler", None)
+                items_of = [item.sampler, getattr(batch, "sampler", None)]
+            else:
+                items_of = [item]
+            for s in items_of:
+                if isinstance(s, tud.distributed.DistributedSampler):
+                    found[id(s)] = s
+    return list(found.values())
