@@ -343,6 +343,13 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   if (group_ && ContinueInProcess(a, restart_count)) return std::nullopt;
   WorkerGroupOptions wg;
   wg.argv = options_.command;
+  // A round after the job's first resumes it (a crash, a join or leave, a suspend, agents
+  // restarted against the same etcd): the program is told so by its own flag.
+  if (a.round > 1 && !options_.resume_args.empty()) {
+    wg.extra_args = options_.resume_args;
+    EFDL_LOG_INFO("round {}: the job resumes: the command gets --resume-args {}", a.round,
+                  fmt::join(options_.resume_args, " "));
+  }
   wg.round = a.round;
   wg.out_fd = options_.out_fd;
   wg.err_fd = options_.err_fd;

@@ -52,6 +52,14 @@ struct AgentOptions {
   // it as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the agent's own environment sets
   // those, and as HOROVOD_GLOO_IFACE; empty: none of them is set.
   std::string gloo_iface;
+  // `efdl run --resume-args`: appended to `command` on every start of workers that resumes the
+  // job (a round after the job's first: docs/integrations.md, "Programs with their own
+  // checkpoint").
+  std::vector<std::string> resume_args;
+  // `efdl run --horovod`: the directory whose `horovod` package is EFDL's stand-in
+  // (python/efdl/_horovod_shim), put in front of the PYTHONPATH of workers and launchers; empty:
+  // none.
+  std::string horovod_shim_dir;
   // One process per node (a third-party launcher such as torchrun) with LauncherEnvironment()
   // instead of `nproc` workers with WorkerEnvironment().
   bool launcher = false;

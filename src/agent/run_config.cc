@@ -3,13 +3,16 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <random>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/net.h"
 #include "common/subprocess.h"
@@ -151,6 +154,89 @@ std::string JobProgram(const std::vector<std::string>& command) {
   return "";
 }
 
+Result<std::vector<std::string>> ParseResumeArgs(std::string_view value) {
+  if (value.find_first_of("\"'\\") != std::string_view::npos) {
+    return Status::InvalidArgument(fmt::format(
+        "--resume-args '{}': quotes and backslashes are not interpreted (the value is split at "
+        "spaces); give the arguments without them", value));
+  }
+  std::vector<std::string> out;
+  size_t i = 0;
+  while (i < value.size()) {
+    const size_t start = value.find_first_not_of(" \t", i);
+    if (start == std::string_view::npos) break;
+    const size_t end = std::min(value.find_first_of(" \t", start), value.size());
+    out.emplace_back(value.substr(start, end - start));
+    i = end;
+  }
+  if (out.empty()) {
+    return Status::InvalidArgument(
+        "--resume-args is empty: give the arguments that make the program resume, e.g. "
+        "--resume-args \"--init_from=resume\" (or leave the option out)");
+  }
+  return out;
+}
+
+namespace {
+// Prints where efdl is imported from and where a `horovod` package would be (without importing
+// either: find_spec of a top-level name runs none of its code).
+constexpr const char* kHorovodProbe =
+    "import importlib.util as u\n"
+    "e = u.find_spec('efdl')\n"
+    "h = u.find_spec('horovod')\n"
+    "print((list(e.submodule_search_locations or []) + [''])[0] if e else '')\n"
+    "print((h.origin or ','.join(h.submodule_search_locations or [])) if h else '')\n";
+}  // namespace
+
+Result<std::string> FindHorovodShim(const std::vector<std::string>& interpreter,
+                                    std::chrono::milliseconds timeout) {
+  const std::string who = fmt::format("{}", fmt::join(interpreter, " "));
+  SpawnOptions so;
+  so.argv = interpreter;
+  so.argv.insert(so.argv.end(), {"-c", kHorovodProbe});
+  so.stdout_mode = SpawnOptions::Stdio::kPipe;
+  so.stderr_mode = SpawnOptions::Stdio::kPipe;
+  auto proc = Subprocess::Spawn(so);
+  if (!proc.ok()) {
+    return Status::InvalidArgument(fmt::format("--horovod: cannot run {}: {}", who,
+                                               proc.status().message()));
+  }
+  const std::optional<int> st = proc->WaitFor(timeout);
+  if (!st) {
+    (void)proc->Stop(std::chrono::milliseconds(0));
+    return Status::InvalidArgument(fmt::format(
+        "--horovod: {} did not say within {} s where it imports efdl from", who,
+        timeout.count() / 1000));
+  }
+  const std::string out = ReadAvailable(proc->stdout_fd(), 1 << 16);
+  const size_t nl = out.find('\n');
+  if (!WaitStatusSuccess(*st) || nl == std::string::npos) {
+    return Status::InvalidArgument(fmt::format(
+        "--horovod: {} {} when asked where it imports efdl from; is it a Python 3 interpreter?",
+        who, DescribeWaitStatus(*st)));
+  }
+  const std::string efdl_dir = out.substr(0, nl);
+  std::string horovod = out.substr(nl + 1);
+  while (!horovod.empty() && (horovod.back() == '\n' || horovod.back() == '\r')) {
+    horovod.pop_back();
+  }
+  const std::filesystem::path shim = std::filesystem::path(efdl_dir) / "_horovod_shim";
+  std::error_code ec;
+  if (efdl_dir.empty() || !std::filesystem::is_regular_file(shim / "horovod" / "__init__.py", ec)) {
+    return Status::InvalidArgument(fmt::format(
+        "--horovod: {} {}; install efdl for that interpreter (make install) or put the "
+        "directory holding it on PYTHONPATH", who,
+        efdl_dir.empty() ? "cannot import efdl, whose stand-in for Horovod the workers import"
+                         : "imports an efdl without the stand-in for Horovod (" + efdl_dir + ")"));
+  }
+  if (!horovod.empty() && !horovod.starts_with(shim.string() + "/")) {
+    return Status::InvalidArgument(fmt::format(
+        "--horovod: a real Horovod is importable by {} ({}); run without --horovod (the agent "
+        "serves real Horovod's Gloo rendezvous, docs/horovod.md) or uninstall it", who, horovod));
+  }
+  return shim.string();
+}
+
 Result<RunPlan> PlanRun(const RunFlags& f) {
   RunPlan plan;
   if (f.command.empty()) {
@@ -274,6 +360,19 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.learn_imports = !f.no_learn_imports;
   a.log_dir = absolute(f.log_dir);
   a.snapshot_dir = absolute(f.snapshot_dir);
+
+  if (!f.resume_args.empty()) {
+    EFDL_ASSIGN_OR_RETURN(a.resume_args, ParseResumeArgs(f.resume_args));
+  }
+  if (f.horovod) {
+    // The interpreter whose `import horovod` the stand-in answers: the command's (python...),
+    // else (a shell script, --launcher) the python3 on PATH.
+    const bool python = !f.command.empty() && std::filesystem::path(f.command[0])
+                                                  .filename().string().starts_with("python");
+    EFDL_ASSIGN_OR_RETURN(a.horovod_shim_dir,
+                          FindHorovodShim({python ? f.command[0] : "python3"},
+                                          std::chrono::seconds(30)));
+  }
 
   rdzv::RendezvousOptions& r = plan.rendezvous;
   r.job_id = job;

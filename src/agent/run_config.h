@@ -2,6 +2,7 @@
 // done before anything starts (one clear line per mistake).
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -42,6 +43,8 @@ struct RunFlags {
   bool no_zygote = false;                    // --no-zygote: spares are not forked from a zygote
   bool no_learn_imports = false;             // --no-learn-imports: the zygote imports only
                                              // EFDL_PRELOAD_MODULES
+  std::string resume_args;                   // --resume-args: split at spaces, see AgentOptions
+  bool horovod = false;                      // --horovod: `import horovod` is EFDL's layer
   std::vector<std::string> command;
 };
 
@@ -69,7 +72,17 @@ std::string DefaultNodeId();
 // The program of a training command whose job id is derived (no --job, no --etcd): the SCRIPT
 // of `python3 [OPTIONS] SCRIPT`, the MODULE of `-m MODULE`, "" for `-c`, else the executable.
 std::string JobProgram(const std::vector<std::string>& command);
-// Validates everything and resolves defaults; looks the command up in PATH.
+// --resume-args' value as arguments: split at spaces and tabs; quotes and backslashes are
+// refused (nothing interprets them), as is an empty value given explicitly.
+Result<std::vector<std::string>> ParseResumeArgs(std::string_view value);
+// --horovod: asks `interpreter` (with this process's environment) where it imports efdl from and
+// whether it finds a `horovod` package; the directory holding EFDL's stand-in `horovod`
+// (<efdl>/_horovod_shim), or one error line when a real Horovod is importable there, efdl is
+// not, or the interpreter does not answer within `timeout`.
+Result<std::string> FindHorovodShim(const std::vector<std::string>& interpreter,
+                                    std::chrono::milliseconds timeout);
+// Validates everything and resolves defaults; looks the command up in PATH; with --horovod,
+// runs the command's interpreter once (FindHorovodShim).
 Result<RunPlan> PlanRun(const RunFlags& flags);
 
 }  // namespace efdl::agent

@@ -476,7 +476,8 @@ void SparePool::Maintain() {
 
 std::optional<Subprocess> SparePool::Activate(int local_rank,
                                               const std::map<std::string, std::string>& env,
-                                              int64_t round) {
+                                              int64_t round,
+                                              const std::vector<std::string>& extra_args) {
   if (local_rank < 0 || static_cast<size_t>(local_rank) >= slots_.size()) return std::nullopt;
   Slot& s = slots_[static_cast<size_t>(local_rank)];
   if (enabled_) {
@@ -501,12 +502,14 @@ std::optional<Subprocess> SparePool::Activate(int local_rank,
     Discard(s);
     return std::nullopt;
   }
+  std::vector<std::string> program = cmd_.program;
+  program.insert(program.end(), extra_args.begin(), extra_args.end());
   if (options_.imports_dir.empty() || !ForksFor(local_rank)) {
-    return Hand(local_rank, s, round, cmd_.program, env);
+    return Hand(local_rank, s, round, program, env);
   }
   std::map<std::string, std::string> with_report = env;
   with_report[kImportsDirVariable] = options_.imports_dir;
-  return Hand(local_rank, s, round, cmd_.program, with_report);
+  return Hand(local_rank, s, round, program, with_report);
 }
 
 std::optional<Subprocess> SparePool::ActivateProgram(const std::vector<std::string>& program,

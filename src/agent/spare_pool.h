@@ -104,8 +104,10 @@ class SparePool {
   // the slot emptied) when there is no live spare or it started with a different environment.
   // The returned process still has its stdout/stderr pipes (which may already hold output of
   // its imports).
+  // `extra_args` follow the program's own arguments (efdl run --resume-args).
   std::optional<Subprocess> Activate(int local_rank, const std::map<std::string, std::string>& env,
-                                     int64_t round);
+                                     int64_t round,
+                                     const std::vector<std::string>& extra_args = {});
   // Runs `program` (the program part of a python command line: {"-m", "module", ...}) instead
   // of the worker command in local rank 0's spare, if it is warm (imports done), with `env`
   // added to that spare's start environment; its slot is refilled without the refill delay.

@@ -65,6 +65,14 @@ void AddCommon(const AgentOptions& options, const rdzv::Assignment& a, int resta
   // As torchrun does: several processes per node must not each spawn a thread per core.
   if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   AddSocketInterface(options, env);
+  // --horovod: `import horovod` finds EFDL's stand-in first (docs/horovod.md), whose layer is
+  // the one EFDL_HOROVOD=torch chooses.
+  if (!options.horovod_shim_dir.empty()) {
+    const char* path = std::getenv("PYTHONPATH");
+    env["PYTHONPATH"] = options.horovod_shim_dir +
+                        (path != nullptr && *path != '\0' ? ":" + std::string(path) : "");
+    env["EFDL_HOROVOD"] = "torch";
+  }
 }
 
 }  // namespace

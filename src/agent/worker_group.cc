@@ -83,7 +83,9 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
       group->log_fds_.push_back(log_fd);
     }
     std::optional<Subprocess> spare;
-    if (opts.spares != nullptr) spare = opts.spares->Activate(spec.local_rank, spec.env, opts.round);
+    if (opts.spares != nullptr) {
+      spare = opts.spares->Activate(spec.local_rank, spec.env, opts.round, opts.extra_args);
+    }
     Result<Subprocess> proc = Status::Internal("unset");
     if (spare) {
       proc = std::move(*spare);
@@ -91,6 +93,7 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
     } else {
       SpawnOptions so;
       so.argv = opts.argv;
+      so.argv.insert(so.argv.end(), opts.extra_args.begin(), opts.extra_args.end());
       so.env_set = spec.env;
       so.stdout_mode = SpawnOptions::Stdio::kPipe;
       so.stderr_mode = SpawnOptions::Stdio::kPipe;

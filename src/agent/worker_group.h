@@ -37,6 +37,9 @@ struct WorkerSpec {
 
 struct WorkerGroupOptions {
   std::vector<std::string> argv;
+  // Appended to argv for every worker, spawned or pre-started (`efdl run --resume-args` on a
+  // start that resumes the job).
+  std::vector<std::string> extra_args;
   int64_t round = 0;
   std::vector<WorkerSpec> workers;
   // Where prefixed output lines go; not owned (tests pass pipes).

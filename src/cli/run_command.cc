@@ -197,6 +197,15 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "the zygote imports only EFDL_PRELOAD_MODULES, not also the installed modules "
                 "the program's workers imported")
       ->envname("EFDL_NO_LEARN_IMPORTS");
+  OptionWithEnv(run, "--resume-args", f.resume_args,
+                "arguments appended to the command on every start that resumes the job (a "
+                "round after the job's first: after a crash, join, leave, suspend or restart), "
+                "split at spaces, e.g. \"--init_from=resume\"; pre-started workers are kept",
+                "EFDL_RESUME_ARGS");
+  run->add_flag("--horovod", f.horovod,
+                "an unmodified 'import horovod.torch as hvd' gets EFDL's Horovod layer (refused "
+                "when a real Horovod is installed)")
+      ->envname("EFDL_RUN_HOROVOD");
   // The defaults as the flags hold them, shown in --help as [VALUE] (docs/agent.md lists them;
   // tests/python/test_e2e_cli.py checks that the two agree).
   for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",

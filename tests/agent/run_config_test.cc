@@ -1,7 +1,11 @@
 #include "agent/run_config.h"
 #include "snapshot/arena_dir.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 
 #include <gtest/gtest.h>
 
@@ -220,6 +224,79 @@ TEST(RunConfigTest, ExplicitPrestartIsStrictAndNoPrestartTurnsItOff) {
   plan = PlanRun(f);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   EXPECT_FALSE(plan->agent.prestart);
+}
+
+TEST(RunConfigTest, ResumeArgsAreSplitAtSpacesAndQuotesAreRefused) {
+  auto args = ParseResumeArgs("  --init_from=resume\t--resume  ");
+  ASSERT_TRUE(args.ok()) << args.status().message();
+  EXPECT_EQ(*args, (std::vector<std::string>{"--init_from=resume", "--resume"}));
+  for (const char* bad : {"--out \"a b\"", "--x='y'", "a\\ b"}) {
+    auto r = ParseResumeArgs(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("quotes and backslashes are not interpreted"),
+              std::string::npos) << r.status().message();
+  }
+  EXPECT_FALSE(ParseResumeArgs("   ").ok());
+  RunFlags f = Valid();
+  f.resume_args = "--resume --from ckpt";
+  auto plan = PlanRun(f);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  EXPECT_EQ(plan->agent.resume_args, (std::vector<std::string>{"--resume", "--from", "ckpt"}));
+  EXPECT_TRUE(plan->agent.horovod_shim_dir.empty());
+}
+
+TEST(RunConfigTest, HorovodStandInIsFirstOnTheWorkersAndLaunchersPythonPath) {
+  AgentOptions o;
+  o.job_id = "j";
+  o.node_id = "n";
+  rdzv::Assignment a;
+  a.round = 2;
+  a.nproc = 1;
+  a.world_size = 1;
+  a.nnodes = 1;
+  EXPECT_EQ(WorkerEnvironment(o, a, 0, 0, "/s").count("PYTHONPATH"), 0u);
+  o.horovod_shim_dir = "/pkg/efdl/_horovod_shim";
+  const char* old = std::getenv("PYTHONPATH");
+  const std::string expected =
+      old != nullptr && *old != '\0' ? o.horovod_shim_dir + ":" + old : o.horovod_shim_dir;
+  for (const auto& env : {WorkerEnvironment(o, a, 0, 0, "/s"), LauncherEnvironment(o, a, 0)}) {
+    EXPECT_EQ(env.at("PYTHONPATH"), expected);
+    EXPECT_EQ(env.at("EFDL_HOROVOD"), "torch");
+  }
+}
+
+// A real interpreter (/usr/bin/python3) with PYTHONPATH pointing at the source tree's package,
+// then with a `horovod` package after it (what a real Horovod install looks like to find_spec).
+TEST(RunConfigTest, HorovodFindsTheStandInAndRefusesARealHorovod) {
+  const char* old = std::getenv("PYTHONPATH");
+  const std::string saved = old != nullptr ? old : "";
+  const std::string python_dir = EFDL_SOURCE_DIR "/python";
+  ::setenv("PYTHONPATH", python_dir.c_str(), 1);
+  auto shim = FindHorovodShim({EFDL_PYTHON}, std::chrono::seconds(60));
+  ASSERT_TRUE(shim.ok()) << shim.status().message();
+  EXPECT_EQ(*shim, python_dir + "/efdl/_horovod_shim");
+
+  const std::string dir = ::testing::TempDir() + "efdl-fake-horovod-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir + "/horovod");
+  { std::ofstream(dir + "/horovod/__init__.py") << ""; }
+  ::setenv("PYTHONPATH", (python_dir + ":" + dir).c_str(), 1);
+  auto refused = FindHorovodShim({EFDL_PYTHON}, std::chrono::seconds(60));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("a real Horovod is importable by " EFDL_PYTHON " (" +
+                                            dir + "/horovod/__init__.py)"),
+            std::string::npos) << refused.status().message();
+
+  ::setenv("PYTHONPATH", dir.c_str(), 1);   // no efdl at all
+  auto no_efdl = FindHorovodShim({EFDL_PYTHON}, std::chrono::seconds(60));
+  ASSERT_FALSE(no_efdl.ok());
+  EXPECT_NE(no_efdl.status().message().find("cannot import efdl"), std::string::npos)
+      << no_efdl.status().message();
+  std::filesystem::remove_all(dir);
+  if (old != nullptr) {
+    ::setenv("PYTHONPATH", saved.c_str(), 1);
+  } else {
+    ::unsetenv("PYTHONPATH");
+  }
 }
 
 }  // namespace
