@@ -26,6 +26,8 @@ struct SimArgs {
   double ttl_s = 10;
   int liveness_ms = 400;
   unsigned seed = 1;
+  int driver_threads = 32;
+  int compare_max = 2000;
 };
 
 int Fail(int code, const std::string& message) {
@@ -49,6 +51,13 @@ int RunSim(const SimArgs& args) {
   }
   if (args.ttl_s < 1) return Fail(2, "--ttl must be at least 1 second");
   if (args.liveness_ms < 10) return Fail(2, "--liveness-window-ms must be at least 10");
+  if (args.driver_threads < 0 || args.driver_threads > 4096) {
+    return Fail(2, fmt::format("--driver-threads {}: give 1 to 4096 threads for all simulated "
+                               "nodes, or 0 for one thread per node", args.driver_threads));
+  }
+  if (args.compare_max < 0) {
+    return Fail(2, "--compare-max must be 0 (no comparison) or a node count");
+  }
 
   // Private etcd directories of commands that were killed along with their reaper (#38).
   etcd::RemoveStalePrivateEtcdDirs(etcd::TempBase());
@@ -68,6 +77,42 @@ int RunSim(const SimArgs& args) {
   auto client = etcd::Connect(client_options);
   if (!client.ok()) return Fail(1, "cannot reach etcd: " + client.status().message());
 
+  auto print = [&](int n, const rdzv::SimReport& r, const rdzv::SimReport* pool_report) {
+    if (args.json) {
+      std::printf("%s\n", r.ToJson().c_str());
+      return;
+    }
+    std::printf("N = %d, %s (one process, one shared etcd client, etcd %s)\n", n,
+                r.driver_threads > 0
+                    ? fmt::format("{} driver threads for all nodes", r.driver_threads).c_str()
+                    : "one driver thread per node (the first simulator)",
+                embedded ? "private" : args.etcd.c_str());
+    std::printf("  baseline: %d concurrent puts seen by one watch in %.3f s (ratio below: "
+                "scenario / baseline)\n", n, r.baseline_seconds);
+    std::printf("  %-28s %8s %7s %10s %12s %12s %12s %12s%s\n", "scenario", "seconds", "ratio",
+                "requests", "bytes", "watch evts", "cpu ms/node", "etcd cpu ms",
+                pool_report != nullptr ? "  vs pool" : "");
+    for (size_t i = 0; i < r.scenarios.size(); ++i) {
+      const auto& s = r.scenarios[i];
+      std::string versus;
+      if (pool_report != nullptr && i < pool_report->scenarios.size()) {
+        const auto& p = pool_report->scenarios[i];
+        versus = fmt::format("  x{:.1f} time, x{:.1f} cpu", s.seconds / std::max(1e-9, p.seconds),
+                             s.agent_cpu_ms_per_node / std::max(1e-9, p.agent_cpu_ms_per_node));
+      }
+      std::printf("  %-28s %8.3f %7.1f %10lld %12lld %12lld %12.3f %12.0f%s%s\n", s.name.c_str(),
+                  s.seconds, s.seconds / std::max(1e-9, r.baseline_seconds),
+                  static_cast<long long>(s.requests), static_cast<long long>(s.bytes),
+                  static_cast<long long>(s.watch_events), s.agent_cpu_ms_per_node, s.etcd_cpu_ms,
+                  versus.c_str(), s.ok ? "" : ("  FAILED: " + s.error).c_str());
+    }
+    std::printf("  steady: %.4f %% of a core per node, %lld requests per node per minute "
+                "(plus lease keep-alives on the shared stream)\n",
+                r.steady_cpu_percent_per_node,
+                static_cast<long long>(r.steady_requests_per_node_per_min));
+    std::fflush(stdout);
+  };
+
   int rc = 0;
   for (int n : sizes) {
     rdzv::SimOptions o;
@@ -76,31 +121,21 @@ int RunSim(const SimArgs& args) {
     o.ttl = std::chrono::milliseconds(static_cast<int64_t>(args.ttl_s * 1000));
     o.liveness_window = std::chrono::milliseconds(args.liveness_ms);
     o.seed = args.seed;
+    o.driver_threads = args.driver_threads;
+    o.etcd_pid = embedded ? embedded->pid() : 0;
     auto report = rdzv::RunScaleSim(**client, o);
     if (!report.ok()) return Fail(1, report.status().message());
-    if (args.json) {
-      std::printf("%s\n", report->ToJson().c_str());
-    } else {
-      std::printf("N = %d (one process, one shared etcd client, etcd %s)\n", n,
-                  embedded ? "private" : args.etcd.c_str());
-      std::printf("  baseline: %d concurrent puts seen by one watch in %.3f s (ratio below: "
-                  "scenario / baseline)\n", n, report->baseline_seconds);
-      std::printf("  %-28s %8s %7s %10s %12s %12s %14s\n", "scenario", "seconds", "ratio",
-                  "requests", "bytes", "watch evts", "cpu ms/node");
-      for (const auto& s : report->scenarios) {
-        std::printf("  %-28s %8.3f %7.1f %10lld %12lld %12lld %14.3f%s\n", s.name.c_str(),
-                    s.seconds, s.seconds / std::max(1e-9, report->baseline_seconds),
-                    static_cast<long long>(s.requests), static_cast<long long>(s.bytes),
-                    static_cast<long long>(s.watch_events), s.agent_cpu_ms_per_node,
-                    s.ok ? "" : ("  FAILED: " + s.error).c_str());
-      }
-      std::printf("  steady: %.4f %% of a core per node, %lld requests per node per minute "
-                  "(plus lease keep-alives on the shared stream)\n",
-                  report->steady_cpu_percent_per_node,
-                  static_cast<long long>(report->steady_requests_per_node_per_min));
-    }
-    std::fflush(stdout);
+    print(n, *report, nullptr);
     for (const auto& s : report->scenarios) rc = s.ok ? rc : 1;
+    // The first simulator (a thread per node) in the same run, on the same etcd, where it still
+    // reaches: its figures and the ratio to the pool's.
+    if (args.driver_threads > 0 && n <= args.compare_max) {
+      o.job_id = fmt::format("sim-{}-threads", n);
+      o.driver_threads = 0;
+      auto old = rdzv::RunScaleSim(**client, o);
+      if (!old.ok()) return Fail(1, old.status().message());
+      print(n, *old, &*report);
+    }
   }
   return rc;
 }
@@ -119,6 +154,12 @@ void RegisterSimCommand(CLI::App& app, CommandRunner& runner) {
   cmd->add_option("--liveness-window-ms", args->liveness_ms,
                   "how long a proposal waits for missing acks after the last one came");
   cmd->add_option("--seed", args->seed, "random seed for choosing the nodes to kill");
+  cmd->add_option("--driver-threads", args->driver_threads,
+                  "threads that drive all simulated nodes (0: one thread per node, the first "
+                  "simulator)");
+  cmd->add_option("--compare-max", args->compare_max,
+                  "also run the thread-per-node simulator at node counts up to this (0: never), "
+                  "and print its figures with the ratio to the pool's");
   cmd->callback([args, &runner] { runner.Set([args] { return RunSim(*args); }); });
 }
 

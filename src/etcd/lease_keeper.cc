@@ -28,6 +28,8 @@ int64_t KeepAliveEngine::Add(int64_t lease_id, int64_t ttl_seconds, TimePoint ex
                      Entry{lease_id, LeaseClock(ttl_seconds, expires_at, SteadyClock::now()),
                            std::make_shared<std::function<void()>>(std::move(on_lost)),
                            std::move(lost), std::move(expires_ns)});
+    by_lease_.emplace(lease_id, token);
+    fresh_.push_back(token);
   }
   Wake();
   return token;
@@ -35,7 +37,7 @@ int64_t KeepAliveEngine::Add(int64_t lease_id, int64_t ttl_seconds, TimePoint ex
 
 void KeepAliveEngine::Remove(int64_t token) {
   MutexLock lock(mu_);
-  entries_.erase(token);
+  if (auto it = entries_.find(token); it != entries_.end()) Erase(it);
   if (!OnLoopThread()) {
     notified_.wait(lock, [&]() EFDL_REQUIRES(mu_) { return notifying_ != token; });
   }
@@ -59,11 +61,22 @@ std::unique_ptr<KeepAliveEngine::Stream> KeepAliveEngine::Prepare(EndpointChanne
   return endpoint.lease->PrepareAsyncLeaseKeepAlive(context, cq);
 }
 
+void KeepAliveEngine::Erase(std::map<int64_t, Entry>::iterator it) {
+  auto [first, last] = by_lease_.equal_range(it->second.lease_id);
+  for (auto b = first; b != last; ++b) {
+    if (b->second == it->first) {
+      by_lease_.erase(b);
+      break;
+    }
+  }
+  entries_.erase(it);   // its timers_ entries are skipped when they come up
+}
+
 void KeepAliveEngine::MarkLost(int64_t token, std::vector<std::pair<int64_t, Entry>>& out) {
   auto it = entries_.find(token);
   it->second.lost->store(true);
   out.emplace_back(token, std::move(it->second));
-  entries_.erase(it);
+  Erase(it);
 }
 
 void KeepAliveEngine::NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) {
@@ -81,10 +94,28 @@ void KeepAliveEngine::NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) {
 TimePoint KeepAliveEngine::OnTick(TimePoint now) {
   MutexLock lock(mu_);
   std::vector<std::pair<int64_t, Entry>> lost;
-  TimePoint wake = TimePoint::max();
   const bool up = stream_up();
+  std::vector<int64_t> due;
+  if (up != ticked_up_) {
+    ticked_up_ = up;   // renewals go out (or stop) for every lease
+    for (const auto& [token, e] : entries_) due.push_back(token);
+  } else {
+    due.swap(fresh_);
+    while (!timers_.empty() && timers_.top().first <= now) {
+      const auto [when, token] = timers_.top();
+      timers_.pop();
+      auto it = entries_.find(token);
+      if (it == entries_.end() || it->second.queued != when) continue;   // stale
+      it->second.queued = TimePoint::max();
+      due.push_back(token);
+    }
+  }
+  fresh_.clear();
   std::vector<int64_t> expired;
-  for (auto& [token, e] : entries_) {
+  for (int64_t token : due) {
+    auto it = entries_.find(token);
+    if (it == entries_.end()) continue;
+    Entry& e = it->second;
     const LeaseClock::Tick tick = e.clock.Advance(now, up);
     if (tick.lost) {
       expired.push_back(token);
@@ -100,11 +131,17 @@ TimePoint KeepAliveEngine::OnTick(TimePoint now) {
       request.set_id(e.lease_id);
       Send(std::move(request));
     }
-    wake = std::min(wake, tick.wake);
+    // An answer only moves the clock's next wake later: an earlier timer is a harmless no-op.
+    if (tick.wake < e.queued) {
+      e.queued = tick.wake;
+      timers_.emplace(tick.wake, token);
+    }
   }
-  for (int64_t token : expired) MarkLost(token, lost);
+  for (int64_t token : expired) {
+    if (entries_.count(token) != 0) MarkLost(token, lost);
+  }
   NotifyLost(lost);
-  return wake;
+  return timers_.empty() ? TimePoint::max() : timers_.top().first;
 }
 
 void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& response) {
@@ -112,8 +149,10 @@ void KeepAliveEngine::OnResponse(const etcdserverpb::LeaseKeepAliveResponse& res
   std::vector<std::pair<int64_t, Entry>> lost;
   const TimePoint now = SteadyClock::now();
   std::vector<int64_t> gone;
-  for (auto& [token, e] : entries_) {
-    if (e.lease_id != response.id()) continue;
+  auto [first, last] = by_lease_.equal_range(response.id());
+  for (auto b = first; b != last; ++b) {
+    const int64_t token = b->second;
+    Entry& e = entries_.at(token);
     switch (e.clock.OnAnswer(now, response.ttl())) {
       case LeaseClock::Answer::kLost:
         gone.push_back(token);

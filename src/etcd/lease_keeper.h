@@ -14,6 +14,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <queue>
+#include <utility>
+#include <vector>
 
 #include "common/thread_annotations.h"
 #include "efdl/etcd.h"
@@ -49,7 +52,9 @@ class KeepAliveEngine final
     std::shared_ptr<std::function<void()>> on_lost;
     std::shared_ptr<std::atomic<bool>> lost;
     std::shared_ptr<std::atomic<int64_t>> expires_ns;
+    TimePoint queued = TimePoint::max();   // the earliest time this entry waits for in timers_
   };
+  using Timer = std::pair<TimePoint, int64_t>;   // (when, token)
 
   bool WantStream() override;
   std::unique_ptr<Stream> Prepare(EndpointChannel& endpoint, grpc::ClientContext* context,
@@ -62,6 +67,7 @@ class KeepAliveEngine final
 
   // Moves `token` out of the table as lost; its callback is then run by NotifyLost.
   void MarkLost(int64_t token, std::vector<std::pair<int64_t, Entry>>& out) EFDL_REQUIRES(mu_);
+  void Erase(std::map<int64_t, Entry>::iterator it) EFDL_REQUIRES(mu_);
   // Runs the callbacks of `lost` one by one: mu_ is held on entry and exit, released while a
   // callback runs.
   void NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) EFDL_REQUIRES(mu_);
@@ -69,6 +75,15 @@ class KeepAliveEngine final
   Mutex mu_;
   std::condition_variable_any notified_;
   std::map<int64_t, Entry> entries_ EFDL_GUARDED_BY(mu_);  // by token
+  // So that one process can keep 10,000 leases (efdl sim, issue #37), nothing here costs
+  // O(leases) per renewal: answers find their lease through by_lease_, and a tick advances only
+  // the clocks that are due (timers_, a heap with stale entries skipped: an entry's time is its
+  // `queued`), the ones added since (fresh_), or all of them when the stream went up or down.
+  std::multimap<int64_t, int64_t> by_lease_ EFDL_GUARDED_BY(mu_);   // lease id -> token
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_
+      EFDL_GUARDED_BY(mu_);
+  std::vector<int64_t> fresh_ EFDL_GUARDED_BY(mu_);
+  bool ticked_up_ EFDL_GUARDED_BY(mu_) = false;   // stream_up() at the last tick
   int64_t next_token_ EFDL_GUARDED_BY(mu_) = 1;
   int64_t notifying_ EFDL_GUARDED_BY(mu_) = 0;  // token whose on_lost runs now
 };

@@ -29,6 +29,7 @@ int64_t WatchEngine::Add(std::string key, std::string range_end, int64_t start_r
     e.progress_notify = progress_notify;
     e.next_revision = start_revision;
     e.callback = std::make_shared<WatchCallback>(std::move(callback));
+    waiting_.push_back(id);
   }
   Wake();
   return id;
@@ -85,8 +86,14 @@ TimePoint WatchEngine::OnTick(TimePoint /*now*/) {
     SendCancel(server_id);
   }
   cancels_.clear();
-  for (auto& [id, e] : entries_) {
-    if (e.phase != Phase::kWaiting) continue;
+  while (!waiting_.empty()) {
+    const int64_t id = waiting_.front();
+    auto it = entries_.find(id);
+    if (it == entries_.end() || it->second.phase != Phase::kWaiting) {
+      waiting_.pop_front();   // removed meanwhile, or queued twice
+      continue;
+    }
+    Entry& e = it->second;
     etcdserverpb::WatchRequest request;
     auto* create = request.mutable_create_request();
     create->set_key(e.key);
@@ -94,6 +101,7 @@ TimePoint WatchEngine::OnTick(TimePoint /*now*/) {
     create->set_start_revision(e.next_revision);
     create->set_progress_notify(e.progress_notify);
     if (!Send(std::move(request))) break;
+    waiting_.pop_front();
     e.phase = Phase::kCreating;
     creating_.push_back(id);
   }
@@ -102,9 +110,11 @@ TimePoint WatchEngine::OnTick(TimePoint /*now*/) {
 
 void WatchEngine::OnStreamDown() {
   MutexLock lock(mu_);
+  waiting_.clear();
   for (auto& [id, e] : entries_) {
     e.phase = Phase::kWaiting;
     e.server_id = -1;
+    waiting_.push_back(id);   // every watch is created again on the next stream, in id order
   }
   cancels_.clear();  // the server dropped every watch of the broken stream
   creating_.clear();

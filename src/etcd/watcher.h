@@ -68,6 +68,10 @@ class WatchEngine final
   Mutex mu_;
   std::condition_variable_any delivered_;
   std::map<int64_t, Entry> entries_ EFDL_GUARDED_BY(mu_);
+  // Ids whose create request has not gone out on this stream (phase kWaiting), in order: OnTick
+  // sends only these, so a tick costs O(new watches), not O(all watches) (issue #37: one
+  // process with 30,000 watches on one stream).
+  std::deque<int64_t> waiting_ EFDL_GUARDED_BY(mu_);
   std::deque<int64_t> cancels_ EFDL_GUARDED_BY(mu_);  // server ids to cancel on this stream
   int64_t next_id_ EFDL_GUARDED_BY(mu_) = 1;
   int64_t delivering_ EFDL_GUARDED_BY(mu_) = 0;       // id whose callback runs now

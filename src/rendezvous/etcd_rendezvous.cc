@@ -7,7 +7,8 @@
 // watches queue, the timers, and the dispatch of both, on one thread.
 //
 // Threading: each EtcdRendezvous owns one driver thread that runs the whole state machine and
-// makes every etcd call. Watch and keep-alive callbacks only append an Input to a queue (under
+// makes every etcd call. With a DriverPool (efdl sim, issue #37) the same steps run as the node's
+// strand on a thread shared with other nodes, never on two threads at once. Watch and keep-alive callbacks only append an Input to a queue (under
 // in_mu_, which is never held while calling etcd or destroying a watch), so they never block
 // the client's shared watch thread. Public methods other than Join/Leave only queue inputs too.
 #include <fmt/format.h>
@@ -75,12 +76,18 @@ void EtcdRendezvous::RequestResync() {
 }
 
 void EtcdRendezvous::Push(Input in) {
+  bool wake_strand = false;
   {
     MutexLock lock(in_mu_);
     if (stop_) return;
     inputs_.push_back(std::move(in));
+    wake_strand = pool_ != nullptr && driving_;
   }
-  in_cv_.notify_one();
+  if (wake_strand) {
+    pool_->Wake(strand_);
+  } else {
+    in_cv_.notify_one();
+  }
 }
 
 void EtcdRendezvous::Emit(Event e) {
@@ -152,15 +159,30 @@ void EtcdRendezvous::DriverLoop() {
     std::deque<Input> batch;
     batch.swap(inputs_);
     lock.unlock();
-    for (auto& in : batch) {
-      if (!finished_) Handle(in);
-    }
-    if (!finished_) {
-      OnTimers();
-      coordinator_.Step(Clock::now());
-    }
+    RunBatch(batch);
     lock.lock();
   }
+}
+
+void EtcdRendezvous::RunBatch(std::deque<Input>& batch) {
+  for (auto& in : batch) {
+    if (!finished_) Handle(in);
+  }
+  if (!finished_) {
+    OnTimers();
+    coordinator_.Step(Clock::now());
+  }
+}
+
+std::optional<TimePoint> EtcdRendezvous::PoolStep() {
+  std::deque<Input> batch;
+  {
+    MutexLock lock(in_mu_);
+    if (stop_) return std::nullopt;
+    batch.swap(inputs_);
+  }
+  RunBatch(batch);
+  return NextDeadline();
 }
 
 std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
@@ -386,8 +408,9 @@ void EtcdRendezvous::Resync() {
 }
 }  // namespace internal
 
-std::unique_ptr<Rendezvous> NewEtcdRendezvous(etcd::Client& client, RendezvousOptions options) {
-  return std::make_unique<internal::EtcdRendezvous>(client, std::move(options));
+std::unique_ptr<Rendezvous> NewEtcdRendezvous(etcd::Client& client, RendezvousOptions options,
+                                              DriverPool* pool) {
+  return std::make_unique<internal::EtcdRendezvous>(client, std::move(options), pool);
 }
 
 }  // namespace efdl::rdzv

@@ -18,6 +18,7 @@
 #include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "rendezvous/coordinator.h"
+#include "rendezvous/driver_pool.h"
 #include "rendezvous/node_rules.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/registration.h"
@@ -51,13 +52,15 @@ inline Event MakeEvent(Event::Type type, int64_t round, bool graceful, std::stri
   return e;
 }
 
-// One node's side of the protocol. Owns the driver thread, this node's Registration and the
-// Coordinator it runs while the round record names it (as that coordinator's host).
+// One node's side of the protocol. Owns the driver thread (or, with a DriverPool, its strand on
+// the pool: the same steps, on a thread shared with other nodes), this node's Registration and
+// the Coordinator it runs while the round record names it (as that coordinator's host).
 class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
  public:
-  EtcdRendezvous(etcd::Client& client, RendezvousOptions options)
+  EtcdRendezvous(etcd::Client& client, RendezvousOptions options, DriverPool* pool = nullptr)
       : client_(client),
         opt_(std::move(options)),
+        pool_(pool),
         keys_(opt_.job_id),
         registration_(client_, keys_, opt_.job_id, opt_.node_id, RegistrationCallbacks()),
         coordinator_(client_, keys_,
@@ -89,6 +92,10 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void Push(Input in);
   void Emit(Event e);
   void DriverLoop();
+  // One step of the driver: the queued inputs, then the timers and the coordinator's step. The
+  // driver thread loops over it; a DriverPool runs it as the node's strand.
+  void RunBatch(std::deque<Input>& batch);
+  std::optional<TimePoint> PoolStep();
   void Handle(Input& in);
   void Resync();
   std::optional<TimePoint> NextDeadline() const;
@@ -141,6 +148,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
 
   etcd::Client& client_;
   const RendezvousOptions opt_;
+  DriverPool* const pool_;        // null: the node has its own driver thread
   const JobKeys keys_;
 
   Mutex in_mu_;
@@ -148,12 +156,15 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   std::deque<Input> inputs_ EFDL_GUARDED_BY(in_mu_);
   bool stop_ EFDL_GUARDED_BY(in_mu_) = false;
   bool left_ EFDL_GUARDED_BY(in_mu_) = false;
+  bool driving_ EFDL_GUARDED_BY(in_mu_) = false;   // Join handed the node to its driver
 
   Mutex ev_mu_;
   std::condition_variable_any ev_cv_;
   std::deque<Event> events_ EFDL_GUARDED_BY(ev_mu_);
 
   std::thread driver_;
+  std::shared_ptr<DriverPool::Strand> strand_;    // on pool_, from Join on
+  bool joined_ = false;
 
   // Everything below is owned by the driver thread (and by Join before the thread starts, and
   // by Leave after it stopped).

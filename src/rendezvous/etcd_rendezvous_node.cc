@@ -54,12 +54,22 @@ Status EtcdRendezvous::Join() {
         "--nnodes {}:{} is invalid: need 1 <= MIN <= MAX", opt_.min_nodes, opt_.max_nodes));
   }
   if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
-  if (driver_.joinable()) return Status::FailedPrecondition("Join() was already called");
+  if (joined_) return Status::FailedPrecondition("Join() was already called");
   EFDL_RETURN_IF_ERROR(CheckSameProgram());
   Status s = Register();
   if (s.code() == Status::Code::kAlreadyExists) s = WaitOutStaleRegistration(std::move(s));
   EFDL_RETURN_IF_ERROR(s);
-  driver_ = std::thread([this] { DriverLoop(); });
+  joined_ = true;
+  if (pool_ != nullptr) {
+    strand_ = pool_->NewStrand([this] { return PoolStep(); });
+    {
+      MutexLock lock(in_mu_);
+      driving_ = true;
+    }
+    pool_->Wake(strand_);   // as the thread's first pass: Join may have left work to do
+  } else {
+    driver_ = std::thread([this] { DriverLoop(); });
+  }
   return Status::OK();
 }
 
@@ -417,6 +427,7 @@ void EtcdRendezvous::Leave() {
   }
   in_cv_.notify_all();
   if (driver_.joinable()) driver_.join();
+  if (strand_) pool_->Close(strand_);
   if (!finished_) {
     ReleaseRegistration(true);
   } else if (registration_.lease() != 0) {

@@ -1,6 +1,10 @@
 #include "rendezvous/sim.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -15,8 +19,9 @@
 
 #include "common/log.h"
 #include "common/thread_annotations.h"
-#include "rendezvous/protocol.h"
+#include "rendezvous/driver_pool.h"
 #include "rendezvous/etcd_rendezvous.h"
+#include "rendezvous/protocol.h"
 #include "rendezvous/rendezvous.h"
 
 namespace efdl::rdzv {
@@ -148,11 +153,33 @@ double CpuSeconds() {
   return tv(ru.ru_utime) + tv(ru.ru_stime);
 }
 
+// CPU seconds another process used so far (utime + stime of /proc/<pid>/stat); -1: unknown.
+double ProcessCpuSeconds(int pid) {
+  if (pid <= 0) return -1;
+  std::FILE* f = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[1024];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // Fields after the command name (which may hold spaces) start behind the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return -1;
+  unsigned long long utime = 0, stime = 0;
+  if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+                  &stime) != 2) {
+    return -1;
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
 // The harness: owns the simulated nodes and follows their events on one thread.
 class Harness {
  public:
   Harness(etcd::Client& client, const SimOptions& options)
-      : client_(client), opt_(options), rng_(options.seed) {}
+      : client_(client), opt_(options), rng_(options.seed) {
+    if (opt_.driver_threads > 0) pool_ = std::make_unique<DriverPool>(opt_.driver_threads);
+  }
   ~Harness() { Shutdown(); }
 
   // Creates a node and joins it to the job.
@@ -217,7 +244,7 @@ class Harness {
       }
       cv_.notify_one();
     };
-    node->rdzv = NewEtcdRendezvous(*node->client, std::move(o));
+    node->rdzv = NewEtcdRendezvous(*node->client, std::move(o), pool_.get());
     nodes_.push_back(std::move(node));
     return Status::OK();
   }
@@ -374,6 +401,7 @@ class Harness {
   SimOptions opt_;
   std::mt19937 rng_;
   TrafficCounters counters_;
+  std::unique_ptr<DriverPool> pool_;              // before nodes_: they leave before it stops
   std::vector<std::unique_ptr<SimNode>> nodes_;
   std::vector<int64_t> pending_revokes_;
   std::string last_killed_;
@@ -391,6 +419,7 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
   Harness h(client, options);
   SimReport report;
   report.nodes = options.nodes;
+  report.driver_threads = options.driver_threads;
 
   // Runs one scenario: `trigger`, then wait for a round of `expect` nodes; counts the traffic
   // until that moment plus a short settle for the coordinator's trailing status write.
@@ -399,11 +428,14 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
     s.name = name;
     h.counters().Reset();
     double cpu0 = CpuSeconds();
+    double etcd_cpu0 = ProcessCpuSeconds(options.etcd_pid);
     auto t0 = Clock::now();
     Status st = trigger();
     if (st.ok()) st = h.WaitFormed(expect());
     s.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     s.agent_cpu_ms_per_node = (CpuSeconds() - cpu0) * 1000.0 / options.nodes;
+    double etcd_cpu1 = ProcessCpuSeconds(options.etcd_pid);
+    s.etcd_cpu_ms = etcd_cpu0 < 0 || etcd_cpu1 < 0 ? -1 : (etcd_cpu1 - etcd_cpu0) * 1000.0;
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     s.ok = st.ok();
     s.error = st.ok() ? "" : st.message();
@@ -487,6 +519,7 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
 std::string SimReport::ToJson() const {
   nlohmann::json j;
   j["nodes"] = nodes;
+  j["driver_threads"] = driver_threads;
   j["baseline_seconds"] = baseline_seconds;
   j["steady_cpu_percent_per_node"] = steady_cpu_percent_per_node;
   j["steady_requests_per_node_per_min"] = steady_requests_per_node_per_min;
@@ -500,6 +533,7 @@ std::string SimReport::ToJson() const {
                    {"bytes", s.bytes},
                    {"watch_events", s.watch_events},
                    {"agent_cpu_ms_per_node", s.agent_cpu_ms_per_node},
+                   {"etcd_cpu_ms", s.etcd_cpu_ms},
                    {"error", s.error}});
   }
   j["scenarios"] = arr;

@@ -1,6 +1,7 @@
 // Scale simulation: many nodes' real Rendezvous objects in one process, sharing one
 // etcd::Client (one watch stream, one keep-alive stream), so the etcd traffic is exactly what
-// N agents would send. Only the workers are simulated: a node "runs" a round by recording its
+// N agents would send. The nodes' driver steps run on a small DriverPool (driver_pool.h: many
+// nodes per thread, issue #37) or, as the first simulator did, on one thread per node. Only the workers are simulated: a node "runs" a round by recording its
 // kRoundStarted event. Used by `efdl sim` and bench/scale.py; see docs/scale.md.
 #pragma once
 
@@ -67,6 +68,10 @@ struct SimOptions {
   std::chrono::milliseconds scenario_timeout{std::chrono::seconds(120)};
   uint32_t seed = 1;
   int join_threads = 64;   // nodes joining at the same time during formation
+  // Threads that drive all the nodes (DriverPool); 0: one driver thread per node, as a real
+  // agent runs it (the first simulator: 5,000 threads on 2 cores never formed).
+  int driver_threads = 32;
+  int etcd_pid = 0;        // the etcd process, to report its CPU per scenario (0: unknown)
 };
 
 // One measured scenario: from the trigger to the moment every expected node had started the
@@ -80,11 +85,13 @@ struct SimScenario {
   int64_t bytes = 0;                      // sent + received
   int64_t watch_events = 0;
   double agent_cpu_ms_per_node = 0;       // this process's CPU during the scenario / nodes
+  double etcd_cpu_ms = 0;                 // the etcd process's CPU during the scenario (-1: unknown)
   std::string error;
 };
 
 struct SimReport {
   int nodes = 0;
+  int driver_threads = 0;                 // SimOptions::driver_threads (0: a thread per node)
   double baseline_seconds = 0;            // N concurrent puts seen by one watch (raw etcd)
   std::vector<SimScenario> scenarios;
   double steady_cpu_percent_per_node = 0; // idle job: CPU of one node as % of a core

@@ -192,5 +192,26 @@ TEST_F(RealEtcdTest, ScaleSimRunsEveryScenarioWithLinearTraffic) {
   EXPECT_LE(report->scenarios[1].requests, o.nodes + 15) << report->ToJson();
 }
 
+// Both simulators (issue #37): 60 nodes on 2 shared driver threads, and one thread per node,
+// form and re-round with the same linear traffic (one killed node: N acks plus a handful).
+TEST_F(RealEtcdTest, ScaleSimOnTwoDriverThreadsMatchesAThreadPerNode) {
+  SimOptions o;
+  o.nodes = 60;
+  o.liveness_window = 300ms;
+  for (int threads : {2, 0}) {
+    o.job_id = fmt::format("simpool{}", threads);
+    o.driver_threads = threads;
+    auto report = RunScaleSim(*client_, o);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ASSERT_EQ(report->scenarios.size(), 5u);
+    for (const auto& s : report->scenarios) {
+      EXPECT_TRUE(s.ok) << threads << " threads, " << s.name << ": " << s.error;
+      EXPECT_LT(s.seconds, 10) << s.name;
+    }
+    EXPECT_EQ(report->driver_threads, threads);
+    EXPECT_LE(report->scenarios[1].requests, o.nodes + 15) << report->ToJson();
+  }
+}
+
 }  // namespace
 }  // namespace efdl::rdzv
