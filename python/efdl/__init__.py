@@ -16,6 +16,30 @@ __version__ = "0.1.0"
 _LAZY_SUBMODULES = ("backend", "data", "resume")
 
 
+def progress(step=None, expect_pause=None):
+    """Reports progress to this worker's agent (hang detection, docs/operations.md "Hangs");
+    also efdl.backend.torch.progress. State.commit() reports by itself."""
+    from efdl import _progress
+    _progress.progress(step, expect_pause)
+
+
+def pause_expected(seconds):
+    """`with efdl.pause_expected(S): ...`: a known stretch of up to S seconds without progress."""
+    from efdl import _progress
+    return _progress.pause_expected(seconds)
+
+
+def _arm_stack_dump_under_efdl_run():
+    # Cheap outside `efdl run`: only a worker of an agent loads the compiled module here.
+    from efdl import _env
+    if _env.under_agent():
+        from efdl import _progress
+        _progress.arm_stack_dump()
+
+
+_arm_stack_dump_under_efdl_run()
+
+
 def __getattr__(name):
     if name in _LAZY_SUBMODULES:
         return importlib.import_module("efdl." + name)

@@ -170,6 +170,9 @@ def _serve(fd, ready):
     if coerced is not None:
         os.environ["LC_CTYPE"] = coerced
     argv = list(msg["argv"])
+    # Hang detection (issue #32): this process' stacks go where its agent reads them.
+    from efdl import _progress
+    _progress.arm_stack_dump()
     global _modules_before_program
     _modules_before_program = set(sys.modules)
     if os.environ.get(IMPORTS_DIR_ENV):

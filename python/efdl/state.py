@@ -53,7 +53,7 @@ import time
 import warnings
 import weakref
 
-from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts, _rounds
+from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts, _progress, _rounds
 from efdl._manifest import program_name
 from efdl._parts import SnapshotMismatchError
 
@@ -285,6 +285,7 @@ class State(_rounds.InProcessRounds):
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
         step = d["_values"].get("step", d["_commits"])
+        _progress.beat(step)   # hang detection: this rank made progress (a few stores)
         stop = self._stop_agreed()
         d["_commits"] += 1
         if not stop and d["_interval"] > 1:

@@ -140,6 +140,7 @@ int Agent::RunUntilDone() {
     return 1;
   }
   control_ = std::move(control).value();
+  StartHangMonitor();
   if (!TakeArenaHolder()) return 1;
   if (!options_.launcher) {
     // A launcher's workers persist themselves: their ranks are the inner launcher's business.
@@ -188,6 +189,7 @@ int Agent::RunUntilDone() {
   while (true) {
     if (const int sig = PendingSignal(); sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
+    CheckHang();
     ServeFlushRequests();
     ServeInProcessFailures();
     if (spares_) {
@@ -223,6 +225,9 @@ std::optional<int> Agent::PollWorkers() {
       break;
   }
   const int64_t round = group_->round();
+  // Stalled for most of the hang timeout: another node ended the hang's cause, which broke
+  // these workers' collectives (a failure of that node, not of this one).
+  const bool collateral = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
   WorkerExit failure = *group_->first_failure();
   std::string detail =
       fmt::format("rank {} {}", failure.rank, DescribeWaitStatus(failure.wait_status));
@@ -232,6 +237,7 @@ std::optional<int> Agent::PollWorkers() {
   rdzv_.ReportWorkerFailure(round, detail);
   pending_failure_ =
       PendingFailure{round, assignment_.nnodes, detail, last_connect_error_, last_failure_tail_};
+  pending_failure_->collateral = collateral;
   return std::nullopt;
 }
 
@@ -340,7 +346,10 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     return std::nullopt;
   }
   const int restart_count = rounds_started_++;
-  if (group_ && ContinueInProcess(a, restart_count)) return std::nullopt;
+  if (group_ && ContinueInProcess(a, restart_count)) {
+    ArmHangMonitor(/*fresh=*/false);
+    return std::nullopt;
+  }
   WorkerGroupOptions wg;
   wg.argv = options_.command;
   // A round after the job's first resumes it (a crash, a join or leave, a suspend, agents
@@ -384,12 +393,18 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     return 1;
   }
   group_ = std::move(group).value();
+  ArmHangMonitor(/*fresh=*/true);
   return std::nullopt;
 }
 
 std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   if (!pending_failure_) return std::nullopt;
   const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
+  if (f.collateral) {
+    EFDL_LOG_INFO("round {} failure ({}) came from a hang whose cause was on another node: not "
+                  "counted as a restart", f.round, f.detail);
+    return std::nullopt;
+  }
   if (!a.standby && a.nnodes < f.nnodes) {
     // A peer left with the failure: its loss broke our workers; not our failure.
     EFDL_LOG_INFO("round {} failure ({}) came with a node leaving: not counted as a restart",
@@ -499,6 +514,7 @@ void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_a
                         const std::vector<int>& terminate_now) {
   horovod_server_.reset();   // the round is over for this node
   group_paused_ = false;
+  if (hang_) hang_->Disarm();
   if (!group_) return;
   const int64_t round = group_->round();
   if (group_->running() > 0) {

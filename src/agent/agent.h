@@ -24,6 +24,7 @@
 #include "agent/worker_group.h"
 #include "common/group_reaper.h"
 #include "common/net.h"
+#include "health/hang_monitor.h"
 #include "rendezvous/rendezvous.h"
 #include "snapshot/arena_dir.h"
 
@@ -75,12 +76,21 @@ struct AgentOptions {
   // The zygote also imports what the program's workers imported (zygote.h, "Learning the
   // program's imports"); --no-learn-imports: only EFDL_PRELOAD_MODULES.
   bool learn_imports = true;
+  // `efdl run --hang-timeout` (issue #32, src/health/hang_rules.h): < 0 auto (the default), 0
+  // off, > 0 the running timeout in seconds.
+  double hang_timeout_s = -1;
   std::chrono::milliseconds poll_interval{std::chrono::milliseconds(50)};
   int out_fd = STDOUT_FILENO;              // where prefixed worker output goes
   int err_fd = STDERR_FILENO;
   // Polled every loop turn: a signal number (SIGTERM, SIGINT) means shut down; 0 means go on.
   std::function<int()> poll_signal;
 };
+
+// Hang detection runs (issue #32): not turned off, not --launcher, and the agent has a directory
+// of its own (no control_socket_path given) for the board and the stacks.
+inline bool HangDetectionOn(const AgentOptions& options) {
+  return options.hang_timeout_s != 0 && !options.launcher && options.control_socket_path.empty();
+}
 
 // The environment one worker gets for `assignment` (the torchrun-compatible set plus EFDL_*
 // and Horovod's HOROVOD_*).
@@ -123,6 +133,9 @@ class Agent {
     std::string detail;                               // "rank N exited with status 1", ...
     std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
     std::vector<std::string> stderr_tail;             // the failing rank's last stderr lines
+    // The workers failed because a rank of another node hung and was ended there (its
+    // collectives broke ours): that node's failure, not counted here.
+    bool collateral = false;
   };
 
   // Each returns an exit code when the agent must end.
@@ -146,6 +159,14 @@ class Agent {
   // A worker's report that a collective of the current round failed: the round is redone.
   void ServeInProcessFailures();
   int RunUntilDone();   // Run() less the wait for retiring workers
+  // Hang detection (agent_health.cc, issue #32; docs/operations.md "Hangs").
+  void StartHangMonitor();
+  // The round's workers started (`fresh`) or continue in-process: their progress is watched.
+  void ArmHangMonitor(bool fresh);
+  // A rank of this node made no progress for its timeout: writes every local worker's stack;
+  // ends this node's workers when one of them caused it (a failure of this node), else waits
+  // for the culprit's node, and ends them too if the hang outlasts another timeout.
+  void CheckHang();
   int Shutdown(int signal);
   // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
   int Suspend(const rdzv::Event& event);
@@ -212,6 +233,15 @@ class Agent {
   // The workers' snapshots go to storage from here (null with --launcher or before Run()).
   std::unique_ptr<AgentPersister> persister_;
   std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
+  // Watches the workers' progress (null: --hang-timeout 0, --launcher, or no board).
+  std::unique_ptr<health::HangMonitor> hang_;
+  // A hang with no cause on this node: its workers' next failure is collateral; and when it
+  // outlasts this deadline, this node's workers are ended too.
+  bool hang_elsewhere_ = false;
+  // A worker failure after every local rank was silent this long (a fraction of the hang
+  // timeout) is collateral of a hang another node ended.
+  static constexpr double kCollateralStall = 0.8;
+  std::optional<std::chrono::steady_clock::time_point> hang_fallback_at_;
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;
   bool saw_round_ = false;  // any round (standby included) reached this node

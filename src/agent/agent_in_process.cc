@@ -109,6 +109,8 @@ void Agent::ServeInProcessFailures() {
                   f.round, detail);
     rdzv_.ReportWorkerFailure(f.round, detail);
     pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}};
+    pending_failure_->collateral =
+        hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
   }
 }
 

@@ -347,6 +347,20 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.max_nodes = nodes.max;
   a.max_restarts = f.max_restarts;
   a.stop_grace = Millis(f.stop_grace_s);
+  if (f.hang_timeout == "auto" || f.hang_timeout.empty()) {
+    a.hang_timeout_s = -1;
+  } else {
+    char* end = nullptr;
+    const double t = std::strtod(f.hang_timeout.c_str(), &end);
+    if (end == f.hang_timeout.c_str() || *end != '\0' || !(t >= 0) || !std::isfinite(t) ||
+        t > kMaxSeconds) {
+      return Status::InvalidArgument(fmt::format(
+          "--hang-timeout {} is not a number of seconds: give seconds without progress before "
+          "a rank is declared hung, 0 to turn hang detection off, or auto (the default)",
+          f.hang_timeout));
+    }
+    a.hang_timeout_s = t;
+  }
   const bool prestart_fits = !f.launcher && ParsePythonCommand(f.command).has_value();
   if (f.prestart == PrestartMode::kOn && !prestart_fits) {
     return Status::InvalidArgument(

@@ -37,6 +37,7 @@ struct RunFlags {
   double join_timeout_s = 600;
   int max_restarts = 3;
   double stop_grace_s = 10;
+  std::string hang_timeout = "auto";         // --hang-timeout: "auto", 0 (off) or seconds
   std::string log_dir;
   std::string snapshot_dir = "efdl-snapshots";
   PrestartMode prestart = PrestartMode::kAuto;  // pre-started python workers (SparePool)

@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "agent/zygote.h"
+#include "health/progress_board.h"
 #include "common/log.h"
 
 namespace efdl::agent {
@@ -52,8 +53,9 @@ int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age
       const std::string file = inner.path().filename().string();
       if (file == "control.sock") {
         has_socket = true;
-      } else if (!IsImportReportName(file, /*or_partial=*/true)) {
-        ++others;   // the agent's own files are its socket and the workers' import reports
+      } else if (!IsImportReportName(file, /*or_partial=*/true) &&
+                 !health::IsHealthFileName(file)) {
+        ++others;   // the agent's own files: its socket, import reports, progress board, stacks
       }
     }
     if (list_ec || others > 0) continue;

@@ -2,12 +2,14 @@
 // (LauncherEnvironment), declared in agent.h: torchrun's variables, EFDL's, Horovod's and the
 // socket interface for gloo/NCCL.
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <string>
 
 #include "agent/agent.h"
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
+#include "health/progress_board.h"
 
 namespace efdl::agent {
 
@@ -108,6 +110,15 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
       {"TORCHELASTIC_USE_AGENT_STORE", a.agent_store ? "True" : "False"},
   };
   if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
+  // Hang detection (src/health): the progress board and the stacks live in the agent's own
+  // directory, beside its control socket (agent_health.cc creates the board there).
+  if (HangDetectionOn(options) && !control_socket.empty()) {
+    const std::string dir = std::filesystem::path(control_socket).parent_path().string();
+    env[health::kBoardEnv] = dir + "/" + health::kBoardFile;
+    env[health::kSlotEnv] = std::to_string(local_rank);
+    env[health::kStackDirEnv] = dir;
+    env[health::kStackSignalEnv] = std::to_string(health::kStackSignal);
+  }
   // The agent's AgentPersister writes storage; the workers only commit to shared memory.
   if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
   AddCommon(options, a, restart_count, env);

@@ -172,6 +172,13 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   OptionWithEnv(run, "--stop-grace", f.stop_grace_s,
                 "seconds a stopping worker gets before SIGTERM, and again before SIGKILL",
                 "EFDL_STOP_GRACE");
+  OptionWithEnv(run, "--hang-timeout", f.hang_timeout,
+                "seconds a rank may make no progress (State.commit(), efdl.progress()) before "
+                "it is declared hung: its stack is logged and the node that caused the hang "
+                "ends its workers; 0: off; auto: the larger of 180 s and 10x the slowest recent "
+                "interval between progress reports (600 s before a round's first), and never "
+                "for a program that does not report",
+                "EFDL_HANG_TIMEOUT");
   OptionWithEnv(run, "--log-dir", f.log_dir,
                 "also write each worker's output to DIR/<node id>/round-R.rank-N.log",
                 "EFDL_LOG_DIR");
@@ -209,7 +216,7 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   // The defaults as the flags hold them, shown in --help as [VALUE] (docs/agent.md lists them;
   // tests/python/test_e2e_cli.py checks that the two agree).
   for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",
-                           "--stop-grace", "--snapshot-dir"}) {
+                           "--stop-grace", "--hang-timeout", "--snapshot-dir"}) {
     run->get_option(name)->capture_default_str();
   }
   run->add_option("command", f.command, "the training command, after --")->expected(-1);

@@ -8,13 +8,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "efdl/snapshot.h"
+#include "health/progress_board.h"
 #include "python/fast_commit.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/persist_settings.h"
@@ -278,4 +282,37 @@ PYBIND11_MODULE(_efdl, m) {
            })
       .def_property_readonly("hits", &FastCommit::hits)
       .def_property_readonly("misses", &FastCommit::misses);
+
+  // The progress board (src/health/progress_board.h, issue #32): a worker's reports to its agent.
+  namespace health = efdl::health;
+  m.attr("PROGRESS_BOARD_ENV") = health::kBoardEnv;
+  m.attr("PROGRESS_SLOT_ENV") = health::kSlotEnv;
+  m.attr("STACK_DIR_ENV") = health::kStackDirEnv;
+  m.attr("STACK_SIGNAL_ENV") = health::kStackSignalEnv;
+  struct Slot {
+    std::unique_ptr<health::ProgressBoard> board;
+    int slot = 0;
+  };
+  py::class_<Slot>(m, "ProgressSlot",
+                   "This worker's slot of its agent's progress board (a few stores per report).")
+      .def(py::init([](const std::string& path, int slot) {
+             auto board = Unwrap(health::ProgressBoard::Open(path));
+             if (slot < 0 || slot >= board->slots()) {
+               Raise(efdl::Status::InvalidArgument("progress slot out of range"));
+             }
+             return Slot{std::move(board), slot};
+           }),
+           py::arg("path"), py::arg("slot"))
+      .def(
+          "beat",
+          [](Slot& s, int64_t step) {
+            s.board->Beat(s.slot, step, static_cast<int32_t>(::getpid()));
+          },
+          py::arg("step") = -1)
+      .def(
+          "expect_pause",
+          [](Slot& s, double seconds) {
+            s.board->ExpectPause(s.slot, seconds, static_cast<int32_t>(::getpid()));
+          },
+          py::arg("seconds"));
 }

@@ -48,10 +48,14 @@ TEST(RemoveStaleAgentDirs, RemovesOnlyDirectoriesOfDeadAgents) {
   BoundSocket(base / "efdl-agent-dead02" / "control.sock", /*close_it=*/true);
   std::ofstream(base / "efdl-agent-dead02" / "imports-41-7.json") << "[\"numpy\"]\n";
   std::ofstream(base / "efdl-agent-dead02" / "imports-42-9.json.tmp") << "[\"nu";
+  // ... and its hang detection's progress board and a worker's stack dump (issue #32).
+  std::ofstream(base / "efdl-agent-dead02" / "progress.board") << "board";
+  std::ofstream(base / "efdl-agent-dead02" / "stack-4242.txt") << "Thread 0x1\n";
   int live = BoundSocket(base / "efdl-agent-live01" / "control.sock", /*close_it=*/false);
   std::ofstream(base / "efdl-agent-live01" / "imports-43-1.json") << "[]\n";
   BoundSocket(base / "efdl-agent-other1" / "control.sock", /*close_it=*/true);
   std::ofstream(base / "efdl-agent-other1" / "keep.txt") << "not ours to delete\n";
+  std::ofstream(base / "efdl-agent-other1" / "stack-notapid.txt") << "neither\n";
   BoundSocket(base / "unrelated-dir" / "control.sock", /*close_it=*/true);
   // An empty directory from long ago vs one an agent may have just made.
   fs::last_write_time(base / "efdl-agent-empty1",

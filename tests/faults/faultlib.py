@@ -47,8 +47,8 @@ import cluster  # noqa: E402
 
 PYTHON = "/usr/bin/python3"
 WORKER = os.path.join(HERE, "worker.py")
-LINE_RE = re.compile(r"^(?:\[rank \d+\] )?(RESUME|STEP|COMMIT|ACK|DONE|HANGING|FAILING) (.*) "
-                     r"t=([\d.]+)$")
+LINE_RE = re.compile(r"^(?:\[rank \d+\] )?"
+                     r"(RESUME|STEP|COMMIT|ACK|DONE|HANGING|FAILING|PAUSING) (.*) t=([\d.]+)$")
 
 
 def efdl_bin():

@@ -41,21 +41,6 @@ def rng(request):
     return random.Random(seed)
 
 
-@pytest.fixture
-def make_job():
-    jobs = []
-
-    def make(name, **kwargs):
-        job = faultlib.Job(name, **kwargs)
-        jobs.append(job)
-        job.start_etcd()
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
-
-
 def node_of_rank(job, rank):
     steps = job.events({"STEP"})
     last = max(e["round"] for e in steps)

@@ -66,21 +66,6 @@ def default_ttl():
     return float(m.group(1))
 
 
-@pytest.fixture
-def make_job():
-    jobs = []
-
-    def make(name, **kwargs):
-        job = faultlib.Job(name, **kwargs)
-        jobs.append(job)
-        job.start_etcd()
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
-
-
 # -- etcd ------------------------------------------------------------------------------------
 
 def round_record(job):

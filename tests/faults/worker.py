@@ -32,6 +32,9 @@ environment so every node runs the same command line:
   FAULT_MARK_DIR     a directory where one-shot faults leave a marker so they happen once
   FAULT_PG_TIMEOUT   the process group's timeout in seconds (default 30)
   FAULT_FAIL         "RANK:STEP": that rank exits 3 at that step (every time it gets there)
+  FAULT_PAUSE        "STEP:SECONDS": every rank announces a pause (efdl.pause_expected) at that
+                     step and sleeps that long, as an evaluation would (hang detection must not
+                     fire); once per job
   FAULT_IGNORE_TERM  a rank, or "all": that rank ignores SIGTERM (installed before State, which
                      then keeps its hands off SIGTERM)
   FAULT_ANNOUNCE     1: also announce each commit in FAULT_MARK_DIR by creating
@@ -126,6 +129,9 @@ def main():
     ballast_mb = int(os.environ.get("FAULT_BALLAST_MB", "0"))
     hang = rank_step(os.environ.get("FAULT_HANG"))
     fail = rank_step(os.environ.get("FAULT_FAIL"))
+    pause = os.environ.get("FAULT_PAUSE")
+    pause_step, pause_s = (int(pause.split(":")[0]), float(pause.split(":")[1])) if pause else (
+        None, 0.0)
     ignore_term = os.environ.get("FAULT_IGNORE_TERM")
     if ignore_term in ("all", os.environ.get("RANK")):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -159,6 +165,10 @@ def main():
             say("HANGING", round=round_, rank=rank, step=state.step)
             while True:
                 time.sleep(3600)
+        if state.step == pause_step and once("pause-%d" % rank):
+            say("PAUSING", round=round_, rank=rank, step=state.step, seconds=int(pause_s))
+            with efdl.pause_expected(pause_s * 1.5):
+                time.sleep(pause_s)
         if fail is not None and (rank, state.step) == fail:
             say("FAILING", round=round_, rank=rank, step=state.step)
             sys.exit(3)

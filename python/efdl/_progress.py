@@ -1,0 +1,102 @@
+"""Progress reports from a worker to its agent, and the stack dump on a hang (issue #32).
+
+Each State.commit() reports progress (one store into the node's progress board, shared memory
+the agent maps: src/health/progress_board.h owns its layout and the variable names below); a
+program without State calls efdl.progress(). Under `efdl run`, a rank whose reports stop for the
+hang timeout is declared hung: its agent writes every local worker's Python stack (faulthandler,
+armed here on the signal the agent names) and ends the rank that caused it (docs/operations.md,
+"Hangs"). Outside `efdl run` every function here does nothing.
+"""
+
+import contextlib
+import os
+
+_board = {"key": None, "slot": None}   # the cached writer, keyed by (board path, slot)
+_armed = {"pid": None, "file": None}
+_env_names = {}   # the variables' names, from their owner (src/health/progress_board.h)
+
+
+def _name(what):
+    """The name of one of the agent's variables, bound from C++ (None without _efdl)."""
+    if not _env_names:
+        try:
+            from efdl import _efdl
+        except ImportError:
+            return None
+        _env_names.update(board=_efdl.PROGRESS_BOARD_ENV, slot=_efdl.PROGRESS_SLOT_ENV,
+                          stack_dir=_efdl.STACK_DIR_ENV, stack_signal=_efdl.STACK_SIGNAL_ENV)
+    return _env_names[what]
+
+
+def _slot():
+    """The ProgressSlot writer of this worker, or None outside `efdl run` (or without a board)."""
+    board_env = _name("board")
+    path = os.environ.get(board_env) if board_env else None
+    if not path:
+        return None
+    key = (path, os.environ.get(_name("slot")))
+    if _board["key"] != key:
+        _board["key"] = key
+        _board["slot"] = None
+        try:
+            from efdl import _efdl
+            _board["slot"] = _efdl.ProgressSlot(path, int(key[1]))
+        except (ValueError, TypeError, RuntimeError):
+            _board["slot"] = None   # no board (detection off): no reports
+    return _board["slot"]
+
+
+def beat(step=None):
+    """One progress report (State.commit() calls this at every call)."""
+    s = _slot()
+    if s is not None:
+        s.beat(-1 if step is None or not isinstance(step, int) else step)
+
+
+def progress(step=None, expect_pause=None):
+    """Tells this worker's agent that the program made progress (a training step).
+
+    Programs with efdl.State need not call it: every State.commit() reports. `expect_pause`:
+    seconds of a known stretch without progress that starts now (an evaluation, a first step
+    that compiles); the hang timeout counts from its end. Outside `efdl run`, does nothing.
+    """
+    s = _slot()
+    if s is None:
+        return
+    s.beat(-1 if step is None or not isinstance(step, int) else step)
+    if expect_pause is not None:
+        s.expect_pause(float(expect_pause))
+
+
+@contextlib.contextmanager
+def pause_expected(seconds):
+    """`with efdl.pause_expected(600): evaluate()`: no hang is declared for this worker for up
+    to `seconds` while the block runs; leaving the block reports progress and ends the pause."""
+    s = _slot()
+    if s is not None:
+        s.expect_pause(float(seconds))
+    try:
+        yield
+    finally:
+        if s is not None:
+            s.expect_pause(0.0)
+            s.beat(-1)
+
+
+def arm_stack_dump():
+    """Arms faulthandler so that the agent's stack signal writes every thread's Python stack to
+    EFDL_STACK_DIR/stack-<pid>.txt (done once per process; a forked spare arms its own)."""
+    if _name("stack_dir") is None:
+        return
+    d = os.environ.get(_name("stack_dir"))
+    sig = os.environ.get(_name("stack_signal"))
+    if not d or not sig or _armed["pid"] == os.getpid():
+        return
+    try:
+        import faulthandler
+        f = open(os.path.join(d, "stack-%d.txt" % os.getpid()), "a")
+        faulthandler.register(int(sig), file=f, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        return   # the agent then says this worker wrote no stack
+    _armed["pid"] = os.getpid()
+    _armed["file"] = f   # faulthandler writes to its fd: keep it open
