@@ -227,7 +227,7 @@ std::optional<int> Agent::PollWorkers() {
   const int64_t round = group_->round();
   // Stalled for most of the hang timeout: another node ended the hang's cause, which broke
   // these workers' collectives (a failure of that node, not of this one).
-  const bool collateral = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
+  const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
   WorkerExit failure = *group_->first_failure();
   std::string detail =
       fmt::format("rank {} {}", failure.rank, DescribeWaitStatus(failure.wait_status));
@@ -235,9 +235,16 @@ std::optional<int> Agent::PollWorkers() {
   // The round is broken for every node: peers wait in collectives that cannot complete.
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
   rdzv_.ReportWorkerFailure(round, detail);
-  pending_failure_ =
-      PendingFailure{round, assignment_.nnodes, detail, last_connect_error_, last_failure_tail_};
-  pending_failure_->collateral = collateral;
+  pending_failure_ = PendingFailure{round,
+                                    assignment_.nnodes,
+                                    detail,
+                                    last_connect_error_,
+                                    last_failure_tail_,
+                                    CollateralCause(stalled, last_failure_tail_)};
+  if (!pending_failure_->collateral.empty()) {
+    EFDL_LOG_WARN("round {}: {} because {}: not this node's failure", round, detail,
+                  pending_failure_->collateral);
+  }
   return std::nullopt;
 }
 
@@ -400,9 +407,9 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
 std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   if (!pending_failure_) return std::nullopt;
   const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
-  if (f.collateral) {
-    EFDL_LOG_INFO("round {} failure ({}) came from a hang whose cause was on another node: not "
-                  "counted as a restart", f.round, f.detail);
+  if (!f.collateral.empty()) {
+    EFDL_LOG_INFO("round {} failure ({}) came from {}: not counted as a restart", f.round,
+                  f.detail, f.collateral);
     return std::nullopt;
   }
   if (!a.standby && a.nnodes < f.nnodes) {
@@ -426,6 +433,7 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   }
   EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
                 f.detail, f.round);
+  rdzv_.ReportRestarts(restarts_);   // efdl status shows the counted failures only
   return std::nullopt;
 }
 

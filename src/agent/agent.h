@@ -133,10 +133,15 @@ class Agent {
     std::string detail;                               // "rank N exited with status 1", ...
     std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
     std::vector<std::string> stderr_tail;             // the failing rank's last stderr lines
-    // The workers failed because a rank of another node hung and was ended there (its
-    // collectives broke ours): that node's failure, not counted here.
-    bool collateral = false;
+    // Not this node's failure (issue #32, blame): why - another node's rank hung and was ended
+    // there, or a collective lost a peer that crashed, raised or exited. Logged, not counted.
+    // Empty: this node's own failure.
+    std::string collateral;
   };
+
+  // Why a failure of this node's workers is collateral ("" when it is its own): a hang whose
+  // cause another node ended, or a worker whose stderr says its collective lost a peer.
+  std::string CollateralCause(bool stalled, const std::vector<std::string>& stderr_tail) const;
 
   // Each returns an exit code when the agent must end.
   std::optional<int> HandleEvent(const rdzv::Event& event);

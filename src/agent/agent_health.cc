@@ -12,6 +12,24 @@
 
 namespace efdl::agent {
 
+std::string Agent::CollateralCause(bool stalled, const std::vector<std::string>& tail) const {
+  if (stalled) return "a hang whose cause was on another node";
+  // A collective that lost its peer (the peer crashed, raised, exited or was ended): gloo's
+  // "Connection closed by peer" / "Connection reset by peer", a broken pipe, NCCL's remote
+  // error. The peer's own node counts that failure.
+  static constexpr std::string_view kPeerLost[] = {
+      "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+      "NCCL error: remote process exited", "remote process exited or there was a network error"};
+  for (const auto& line : tail) {
+    for (auto mark : kPeerLost) {
+      if (line.find(mark) != std::string::npos) {
+        return fmt::format("a collective that lost a peer ({})", mark);
+      }
+    }
+  }
+  return "";
+}
+
 void Agent::StartHangMonitor() {
   if (!HangDetectionOn(options_)) return;
   const std::string dir = std::filesystem::path(socket_path_).parent_path().string();
@@ -47,8 +65,8 @@ void Agent::CheckHang() {
     group_->Close();
     StopWorkers(/*graceful=*/false, detail);
     rdzv_.ReportWorkerFailure(round, detail);
-    pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}};
-    pending_failure_->collateral = true;   // nobody can be blamed: counted against nobody
+    pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+    pending_failure_->collateral = "a hang whose cause no node found";   // counted against nobody
     return;
   }
   if (!hang_->armed()) return;
@@ -96,7 +114,7 @@ void Agent::CheckHang() {
   group_->Close();   // SIGKILL: a stopped or stuck process answers nothing else
   StopWorkers(/*graceful=*/false, detail);
   rdzv_.ReportWorkerFailure(round, detail);
-  pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}};
+  pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
 }
 
 }  // namespace efdl::agent

@@ -105,12 +105,15 @@ void Agent::ServeInProcessFailures() {
     if (!group_ || group_paused_ || f.round != group_->round() || pending_failure_) continue;
     const std::string detail = fmt::format("rank {}: a collective failed ({})", f.rank,
                                            f.message);
+    // Under efdl.elastic.run the worker itself is alive: its collective failed because a peer
+    // went away, hung or raised - that peer's node counts the failure, not this one.
     EFDL_LOG_WARN("round {}: {}; the round is formed again, the workers wait in-process",
                   f.round, detail);
     rdzv_.ReportWorkerFailure(f.round, detail);
-    pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}};
-    pending_failure_->collateral =
-        hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
+    pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+    const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
+    pending_failure_->collateral = stalled ? CollateralCause(true, {})
+                                           : "a collective that lost a peer (its node counts it)";
   }
 }
 

@@ -81,6 +81,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
     return registration_.MayPublish(committed_at);
   }
   void OfferAgentStore(uint16_t port) override { agent_store_port_.store(port); }
+  void ReportRestarts(int restarts) override { counted_restarts_.store(restarts); }
   void NoteNoPrestart(const std::string& why) override {
     MutexLock lock(note_mu_);
     no_prestart_ = why;
@@ -184,7 +185,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   int64_t started_round_ = 0;
   bool started_standby_ = false;
   int64_t fenced_round_ = 0;
-  int restarts_ = 0;
+  int restarts_ = 0;                    // failures reported (ReportWorkerFailure)
+  std::atomic<int> counted_restarts_{-1};   // ReportRestarts (the agent's thread); -1: none yet
   std::atomic<uint16_t> agent_store_port_{0};   // OfferAgentStore (set by the agent's thread)
   Mutex note_mu_;
   std::string no_prestart_ EFDL_GUARDED_BY(note_mu_);   // NoteNoPrestart (the agent's thread)

@@ -234,7 +234,8 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
   AckRecord ack;
   ack.round = round;
   ack.state = state;
-  ack.restarts = restarts_;
+  const int counted = counted_restarts_.load();
+  ack.restarts = counted >= 0 ? counted : restarts_;
   {
     MutexLock lock(note_mu_);
     ack.no_prestart = no_prestart_;

@@ -130,6 +130,11 @@ class Rendezvous {
   // From the next ack on, tells `efdl status` that this node runs without pre-started workers
   // and why (one line; src/agent/spare_pool.h). Thread-safe. Doubles need not override it.
   virtual void NoteNoPrestart(const std::string& why) { (void)why; }
+  // From the next ack on, `efdl status` shows `restarts` as this node's RESTARTS: the failures
+  // its agent counted against --max-restarts (a collateral failure - a peer's crash, hang or
+  // bug broke this node's collectives - is reported but not counted). Until the first call,
+  // every reported failure counts. Thread-safe. Doubles need not override it.
+  virtual void ReportRestarts(int restarts) { (void)restarts; }
   // This node leaves the job for good because its workers kept failing: records `reason` and
   // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
   // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.

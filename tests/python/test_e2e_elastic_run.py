@@ -276,3 +276,38 @@ def test_a_horovod_elastic_program_keeps_its_processes_across_a_kill_and_a_join(
     assert len(epochs) == 8 and all(line.endswith("processed=480 of 480") for line in epochs), \
         epochs
     assert sorted({s[3] for s in hsteps_of(a)}) == [2, 3], "sizes 3, 2 after the kill, 3"
+
+
+@pytest.mark.parametrize("mode", ["in-process", "restart"])
+def test_a_program_that_raises_on_one_rank_is_blamed_on_that_node_only(job, mode):
+    """Issue #32, blame: rank 1's program raises ValueError at step 40, every time (a bug). The
+    node that runs rank 1 counts its failures and gives up; the healthy node's collectives lose
+    their peer each time, which it logs as collateral and never counts: it does not give up
+    first, and `efdl status` names the node with the bug."""
+    env = {"WORKER_STEPS": "200", "WORKER_STEP_TIME": "0.02", "WORKER_RAISE": "1:40"}
+    if mode == "restart":
+        env["WORKER_MODE"] = "restart"
+    command = [cluster.PYTHON, WORKER]
+    a = job.start_agent("node-a", env=env, command=command, nnodes="2:2")
+    b = job.start_agent("node-b", env=env, command=command, nnodes="2:2")
+    wait_world([a, b], 2, 0)
+    for agent in (a, b):
+        agent.wait(120)
+    out = {x.name: x.output() for x in (a, b)}
+    # Which node ran rank 1 in the first round: the one whose worker raised.
+    buggy = next(x.name for x in (a, b) if "ValueError: a bug in the program" in out[x.name])
+    healthy = "node-b" if buggy == "node-a" else "node-a"
+    agent_lines = {n: "\n".join(line for line in text.splitlines()
+                                if not line.startswith("[rank"))
+                   for n, text in out.items()}
+    assert re.search(r"giving up: rank 1 exited with status 1", agent_lines[buggy]), out[buggy]
+    assert "restart 1 of" not in agent_lines[healthy], agent_lines[healthy]
+    assert "giving up" not in agent_lines[healthy], agent_lines[healthy]
+    assert re.search(r"came from a collective that lost a peer.*not counted as a restart",
+                     agent_lines[healthy]), agent_lines[healthy]
+    assert "node %s gave up" % buggy in agent_lines[healthy], agent_lines[healthy]
+    status = subprocess.run([cluster.efdl_bin(), "status", "--etcd", job.endpoint, "--job",
+                             job.job, "--json"], capture_output=True, text=True, timeout=30)
+    data = json.loads(status.stdout)
+    assert set(data["gave_up"]) == {buggy}, status.stdout
+    assert "rank 1 exited with status 1" in data["gave_up"][buggy]["reason"], status.stdout

@@ -13,7 +13,9 @@ and at the end, on every rank:
 Environment: WORKER_STEPS (default 300), WORKER_STEP_TIME (seconds per step, 0.03),
 WORKER_MODE (restart: the loop without efdl.elastic.run, State built after efdl.init()),
 WORKER_DEVICE (cpu; cuda: the model and batches on this process' first visible GPU, so
-efdl.elastic.run builds NCCL groups).
+efdl.elastic.run builds NCCL groups), WORKER_RAISE ("RANK:STEP": that rank raises ValueError at
+that step, every time it gets there, as a bug in the program would), WORKER_EXIT0 ("RANK:STEP":
+that rank returns from the program with status 0 at that step, once per job: WORKER_MARK_DIR).
 """
 
 import json
@@ -40,6 +42,25 @@ def params_of(model):
     return [round(float(v), 6) for p in model.parameters() for v in p.detach().flatten()]
 
 
+def rank_step(text):
+    return tuple(int(x) for x in text.split(":")) if text else None
+
+
+RAISE = rank_step(os.environ.get("WORKER_RAISE"))
+EXIT0 = rank_step(os.environ.get("WORKER_EXIT0"))
+
+
+def once(name):
+    marks = os.environ.get("WORKER_MARK_DIR")
+    if not marks:
+        return True
+    try:
+        os.close(os.open(os.path.join(marks, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def main():
     torch.manual_seed(1)
     model = torch.nn.Linear(8, 4)
@@ -59,6 +80,11 @@ def main():
         world, rank = efdl.get_world_size(), efdl.get_rank()
         per_rank = GLOBAL_BATCH // world
         while state.step < STEPS:
+            if RAISE == (rank, state.step):
+                raise ValueError("a bug in the program at step %d" % state.step)
+            if EXIT0 == (rank, state.step) and once("exit0"):
+                print("EXITING0 rank=%d step=%d" % (rank, state.step), flush=True)
+                sys.exit(0)
             start = (state.step * GLOBAL_BATCH) % len(DATA)
             rows = torch.arange(start + rank * per_rank, start + (rank + 1) * per_rank) % len(DATA)
             optimizer.zero_grad()
