@@ -23,6 +23,7 @@
 #include "agent/spare_pool.h"
 #include "agent/worker_group.h"
 #include "common/group_reaper.h"
+#include "common/job_spec.h"
 #include "common/net.h"
 #include "health/hang_monitor.h"
 #include "rendezvous/rendezvous.h"
@@ -34,22 +35,18 @@ class RendezvousServer;
 
 namespace efdl::agent {
 
-struct AgentOptions {
-  std::string job_id;
-  std::string node_id;
+// The job's identity (job and node id, nproc, min/max nodes, world size: >0 a fragmented job,
+// here only for messages; advertise_addr: this node's numeric address, MASTER_ADDR when it is
+// rank 0, for messages) plus how this agent runs its workers.
+struct AgentOptions : JobSpec {
   std::vector<std::string> command;        // the worker program and its arguments
-  int nproc = 1;
-  int min_nodes = 1;
-  int max_nodes = 1;
   int max_restarts = 3;                    // worker failures this agent tolerates
   std::chrono::milliseconds stop_grace{std::chrono::seconds(10)};
   std::string log_dir;                     // empty: worker output only to our stdout/stderr
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
   std::string job_secret;                  // passed to workers as EFDL_JOB_SECRET; never logged
   std::string control_socket_path;         // empty: control.sock in a private temp directory
-  // This node's advertise address (numeric; MASTER_ADDR when it is rank 0), for messages.
-  std::string advertise_addr;
-  // The interface that holds it (PlanRun: ChooseNetwork). Workers and --launcher processes get
+  // The interface that holds advertise_addr (PlanRun: ChooseNetwork). Workers and --launcher processes get
   // it as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the agent's own environment sets
   // those, and as HOROVOD_GLOO_IFACE; empty: none of them is set.
   std::string gloo_iface;
@@ -64,7 +61,6 @@ struct AgentOptions {
   // One process per node (a third-party launcher such as torchrun) with LauncherEnvironment()
   // instead of `nproc` workers with WorkerEnvironment().
   bool launcher = false;
-  int world_size = 0;                      // >0: fragmented job (only for messages here)
   // Python commands: keep a pre-started worker per local rank (SparePool) to activate at the
   // next round instead of spawning one.
   bool prestart = false;

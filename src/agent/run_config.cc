@@ -76,21 +76,6 @@ Result<NodeRange> ParseNodeRange(std::string_view spec) {
   return r;
 }
 
-Status ValidateId(std::string_view what, std::string_view id) {
-  auto allowed = [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           c == '.' || c == '_' || c == '-';
-  };
-  bool ok = !id.empty() && id.size() <= 128 && id[0] != '.' && id[0] != '-';
-  for (char c : id) ok = ok && allowed(c);
-  if (!ok) {
-    return Status::InvalidArgument(fmt::format(
-        "{} '{}' is not valid: use 1-128 letters, digits, '.', '_' or '-', not starting with "
-        "'.' or '-'", what, id));
-  }
-  return Status::OK();
-}
-
 int DefaultNprocPerNode() {
   if (const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES"); cvd != nullptr) {
     std::string_view s(cvd);
@@ -388,22 +373,18 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
                                           std::chrono::seconds(30)));
   }
 
-  rdzv::RendezvousOptions& r = plan.rendezvous;
-  r.job_id = job;
-  r.node_id = node_id;
   // Where the peers reach this node, and the interface the workers' gloo/NCCL use for it
   // (docs/operations.md, "Networking").
   EFDL_ASSIGN_OR_RETURN(NetworkInputs net,
                         SystemNetworkInputs(f.etcd_endpoints, f.advertise_addr, f.iface));
   EFDL_ASSIGN_OR_RETURN(NetworkChoice choice, ChooseNetwork(net));
-  r.advertise_addr = choice.address;
   a.advertise_addr = choice.address;
   a.gloo_iface = choice.iface;
   plan.network = std::move(choice);
-  r.nproc = a.nproc;
-  r.min_nodes = nodes.min;
-  r.max_nodes = nodes.max;
-  r.world_size = f.world_size;
+
+  // The rendezvous runs under the agent's identity: one JobSpec, copied whole.
+  rdzv::RendezvousOptions& r = plan.rendezvous;
+  static_cast<JobSpec&>(r) = static_cast<const JobSpec&>(a);
   r.ttl = Millis(f.ttl_s);
   r.last_call = Millis(f.last_call_s);
   r.join_timeout = Millis(f.join_timeout_s);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "common/job_spec.h"
 #include "common/net.h"
 #include "efdl/status.h"
 #include "rendezvous/rendezvous.h"
@@ -63,9 +64,6 @@ struct NodeRange {
 
 // "N" or "MIN:MAX", 1 <= MIN <= MAX.
 Result<NodeRange> ParseNodeRange(std::string_view spec);
-// Job and node ids become etcd key segments and file names: 1-128 of [A-Za-z0-9._-], not
-// starting with '.' or '-'.
-Status ValidateId(std::string_view what, std::string_view id);
 // Visible GPUs: CUDA_VISIBLE_DEVICES when set, else /dev/nvidia<N> device files, else 1.
 int DefaultNprocPerNode();
 // "<host>-<pid>-<4 random hex>": unique among agents on one machine and across restarts.

@@ -19,6 +19,7 @@
 #include "etcd/private_dirs.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
+#include "rendezvous/suspend.h"
 #include "security/job_secret.h"
 
 namespace efdl::cli {
@@ -108,6 +109,17 @@ int RunAgent(const RunArgs& args) {
   plan->agent.job_secret = std::move(secret).value();
   auto rendezvous = rdzv::NewEtcdRendezvous(**client, plan->rendezvous);
   plan->agent.poll_signal = TakePendingShutdownSignal;
+  // A suspended job is refused, and a complete one starts no spares, before any worker is
+  // pre-started (the join would say so only after the spares imported the program).
+  plan->agent.check_before_start = [&client, job = plan->agent.job_id]() -> Status {
+    auto info = rdzv::ReadSuspension(**client, job);
+    if (!info.ok()) return Status::OK();  // the join reads it again and says what is wrong
+    if (info->suspended()) {
+      return Status::FailedPrecondition(rdzv::SuspendedJobMessage(job, info->point));
+    }
+    if (info->phase == rdzv::Phase::kComplete) return Status::AlreadyExists("complete");
+    return Status::OK();
+  };
   int code;
   {
     agent::Agent node(plan->agent, *rendezvous);

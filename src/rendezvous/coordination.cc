@@ -197,7 +197,7 @@ StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorCon
       for (const auto& [id, m] : v.registered) {
         if (Excluded(v, id)) continue;
         ++count;
-        if (id == cfg.self) continue;
+        if (id == cfg.node_id) continue;
         oldest.push_back({m.create_revision, &id});
         std::sort(oldest.begin(), oldest.end());
         if (oldest.size() > kMaxDeputies) oldest.pop_back();
@@ -296,7 +296,7 @@ RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const Coordinato
   RoundRecord next = round;
   if (round.phase != Phase::kGathering) next.round = round.round + 1;
   next.phase = Phase::kProposed;
-  next.coordinator = cfg.self;
+  next.coordinator = cfg.node_id;
   next.graceful = graceful;
   next.message = why;
   ClearLayout(next);
@@ -358,7 +358,7 @@ FinalizeAction DecideFinalize(JobView& v, const RoundRecord& round,
   act.next.agent_store = plan.agent_store;
   act.next.horovod_port =
       plan.members.empty() ? 0 : OfferedHorovodPort(v.acks, plan.members.front().id, round.round);
-  act.next.deputies = PickDeputies(v, order, cfg.self);
+  act.next.deputies = PickDeputies(v, order, cfg.node_id);
   act.history = fmt::format("round {} formed: {} nodes, world size {}, {} standby, {} left out",
                             round.round, plan.members.size(), plan.world_size,
                             plan.standbys.size(), v.unresponsive.size());

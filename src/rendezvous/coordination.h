@@ -26,12 +26,8 @@ using CoordTime = CoordClock::time_point;
 // At most this many deputies are named in the round record.
 inline constexpr size_t kMaxDeputies = 3;
 
-struct CoordinatorConfig {
-  std::string job_id;
-  std::string self;                    // the coordinating node's id
-  int min_nodes = 1;
-  int max_nodes = 1;
-  int world_size = 0;                  // >0: fragmented mode
+// The job's identity (common/job_spec.h; node_id is the coordinating node's id) plus timing.
+struct CoordinatorConfig : JobSpec {
   std::chrono::milliseconds last_call{0};
   std::chrono::milliseconds liveness_window{0};
   PlanLimits plan() const { return {min_nodes, max_nodes, world_size}; }

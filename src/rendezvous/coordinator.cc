@@ -18,7 +18,7 @@ constexpr size_t kMaxStatusEvents = 32;
 }  // namespace
 
 void Coordinator::Record(const std::string& message) {
-  EFDL_LOG_INFO("rdzv {} (coordinator of {}): {}", cfg_.self, cfg_.job_id, message);
+  EFDL_LOG_INFO("rdzv {} (coordinator of {}): {}", cfg_.node_id, cfg_.job_id, message);
   history_.push_back({{"time", WallClockTimestamp()}, {"message", message}});
   while (history_.size() > kMaxStatusEvents) history_.pop_front();
 }
@@ -33,7 +33,7 @@ void Coordinator::Start() {
                                etcd::TxnOp::Get(keys_.assign, true),
                                etcd::TxnOp::Get(keys_.status)});
   if (!snap.ok() || snap->gets.size() != 4) {
-    EFDL_LOG_WARN("rdzv {}: cannot read the job to coordinate it: {}", cfg_.self,
+    EFDL_LOG_WARN("rdzv {}: cannot read the job to coordinate it: {}", cfg_.node_id,
                   snap.ok() ? "short answer" : snap.status().ToString());
     host_.RequestResync();
     return;
@@ -115,7 +115,7 @@ void ForEachRecord(const std::vector<etcd::WatchEvent>& events, const std::strin
 
 void Coordinator::OnNodesEvents(const std::vector<etcd::WatchEvent>& events) {
   ForEachRecord<NodeRecord>(
-      events, keys_.nodes, "node", cfg_.self,
+      events, keys_.nodes, "node", cfg_.node_id,
       [&](const std::string& id, const etcd::KeyValue& kv, const NodeRecord& rec) {
         Execute(OnNodeRegistered(view_, host_.round(), id, {kv.create_revision, rec}, cfg_));
       },
@@ -124,7 +124,7 @@ void Coordinator::OnNodesEvents(const std::vector<etcd::WatchEvent>& events) {
 
 void Coordinator::OnAckEvents(const std::vector<etcd::WatchEvent>& events) {
   ForEachRecord<AckRecord>(
-      events, keys_.ack, "ack", cfg_.self,
+      events, keys_.ack, "ack", cfg_.node_id,
       [&](const std::string& id, const etcd::KeyValue&, const AckRecord& rec) {
         Execute(OnAck(view_, host_.round(), id, rec, cfg_, CoordClock::now()));
       },
@@ -204,7 +204,7 @@ void Coordinator::Finalize() {
       ops.clear();
       if (!txn.ok() || !txn->succeeded) {
         if (!txn.ok()) {
-          EFDL_LOG_WARN("rdzv {}: writing assignments failed: {}", cfg_.self,
+          EFDL_LOG_WARN("rdzv {}: writing assignments failed: {}", cfg_.node_id,
                         txn.status().ToString());
         }
         host_.RereadRound();
@@ -266,14 +266,14 @@ void Coordinator::WriteStatus() {
                        {"nproc", known ? it->second.record.nproc : 0}});
   }
   json st = {{"round", host_.round().round},
-             {"coordinator", cfg_.self},
+             {"coordinator", cfg_.node_id},
              {"members", members},
              {"standbys", json(std::vector<std::string>(view_.standbys.begin(),
                                                         view_.standbys.end()))},
              {"events", json(std::vector<json>(history_.begin(), history_.end()))}};
   auto put = client_.Put(keys_.status, st.dump());
   if (!put.ok()) {
-    EFDL_LOG_WARN("rdzv {}: cannot write the job status: {}", cfg_.self,
+    EFDL_LOG_WARN("rdzv {}: cannot write the job status: {}", cfg_.node_id,
                   put.status().ToString());
   }
 }

@@ -64,8 +64,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
         keys_(opt_.job_id),
         registration_(client_, keys_, opt_.job_id, opt_.node_id, RegistrationCallbacks()),
         coordinator_(client_, keys_,
-                     {opt_.job_id, opt_.node_id, opt_.min_nodes, opt_.max_nodes,
-                      opt_.world_size, opt_.last_call, opt_.liveness_window},
+                     {static_cast<const JobSpec&>(opt_), opt_.last_call, opt_.liveness_window},
                      *this) {}
   ~EtcdRendezvous() override { Leave(); }
 

@@ -15,7 +15,7 @@ namespace efdl::rdzv {
 using nlohmann::json;
 
 JobKeys::JobKeys(const std::string& job_id)
-    : prefix("/efdl/" + job_id + "/"),
+    : prefix(JobKeyPrefix(job_id)),
       nodes(prefix + "nodes/"),
       assign(prefix + "assign/"),
       ack(prefix + "ack/"),
@@ -24,22 +24,6 @@ JobKeys::JobKeys(const std::string& job_id)
       complete(prefix + "complete"),
       suspended(prefix + "suspended/"),
       gaveup(prefix + "gaveup/") {}
-
-Status ValidateId(const std::string& what, const std::string& id) {
-  if (id.empty() || id.size() > 128) {
-    return Status::InvalidArgument(
-        fmt::format("{} '{}' must be 1 to 128 characters long", what, id));
-  }
-  for (char ch : id) {
-    bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-              ch == '.' || ch == '_' || ch == '-';
-    if (!ok) {
-      return Status::InvalidArgument(fmt::format(
-          "{} '{}' contains '{}': use only letters, digits, '.', '_' and '-'", what, id, ch));
-    }
-  }
-  return Status::OK();
-}
 
 namespace {
 constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete", "suspended"};

@@ -84,6 +84,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/job_spec.h"
 #include "efdl/status.h"
 
 namespace efdl::rdzv {
@@ -91,7 +92,7 @@ namespace efdl::rdzv {
 // Key layout of one job.
 struct JobKeys {
   explicit JobKeys(const std::string& job_id);
-  std::string prefix;          // /efdl/<job>/
+  std::string prefix;          // JobKeyPrefix(job): /efdl/<job>/
   std::string nodes;           // prefix + "nodes/"
   std::string assign;          // prefix + "assign/"
   std::string ack;             // prefix + "ack/"
@@ -109,8 +110,8 @@ struct JobKeys {
   std::string Ack(const std::string& id) const { return ack + id; }
 };
 
-// Job ids and node ids become parts of etcd keys and file names: [A-Za-z0-9._-], 1..128 chars.
-Status ValidateId(const std::string& what, const std::string& id);
+// Job ids and node ids: the one rule of common/job_spec.h.
+using efdl::ValidateId;
 
 enum class Phase { kGathering, kProposed, kActive, kComplete, kSuspended };
 const char* PhaseName(Phase phase);

@@ -14,18 +14,13 @@
 #include <utility>
 #include <vector>
 
+#include "common/job_spec.h"
 #include "efdl/status.h"
 
 namespace efdl::rdzv {
 
-struct RendezvousOptions {
-  std::string job_id;
-  std::string node_id;
-  std::string advertise_addr;          // host other nodes use to reach this node (MASTER_ADDR)
-  int nproc = 1;                       // worker processes on this node
-  int min_nodes = 1;
-  int max_nodes = 1;
-  int world_size = 0;                  // >0: fragmented mode, the round's procs must sum to this
+// The job's identity (common/job_spec.h) plus the rendezvous's timing.
+struct RendezvousOptions : JobSpec {
   std::chrono::milliseconds ttl{std::chrono::seconds(10)};
   std::chrono::milliseconds last_call{std::chrono::seconds(3)};
   std::chrono::milliseconds join_timeout{std::chrono::seconds(600)};

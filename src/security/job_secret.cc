@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "common/job_spec.h"
+
 namespace efdl::security {
 
 namespace {
@@ -34,7 +36,7 @@ bool IsValidSecret(const std::string& secret) {
 }
 
 std::string JobSecretKey(const std::string& job_id) {
-  return fmt::format("/efdl/{}/secret", job_id);
+  return JobKeyPrefix(job_id) + "secret";
 }
 
 Result<std::string> EnsureJobSecret(etcd::Client& client, const std::string& job_id) {

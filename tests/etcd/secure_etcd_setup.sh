@@ -60,7 +60,7 @@ job_roles() {
   export ETCDCTL_API=3
   local job
   for job in "$@"; do
-    if [[ ! $job =~ ^[A-Za-z0-9._-]{1,128}$ ]]; then  # rdzv::ValidateId's rule
+    if [[ ! $job =~ ^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$ ]]; then  # ValidateId's rule (common/job_spec.h)
       echo "$0: job id '$job' is not a valid EFDL job id" >&2
       exit 2
     fi

@@ -99,14 +99,25 @@ def test_suspended_two_node_job_resumes_at_the_next_step_and_sample(cluster):
     doc = json.loads(out[out.index("{"):])
     assert rc == 0 and doc["suspended"] and doc["suspended_step"] == step, out
     assert doc["phase"] == "suspended"
+    # The example commits its epoch (a State keyword argument): the epoch of step S.
+    epoch = [k[1] for k in before if k[2] == step][0]
+    assert doc["suspended_epoch"] == epoch, out
+    rc, out = efdl(cluster, "status")
+    first = out.splitlines()[0]
+    assert re.match(r"job %s: SUSPENDED after round \d+ at step %d \(epoch %d, snapshot \d+\); "
+                    r"`efdl resume --job %s` continues it from there$"
+                    % (cluster.job, step, epoch, cluster.job), first), out
+    assert "world size 0" not in out and "master :0" not in out, out
 
     late = cluster.start_agent("c", env=cluster.test_env, nnodes="2:2", command=cmd)
     assert late.wait(30) != 0
-    # The snapshot the job resumes from, named by step and commit sequence (and epoch, when
-    # the program commits one).
-    assert re.search(r"job %s is suspended at step %d \((epoch \d+, )?snapshot \d+\); run "
-                     r"`efdl resume --job %s` to continue" % (cluster.job, step, cluster.job),
+    # The snapshot the job resumes from, named by step, epoch and commit sequence.
+    assert re.search(r"job %s is suspended at step %d \(epoch %d, snapshot \d+\); run "
+                     r"`efdl resume --job %s` to continue" % (cluster.job, step, epoch,
+                                                              cluster.job),
                      late.output()), late.output()[-2000:]
+    # Refused before it pre-started (and imported) any worker.
+    assert "pre-starting" not in late.output(), late.output()[-2000:]
 
     rc, out = efdl(cluster, "resume")
     assert rc == 0 and "resumed" in out, out
@@ -157,7 +168,8 @@ def test_suspend_without_a_snapshot_still_stops_and_says_so(cluster):
     assert a.wait(30) == 0, a.output()[-3000:]
     assert "suspended; no snapshot of it" in a.output()
     rc, out = efdl(cluster, "status")
-    assert rc == 0 and "SUSPENDED (no persisted step reported yet)" in out, out
+    assert rc == 0 and re.search(r"SUSPENDED after round \d+ \(no persisted step reported yet\)",
+                                 out), out
     # Resuming twice is an error that says why.
     assert efdl(cluster, "resume")[0] == 0
     rc, out = efdl(cluster, "resume")

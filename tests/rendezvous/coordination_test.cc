@@ -9,7 +9,15 @@ namespace {
 using std::chrono::milliseconds;
 
 CoordinatorConfig Config(int min_nodes, int max_nodes, int world_size = 0) {
-  return {"job", "a", min_nodes, max_nodes, world_size, milliseconds(3000), milliseconds(400)};
+  CoordinatorConfig cfg;
+  cfg.job_id = "job";
+  cfg.node_id = "a";
+  cfg.min_nodes = min_nodes;
+  cfg.max_nodes = max_nodes;
+  cfg.world_size = world_size;
+  cfg.last_call = milliseconds(3000);
+  cfg.liveness_window = milliseconds(400);
+  return cfg;
 }
 
 RoundRecord Round(int64_t r, Phase phase) {

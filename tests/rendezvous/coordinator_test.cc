@@ -143,7 +143,15 @@ class CoordinatorTest : public ::testing::Test {
   testing::MemoryEtcd etcd_;
   JobKeys keys_;
   Host host_;
-  CoordinatorConfig config_{"job", "a", 1, 2, 0, milliseconds(3000), milliseconds(400)};
+  CoordinatorConfig config_ = [] {
+    CoordinatorConfig cfg;
+    cfg.job_id = "job";
+    cfg.node_id = "a";
+    cfg.max_nodes = 2;
+    cfg.last_call = milliseconds(3000);
+    cfg.liveness_window = milliseconds(400);
+    return cfg;
+  }();
 };
 
 TEST_F(CoordinatorTest, FormsARoundFromRegistrationsAndAcksAndWritesItsStatus) {

@@ -397,8 +397,14 @@ class World {
 
  private:
   CoordinatorConfig CoordCfg(const Node& n) const {
-    return {"job", n.id, cfg_.min_nodes, cfg_.max_nodes, 0, Ms(cfg_.last_call),
-            Ms(cfg_.window)};
+    CoordinatorConfig c;
+    c.job_id = "job";
+    c.node_id = n.id;
+    c.min_nodes = cfg_.min_nodes;
+    c.max_nodes = cfg_.max_nodes;
+    c.last_call = Ms(cfg_.last_call);
+    c.liveness_window = Ms(cfg_.window);
+    return c;
   }
   CoordTime T() const { return CoordTime{} + Ms(now_); }
   void Trace(const std::string& s) { trace_.push_back("t=" + std::to_string(now_) + " " + s); }

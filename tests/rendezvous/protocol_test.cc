@@ -107,7 +107,9 @@ TEST(ValidateIdTest, RejectsWhatEtcdKeysAndPathsCannotTake) {
   EXPECT_TRUE(ValidateId("job id", "job-1_a.b").ok());
   Status s = ValidateId("job id", "a/b");
   EXPECT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("'/'"), std::string::npos);
+  EXPECT_NE(s.message().find("job id 'a/b' is not valid"), std::string::npos);
+  EXPECT_FALSE(ValidateId("job id", ".hidden").ok());
+  EXPECT_FALSE(ValidateId("job id", "-x").ok());
   EXPECT_FALSE(ValidateId("node id", "").ok());
   EXPECT_FALSE(ValidateId("node id", std::string(200, 'x')).ok());
 }

@@ -1,6 +1,7 @@
 // Suspend and resume (src/rendezvous/suspend.h): the records, and the protocol against a real
 // etcd (started on free loopback ports in a temporary directory, stopped at the end) with real
 // EtcdRendezvous nodes.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "efdl/etcd.h"
@@ -153,8 +154,14 @@ TEST_F(SuspendEtcdTest, RunningNodesStopReportAndLeaveNewNodesAreRefusedUntilRes
   EXPECT_TRUE(status->suspended);
   EXPECT_EQ(status->phase, "suspended");
   EXPECT_EQ(status->suspended_step, std::optional<int64_t>(37));
-  EXPECT_NE(status->ToText().find("SUSPENDED at step 37 (epoch 2, snapshot 9)"), std::string::npos)
-      << status->ToText();
+  // The first line says what the job is (no "world size 0, 0 node(s), master :0").
+  const std::string text = status->ToText();
+  EXPECT_EQ(text.substr(0, text.find('\n')),
+            fmt::format("job sjob: SUSPENDED after round {} at step 37 (epoch 2, snapshot 9); "
+                        "`efdl resume --job sjob` continues it from there",
+                        status->round))
+      << text;
+  EXPECT_EQ(text.find("master :0"), std::string::npos) << text;
   EXPECT_NE(status->ToJson().find("\"suspended_step\": 37"), std::string::npos);
 
   auto late = NewEtcdRendezvous(*client_, Opts("c", 1, 2));
