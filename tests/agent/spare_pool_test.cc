@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -431,14 +432,19 @@ TEST_P(SparePoolTest, WaitUntilImportedReturnsOnlyOnceTheSpareFinishedItsImports
   EXPECT_EQ(pool->Importing(), 1u);
   // A started spare is there and importing; a forked one waits for the zygote's imports.
   EXPECT_EQ(pool->pids().size(), Forked() ? 0u : 1u);
+  // The opener notes when it opened the gate; WaitUntilImported must return after that moment
+  // (a measured order of events, not a duration a loaded machine could stretch).
+  std::atomic<int64_t> opened_at{0};
   std::thread opener([&] {
     std::this_thread::sleep_for(300ms);
+    opened_at = std::chrono::steady_clock::now().time_since_epoch().count();
     std::ofstream(dir_.path() + "/go") << "1";
   });
-  const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(pool->WaitUntilImported(nullptr), 0u);
+  const int64_t returned_at = std::chrono::steady_clock::now().time_since_epoch().count();
   opener.join();
-  EXPECT_GE(std::chrono::steady_clock::now() - start, 250ms);  // not before the gate opened
+  ASSERT_NE(opened_at.load(), 0);
+  EXPECT_GT(returned_at, opened_at.load());  // not before the gate opened
   EXPECT_EQ(pool->Importing(), 0u);
   // Still a usable spare: it runs the program for a round.
   auto env = env_;

@@ -108,19 +108,35 @@ TEST(EtcdRecovery, KeptLeaseSurvivesEtcdRestartAndIsLostWhenEtcdStaysDown) {
   ASSERT_NE(etcd, nullptr);
   auto client = ConnectTo(etcd->endpoint(), 1s);
   ASSERT_NE(client, nullptr);
-  // 9 s: the outage below (kill, then a restart that can take several seconds on 2 loaded cores,
-  // then the keeper's reconnect backoff) must stay well inside the TTL counted from the last
-  // renewal, which may have been TTL/3 before the kill.
-  auto lease = client->LeaseGrant(9);
-  ASSERT_TRUE(lease.ok());
-  ASSERT_TRUE(client->Put("/lease/node", "x", lease->id).ok());
+  // 9 s: the outage below (kill, then a restart, then the keeper's reconnect backoff) must stay
+  // well inside the TTL counted from the last renewal, which may have been TTL/3 before the kill.
+  // The restart's length is the machine's, not the product's: the set-up measures it and is
+  // made again (a new lease) when it took more than TTL/3, up to three times.
+  constexpr int kTries = 3;
+  Result<etcd::LeaseGrantResult> lease = Status::Internal("not granted");
   std::atomic<int> lost{0};
-  auto keeper = client->KeepAlive(lease->id, [&] { ++lost; });
-  ASSERT_TRUE(keeper.ok());
-
-  // A short outage (well within the TTL): the keeper reconnects and renews.
-  ASSERT_TRUE(etcd->Kill().ok());
-  ASSERT_TRUE(etcd->Restart().ok());
+  Result<std::unique_ptr<etcd::LeaseKeeper>> keeper = Status::Internal("not kept");
+  for (int attempt = 1;; ++attempt) {
+    lease = client->LeaseGrant(9);
+    ASSERT_TRUE(lease.ok());
+    ASSERT_TRUE(client->Put("/lease/node", "x", lease->id).ok());
+    lost = 0;
+    keeper = client->KeepAlive(lease->id, [&] { ++lost; });
+    ASSERT_TRUE(keeper.ok());
+    // A short outage (well within the TTL): the keeper reconnects and renews.
+    const auto killed = std::chrono::steady_clock::now();
+    ASSERT_TRUE(etcd->Kill().ok());
+    ASSERT_TRUE(etcd->Restart().ok());
+    const auto outage = std::chrono::steady_clock::now() - killed;
+    if (outage <= std::chrono::seconds(lease->ttl_seconds) / 3) break;
+    ASSERT_LT(attempt, kTries) << "set-up failed, not the product: etcd took "
+                               << std::chrono::duration<double>(outage).count()
+                               << " s to restart in each of " << kTries
+                               << " tries; the case needs a restart within TTL/3";
+    std::cerr << "set-up try " << attempt << ": etcd took "
+              << std::chrono::duration<double>(outage).count() << " s to restart; again\n";
+    keeper->reset();
+  }
   std::this_thread::sleep_for(std::chrono::seconds(lease->ttl_seconds));
   EXPECT_EQ(lost.load(), 0);
   auto kv = client->Get("/lease/node");
