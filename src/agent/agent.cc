@@ -62,8 +62,13 @@ std::optional<rdzv::PersistedPoint> NewestStoredPoint(const std::string& snapsho
       if (info.ok()) {
         rdzv::PersistedPoint p{info->manifest.seq, info->manifest.step, std::nullopt};
         auto meta = nlohmann::json::parse(info->manifest.meta_json, nullptr, false);
-        if (meta.is_object() && meta.contains("epoch") && meta["epoch"].is_number_integer()) {
-          p.epoch = meta["epoch"].get<int64_t>();
+        // python/efdl/_manifest.py keeps the keyword arguments under "kwargs" (JSON-exact ones;
+        // the rest are pickled and not read here).
+        if (meta.is_object() && meta.contains("kwargs") && meta["kwargs"].is_object()) {
+          const auto& kwargs = meta["kwargs"];
+          if (kwargs.contains("epoch") && kwargs["epoch"].is_number_integer()) {
+            p.epoch = kwargs["epoch"].get<int64_t>();
+          }
         }
         return p;
       }
@@ -162,7 +167,16 @@ int Agent::RunUntilDone() {
     };
     persister_ = std::make_unique<AgentPersister>(std::move(persist).value());
   }
-  if (options_.prestart && !options_.launcher) StartSparePool();
+  bool prestart = options_.prestart && !options_.launcher;
+  if (options_.check_before_start) {
+    const Status st = options_.check_before_start();
+    if (st.IsFailedPrecondition()) {
+      EFDL_LOG_ERROR("{}", st.message());  // the job is suspended: the line says what to do
+      return 1;
+    }
+    if (st.code() == Status::Code::kAlreadyExists) prestart = false;  // complete
+  }
+  if (prestart) StartSparePool();
   if (spares_) {
     // Joining starts a new round at once, so the running nodes would stop training and wait
     // for our spares' imports: warm them up first, while the job goes on without us.

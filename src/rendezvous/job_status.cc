@@ -152,16 +152,18 @@ std::string JobStatus::ToJson() const {
 
 std::string JobStatus::ToText() const {
   if (!exists) return fmt::format("job {}: no node has registered\n", job_id);
-  std::string out = fmt::format(
-      "job {}: round {} ({}){}, world size {}, {} node(s), master {}:{}\n", job_id, round, phase,
-      complete ? ", COMPLETE" : "", world_size, nnodes, master_addr, master_port);
+  // A suspended or completed job has no live round: its record's world size, node count and
+  // master are zero and empty, so the first line says what the job is instead.
+  std::string out;
   if (suspended) {
-    out += fmt::format("  SUSPENDED {}; `efdl resume --job {}` continues it\n",
-                       suspended_step
-                           ? "at " + DescribeSuspendPoint(SuspendReport{
-                                         suspended_step, "", suspended_seq, suspended_epoch})
-                                      : std::string("(no persisted step reported yet)"),
-                       job_id);
+    out = fmt::format(
+        "job {}: SUSPENDED after round {} {}; `efdl resume --job {}` continues it from there\n",
+        job_id, round,
+        suspended_step
+            ? "at " + DescribeSuspendPoint(SuspendReport{suspended_step, "", suspended_seq,
+                                                         suspended_epoch})
+            : std::string("(no persisted step reported yet)"),
+        job_id);
     for (const auto& [node, step] : suspend_reports) {
       out += fmt::format("  {:<24} stopped, persisted step {}\n", node,
                          step ? std::to_string(*step) : "-");
@@ -169,6 +171,13 @@ std::string JobStatus::ToText() const {
   }
   out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", "NODE", "ADDRESS",
                      "PROCS", "RANK", "STATE", "LAST REPORT", "RESTARTS");
+  } else if (complete) {
+    out = fmt::format("job {}: COMPLETE after round {} (its workers finished); `efdl reset --job "
+                      "{}` lets the job id run again\n",
+                      job_id, round, job_id);
+  } else {
+    out = fmt::format("job {}: round {} ({}), world size {}, {} node(s), master {}:{}\n", job_id,
+                      round, phase, world_size, nnodes, master_addr, master_port);
   for (const auto* list : {&members, &standbys, &waiting}) {
     for (const auto& n : *list) {
       out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", n.id, n.addr,

@@ -115,6 +115,16 @@ def test_heterogeneous_nodes_complete_and_late_agents_exit_zero(job):
 
 def test_below_min_gives_up_after_join_timeout(job):
     a = job.start_agent("node-a", nnodes="2:3", extra=["--join-timeout", "3"])
+    assert "already complete" in late.output(), late.output()
+    # It learnt the job was complete before pre-starting (and importing) any worker.
+    assert "pre-starting" not in late.output(), late.output()
+    # `efdl status` says the job is complete instead of "world size 0, 0 node(s), master :0".
+    proc = subprocess.run([cluster.efdl_bin(), "status", "--etcd", job.endpoint, "--job",
+                           job.job], env=cluster.base_env(), capture_output=True, text=True,
+                          timeout=30)
+    first = proc.stdout.splitlines()[0]
+    assert re.match(r"job %s: COMPLETE after round \d+ \(its workers finished\); `efdl reset "
+                    r"--job %s` lets the job id run again$" % (job.job, job.job), first), proc.stdout
     started = time.monotonic()
     code = a.wait(60)
     assert code != 0
