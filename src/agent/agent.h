@@ -80,12 +80,12 @@ struct AgentOptions : JobSpec {
   int err_fd = STDERR_FILENO;
   // Polled every loop turn: a signal number (SIGTERM, SIGINT) means shut down; 0 means go on.
   std::function<int()> poll_signal;
-};
   // Asked once before any worker is pre-started (run_command.cc reads the job's round record):
   // FailedPrecondition (the job is suspended; the message says what to do) ends the agent with
   // exit 1 at once, instead of after its spares imported the program; AlreadyExists (the job is
   // complete) starts no spare, the join then says so. Empty: no check.
   std::function<Status()> check_before_start;
+};
 
 // Hang detection runs (issue #32): not turned off, not --launcher, and the agent has a directory
 // of its own (no control_socket_path given) for the board and the stacks.

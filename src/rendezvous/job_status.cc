@@ -168,9 +168,6 @@ std::string JobStatus::ToText() const {
       out += fmt::format("  {:<24} stopped, persisted step {}\n", node,
                          step ? std::to_string(*step) : "-");
     }
-  }
-  out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", "NODE", "ADDRESS",
-                     "PROCS", "RANK", "STATE", "LAST REPORT", "RESTARTS");
   } else if (complete) {
     out = fmt::format("job {}: COMPLETE after round {} (its workers finished); `efdl reset --job "
                       "{}` lets the job id run again\n",
@@ -178,6 +175,9 @@ std::string JobStatus::ToText() const {
   } else {
     out = fmt::format("job {}: round {} ({}), world size {}, {} node(s), master {}:{}\n", job_id,
                       round, phase, world_size, nnodes, master_addr, master_port);
+  }
+  out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", "NODE", "ADDRESS",
+                     "PROCS", "RANK", "STATE", "LAST REPORT", "RESTARTS");
   for (const auto* list : {&members, &standbys, &waiting}) {
     for (const auto& n : *list) {
       out += fmt::format("  {:<24} {:<18} {:>5} {:>5} {:<8} {:<14} {:>8}\n", n.id, n.addr,

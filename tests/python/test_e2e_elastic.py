@@ -111,10 +111,6 @@ def test_heterogeneous_nodes_complete_and_late_agents_exit_zero(job):
     late = job.start_agent("node-late", env=env, nnodes="2:2")
     assert late.wait(30) == 0, late.output()
     assert not late.steps()
-
-
-def test_below_min_gives_up_after_join_timeout(job):
-    a = job.start_agent("node-a", nnodes="2:3", extra=["--join-timeout", "3"])
     assert "already complete" in late.output(), late.output()
     # It learnt the job was complete before pre-starting (and importing) any worker.
     assert "pre-starting" not in late.output(), late.output()
@@ -125,6 +121,10 @@ def test_below_min_gives_up_after_join_timeout(job):
     first = proc.stdout.splitlines()[0]
     assert re.match(r"job %s: COMPLETE after round \d+ \(its workers finished\); `efdl reset "
                     r"--job %s` lets the job id run again$" % (job.job, job.job), first), proc.stdout
+
+
+def test_below_min_gives_up_after_join_timeout(job):
+    a = job.start_agent("node-a", nnodes="2:3", extra=["--join-timeout", "3"])
     started = time.monotonic()
     code = a.wait(60)
     assert code != 0
