@@ -110,6 +110,10 @@ class State(_rounds.InProcessRounds):
         d["_values"] = d["_kwargs"].obj   # the keyword arguments: the same dict, read per step
         d["_interval"] = 1
         d["_commits"] = 0
+        # A State without a "step" value numbers its snapshots by commit() calls: this process'
+        # count plus this offset, which continues the count of the snapshot it restored (_adopt),
+        # so that every rank's "step" is the job's one counter, not each process' own.
+        d["_commit_offset"] = 0
         d["_plan"] = None          # efdl._commit.Plan of the last commit
         d["_restored"] = None
         d["_restored_meta"] = None
@@ -284,7 +288,7 @@ class State(_rounds.InProcessRounds):
         the snapshot, commit() raises RoundChangeInterrupt, which run catches (_rounds.py).
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
-        step = d["_values"].get("step", d["_commits"])
+        step = d["_values"].get("step", d["_commits"] + d["_commit_offset"])
         _progress.beat(step)   # hang detection: this rank made progress (a few stores)
         stop = self._stop_agreed()
         d["_commits"] += 1
@@ -477,6 +481,8 @@ class State(_rounds.InProcessRounds):
         self._restored = ref
         self._restored_meta = meta
         finish()
+        if "step" not in self._values and isinstance(ref.step, int):
+            self.__dict__["_commit_offset"] = ref.step + 1 - self._commits
 
     def _announce_restore(self):
         """One line on stderr (global rank 0): the snapshot this run continues from, its age and
@@ -496,12 +502,13 @@ class State(_rounds.InProcessRounds):
             ago = "at an unknown time"
         epoch = self._values.get("epoch")
         detail = "step %d%s" % (ref.step, ", epoch %s" % epoch if isinstance(epoch, int) else "")
-        agent = _env.env_flag("EFDL_AGENT_PERSISTS", False)
+        # A job run with --etcd keeps its records there: its reset needs --etcd too (worker_env.cc).
+        shared = _env.env_flag("EFDL_SHARED_ETCD", False)
         sys.stderr.write(
             "efdl: job '%s' continues from snapshot %d (%s) in %s, written %s; to start "
             "over: `efdl reset --job %s%s` first, or use another job id\n"
             % (self._job, ref.seq, detail, where, ago, self._job,
-               " --etcd ..." if agent else ""))
+               " --etcd ..." if shared else ""))
         sys.stderr.flush()
 
     def _restore_newest(self):

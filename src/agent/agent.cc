@@ -111,6 +111,11 @@ Agent::~Agent() {
 int Agent::Run() {
   const int code = RunUntilDone();
   RetireOldWorkers(/*wait=*/true);   // workers of an earlier round still exiting
+  if (left_on_signal_ != 0) {
+    // The last line of a node that left on a signal: that it left, and the exit code.
+    EFDL_LOG_INFO("node {} left job '{}' on {}; its workers are stopped; exit code {}",
+                  options_.node_id, options_.job_id, SignalName(left_on_signal_), code);
+  }
   return code;
 }
 
@@ -664,7 +669,15 @@ int Agent::Suspend(const rdzv::Event& event) {
   return 0;
 }
 
+std::string Agent::WorkerLogPath(int64_t round, int rank) const {
+  if (options_.log_dir.empty()) return "";
+  return (std::filesystem::path(options_.log_dir) / options_.node_id /
+          fmt::format("round-{}.rank-{}.log", round, rank))
+      .string();
+}
+
 int Agent::Shutdown(int signal) {
+  left_on_signal_ = signal;
   EFDL_LOG_INFO("received {}: leaving job '{}' and stopping workers", SignalName(signal),
                 options_.job_id);
   // Leave first so the other nodes re-round at once, while our workers take their snapshot.

@@ -44,6 +44,7 @@ struct AgentOptions : JobSpec {
   std::chrono::milliseconds stop_grace{std::chrono::seconds(10)};
   std::string log_dir;                     // empty: worker output only to our stdout/stderr
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
+  bool shared_etcd = false;                // run with --etcd: workers get EFDL_SHARED_ETCD=1
   std::string job_secret;                  // passed to workers as EFDL_JOB_SECRET; never logged
   std::string control_socket_path;         // empty: control.sock in a private temp directory
   // The interface that holds advertise_addr (PlanRun: ChooseNetwork). Workers and --launcher processes get
@@ -251,6 +252,7 @@ class Agent {
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;
   bool saw_round_ = false;  // any round (standby included) reached this node
+  int left_on_signal_ = 0;  // the SIGTERM/SIGINT this node left the job on (Shutdown), or 0
   bool no_prestart_noted_ = false;   // NoteNoPrestart told the rendezvous
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;

@@ -307,7 +307,10 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     const int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
     if (client.said_hello) paused_[round].push_back(client.local_rank);
-    EFDL_LOG_INFO("rank {} paused in round {} at step {} ({})", client.rank, round, step,
+    // "step": the State's step of this rank's newest commit (its "step" value, else the job's
+    // commit count, python/efdl/state.py); the next round says the snapshot step it continues at.
+    EFDL_LOG_INFO("rank {} paused in round {} after its commit of step {} ({})", client.rank,
+                  round, step,
                   BoolField(msg, "snapshot", false) ? "snapshot taken"
                                                     : "going back to its newest snapshot");
     return true;

@@ -313,6 +313,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   AgentOptions& a = plan.agent;
   a.job_id = job;
   a.node_id = node_id;
+  a.shared_etcd = !plan.embedded_etcd;
   a.command = f.command;
   a.nproc = f.nproc_per_node > 0 ? f.nproc_per_node : DefaultNprocPerNode();
   if (f.world_size > 0 && a.nproc > f.world_size) {

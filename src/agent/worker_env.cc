@@ -121,6 +121,8 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
   }
   // The agent's AgentPersister writes storage; the workers only commit to shared memory.
   if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
+  // The job's records live in a shared etcd (--etcd): starting it over needs `efdl reset --etcd`.
+  if (options.shared_etcd) env["EFDL_SHARED_ETCD"] = "1";
   AddCommon(options, a, restart_count, env);
   AddHorovodEnvironment(options, a, local_rank, env);
   return env;

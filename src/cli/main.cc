@@ -43,7 +43,8 @@ efdl::cli::CommandSpec SpecOf(CLI::App& app, const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"EFDL: elastic and fault-tolerant training for PyTorch and Horovod jobs"};
+  // The name is what usage lines start with ("Usage: efdl run [OPTIONS] ...").
+  CLI::App app{"EFDL: elastic and fault-tolerant training for PyTorch and Horovod jobs", "efdl"};
   app.require_subcommand(1);
   app.set_version_flag("--version", EFDL_VERSION);
   efdl::cli::CommandRunner runner;

@@ -85,9 +85,12 @@ int Reset(const ResetArgs& args) {
   for (const auto& e : snapshot::ScanArenaDir(shm, snapshot::HolderLockHeld)) {
     if (e.name.job != snapshot::SafeName(args.job)) continue;
     if (e.held) {
-      return Fail(1, fmt::format("a live process holds the job's shared-memory arena {} ({}); "
-                                 "stop it first",
-                                 e.path, e.owner.empty() ? "owner unknown" : e.owner));
+      return Fail(1, fmt::format("job '{}' is running on this host: a live process holds its "
+                                 "shared-memory arena {} ({}); stop it first (`efdl suspend "
+                                 "--job {}` for a job run with --etcd, or stop its agents / "
+                                 "program), then reset",
+                                 args.job, e.path, e.owner.empty() ? "owner unknown" : e.owner,
+                                 args.job));
     }
     arenas.push_back(e.path);
     bytes += e.bytes;

@@ -329,8 +329,13 @@ void EtcdRendezvous::TakeOver() {
   const std::string gone = rec->coordinator;
   const RoundRecord next = TakeOverRecord(*rec, opt_.node_id);
   if (CasRoundAt(next, (*rd)->mod_revision)) {
-    EFDL_LOG_INFO("rdzv {}: took over coordination of job {} from {}", opt_.node_id, opt_.job_id,
-                  gone);
+    if (gone.empty()) {  // a resumed (or reset) job's round has no coordinator yet
+      EFDL_LOG_INFO("rdzv {}: took over coordination of resumed job {}", opt_.node_id,
+                    opt_.job_id);
+    } else {
+      EFDL_LOG_INFO("rdzv {}: took over coordination of job {} from {}", opt_.node_id,
+                    opt_.job_id, gone);
+    }
   } else {
     RereadRound();
   }

@@ -272,3 +272,46 @@ def test_a_resumed_run_says_what_it_continues_and_efdl_reset_starts_over(tmp_pat
     third = train()
     assert "trained to step 3" in third.stdout and "continues from" not in third.stderr, (
         third.stdout + third.stderr)
+
+
+def test_restore_hint_and_reset_of_a_running_job_say_what_to_do(tmp_path):
+    """Under `efdl run` without --etcd the "to start over" hint is `efdl reset --job J` (no
+    --etcd: the job has no shared etcd); `efdl reset` of a job whose process still runs on this
+    host refuses and names `efdl suspend` and stopping its agents, as docs/troubleshooting.md."""
+    script = tmp_path / "train.py"
+    script.write_text(STATE_PROGRAM)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    snaps = str(tmp_path / "snaps")
+    env = {"EFDL_SHM_DIR": str(shm)}
+    argv = ["run", "--job", "hint", "--snapshot-dir", snaps, "--", cluster.PYTHON, str(script)]
+    first, _ = run(argv, timeout=120, cwd=str(tmp_path), extra_env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second, _ = run(argv, timeout=120, cwd=str(tmp_path), extra_env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    line = [l for l in out.splitlines() if "continues from" in l]
+    assert len(line) == 1, out[-3000:]
+    assert "to start over: `efdl reset --job hint` first" in line[0], line[0]
+
+    # A process of the job that holds its arena on this host: reset refuses and says how.
+    holder = subprocess.Popen(
+        [cluster.PYTHON, "-c", STATE_PROGRAM + "\nimport sys, time\nprint('held', flush=True)\n"
+         "sys.stdin.read()\n"], env=dict(cluster.base_env(), EFDL_SHM_DIR=str(shm),
+                                        EFDL_SNAPSHOT_DIR=snaps, EFDL_JOB_ID="hint"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=str(tmp_path))
+    try:
+        assert holder.stdout.readline().startswith("trained to step")
+        assert holder.stdout.readline().strip() == "held"
+        proc, _ = run(["reset", "--job", "hint", "--snapshot-dir", snaps], extra_env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        lines = error_lines(proc)
+        assert len(lines) == 1, lines
+        assert re.match(r"efdl reset: error: job 'hint' is running on this host: a live process "
+                        r"holds its shared-memory arena .*; stop it first \(`efdl suspend --job "
+                        r"hint` for a job run with --etcd, or stop its agents / program\), then "
+                        r"reset$", lines[0]), lines[0]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

@@ -85,6 +85,10 @@ def test_nodes_join_crash_and_leave_while_training_continues(job):
     a.proc.send_signal(signal.SIGTERM)
     assert a.wait(30) == 128 + signal.SIGTERM
     assert "STOPPING" in a.output()          # its worker was asked over the control socket
+    # The agent's last line says that the node left, on what, and with which exit code.
+    last = a.output().rstrip().splitlines()[-1]
+    assert last.endswith("node %s left job '%s' on SIGTERM; its workers are stopped; exit code "
+                         "143" % (a.name, job.job)), last
     job.wait_for_world(3, since=left_at, agents=[b, d, e], timeout=60)
 
     # Graceful scale in below MAX: the others go on at world 2.

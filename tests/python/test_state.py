@@ -124,6 +124,26 @@ def test_commit_interval_is_honoured_against_state_step(job):
         state.set_commit_interval(0)
 
 
+def test_without_a_step_value_snapshots_continue_the_restored_commit_count(job):
+    """A State without a "step" value (Horovod's elastic states) numbers its snapshots by
+    commit() calls: a process that restored the snapshot of step S numbers its next commit S + 1,
+    not 0 (else its rank's pause reported one counter and the round another, issue #33)."""
+    model, optimizer, _ = make_training()
+    first = State(model, optimizer, epoch=0)
+    for _ in range(5):
+        first.commit()
+    assert first._last_step == 4
+    first.flush()
+    forget_memory(job)   # the next State is another process' (a new node's): storage only
+    m2, o2, _ = make_training(seed=1)
+    second = State(m2, o2, epoch=0)
+    assert second.restored_from is not None and second._restored.step == 4
+    second.commit()
+    assert second._last_step == 5
+    second.commit()
+    assert second._last_step == 6
+
+
 def test_attributes_setters_and_unknown_kwargs(job):
     model, optimizer, scheduler = make_training()
     state = State(epoch=2, step=0, note="hello", table={"a": (1, 2)}, counts=torch.arange(4))

@@ -111,9 +111,15 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
             state._run_reset_callbacks()
         if paused_at is not None:
             if _dist.rank() == 0:
-                sys.stderr.write("efdl: round %d: %d rank(s) continue in-process from step %s "
+                # The State's step (its "step" value, else the job's commit count), as the
+                # agent's "paused ... after its commit of step S" line names it.
+                if step is not None:
+                    origin = "from the snapshot of step %s" % step
+                else:   # nothing to agree on: the state in memory, as it paused
+                    origin = "with the state they paused with (step %s)" % state._last_step
+                sys.stderr.write("efdl: round %d: %d rank(s) continue in-process %s "
                                  "(%.2f s since the pause)\n"
-                                 % (control.round, _dist.world_size(), step,
+                                 % (control.round, _dist.world_size(), origin,
                                     time.monotonic() - paused_at))
                 sys.stderr.flush()
         failure = None

@@ -215,14 +215,14 @@ class TorchState(State):
         """Snapshots the state without checking for host updates."""
         self._save_samplers()
         if self._writer:
-            self._snapshot(self._values.get("step", self._commits))
+            self._snapshot(self._values.get("step", self._commits + self._commit_offset))
 
     def check_host_updates(self):
         """Raises HostsUpdatedInterrupt (after a snapshot) when the job's hosts changed; every
         rank must call it as often as the others, as commit()."""
         if self._stop_agreed():
             self._save_samplers()
-            step = self._values.get("step", self._commits)
+            step = self._values.get("step", self._commits + self._commit_offset)
             if self._writer:
                 self._snapshot(step)
             self._stop_now(step)
