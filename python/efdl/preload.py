@@ -170,6 +170,7 @@ def _serve(fd, ready):
     if coerced is not None:
         os.environ["LC_CTYPE"] = coerced
     argv = list(msg["argv"])
+    set_worker_title()
     # Hang detection (issue #32): this process' stacks go where its agent reads them.
     from efdl import _progress
     _progress.arm_stack_dump()
@@ -207,6 +208,42 @@ _ADOPTION_TIMEOUT_S = 2.0
 def _prctl(option, arg):
     import ctypes
     return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+
+
+def worker_title():
+    """What ps shows for a worker forked from the zygote: its job, node and rank."""
+    env = os.environ
+    # The rank first: an interpreter's argument area may hold only the first few dozen bytes.
+    return "efdl-worker rank=%s node=%s job=%s round=%s" % (
+        env.get("RANK", "?"), env.get("EFDL_NODE_ID", "?"), env.get("EFDL_JOB_ID", "?"),
+        env.get("EFDL_ROUND", "?"))
+
+
+def set_worker_title():
+    """Names this process after worker_title(), else every forked worker reads as the zygote
+    (`python3 -m efdl.preload --zygote N`) in ps. `ps -o comm` (15 bytes, prctl PR_SET_NAME):
+    `efdl-rank<RANK>`. `ps -o args` (/proc/PID/cmdline): the title, cut to the size of the
+    interpreter's original argument area, which it overwrites through /proc/self/mem (its bounds
+    are fields arg_start/arg_end of /proc/self/stat); where that is refused, args stay as they
+    were. Called again at each in-process round change (the rank may change)."""
+    try:
+        _prctl(_PR_SET_NAME, ("efdl-rank%s" % os.environ.get("RANK", "?")).encode()[:15])
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        # Fields after the ")" closing comm; arg_start and arg_end are fields 48 and 49.
+        fields = stat[stat.rindex(b")") + 2:].split()
+        start, end = int(fields[48 - 3]), int(fields[49 - 3])
+        if end - start < 2:
+            return
+        title = worker_title().encode()[:end - start - 1]
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(title + b"\0" * (end - start - len(title)))
+    except (OSError, ValueError, IndexError):
+        pass
 
 
 def _send(sock, **fields):

@@ -400,11 +400,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
                    ? LauncherEnvironment(options_, a, restart_count)
                    : WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
     spec.env["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
-    if (!options_.log_dir.empty()) {
-      spec.log_path = (std::filesystem::path(options_.log_dir) / options_.node_id /
-                       fmt::format("round-{}.rank-{}.log", a.round, spec.rank))
-                          .string();
-    }
+    spec.log_path = WorkerLogPath(a.round, spec.rank);
     wg.workers.push_back(std::move(spec));
   }
   EFDL_LOG_INFO("round {}: node rank {} of {}, ranks {}..{} of world {}, master {}:{}{}", a.round,

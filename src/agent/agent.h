@@ -175,6 +175,9 @@ class Agent {
   // for the culprit's node, and ends them too if the hang outlasts another timeout.
   void CheckHang();
   int Shutdown(int signal);
+  // --log-dir's file of `rank`'s output in `round` (<dir>/<node>/round-R.rank-N.log); empty
+  // without --log-dir.
+  std::string WorkerLogPath(int64_t round, int rank) const;
   // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
   int Suspend(const rdzv::Event& event);
   void StartSparePool();

@@ -73,9 +73,13 @@ bool Agent::ContinueInProcess(const rdzv::Assignment& a, int restart_count) {
     why = "a paused worker closed its control connection";
   }
   std::vector<int> ranks;
-  for (int lr = 0; lr < n; ++lr) ranks.push_back(a.rank_offset + lr);
+  std::vector<std::string> log_paths;   // --log-dir: the output goes to the new round's files
+  for (int lr = 0; lr < n; ++lr) {
+    ranks.push_back(a.rank_offset + lr);
+    log_paths.push_back(WorkerLogPath(a.round, a.rank_offset + lr));
+  }
   if (why.empty()) {
-    group_->Renumber(a.round, ranks);
+    group_->Renumber(a.round, ranks, log_paths);
     for (int lr = 0; lr < n && why.empty(); ++lr) {
       auto env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
       env["EFDL_ARENA_HOLDER"] = holder_lock_->holder();

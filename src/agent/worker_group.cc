@@ -80,7 +80,6 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
         return Status::IOError(fmt::format("cannot open worker log file {}: {}", spec.log_path,
                                            std::strerror(errno)));
       }
-      group->log_fds_.push_back(log_fd);
     }
     std::optional<Subprocess> spare;
     if (opts.spares != nullptr) {
@@ -103,18 +102,19 @@ Result<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(WorkerGroupOptions optio
       proc = Subprocess::Spawn(so);
     }
     if (!proc.ok()) {
+      if (log_fd >= 0) ::close(log_fd);
       return proc.status().WithContext(fmt::format("starting rank {}", spec.rank));
     }
     const size_t index = group->workers_.size();
     {
       MutexLock lock(group->connect_error_mu_);
-      group->names_.push_back({spec.rank, fmt::format("[rank {}] ", spec.rank)});
+      group->names_.push_back({spec.rank, fmt::format("[rank {}] ", spec.rank), log_fd});
     }
     int out = proc->ReleaseStdout();
     int err = proc->ReleaseStderr();
     for (int fd : {out, err}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-    group->streams_.push_back(Stream{out, opts.out_fd, log_fd, index, {}});
-    group->streams_.push_back(Stream{err, opts.err_fd, log_fd, index, {}, true});
+    group->streams_.push_back(Stream{out, opts.out_fd, index, {}});
+    group->streams_.push_back(Stream{err, opts.err_fd, index, {}, true});
     group->workers_.push_back(Worker{spec, std::move(proc).value(), false, std::nullopt});
   }
   if (opts.spares != nullptr) {
@@ -130,7 +130,11 @@ WorkerGroup::~WorkerGroup() {
   for (Stream& s : streams_) {
     if (s.fd >= 0) ::close(s.fd);
   }
-  for (int fd : log_fds_) ::close(fd);
+  MutexLock lock(connect_error_mu_);   // the output thread is joined (Close)
+  for (OutputName& name : names_) {
+    if (name.log_fd >= 0) ::close(name.log_fd);
+    name.log_fd = -1;
+  }
   for (int fd : {wake_read_, wake_write_}) {
     if (fd >= 0) ::close(fd);
   }
@@ -192,12 +196,30 @@ std::vector<pid_t> WorkerGroup::pids() const {
   return out;
 }
 
-void WorkerGroup::Renumber(int64_t round, const std::vector<int>& ranks) {
+void WorkerGroup::Renumber(int64_t round, const std::vector<int>& ranks,
+                           const std::vector<std::string>& log_paths) {
   round_ = round;
-  MutexLock lock(connect_error_mu_);
   for (size_t i = 0; i < workers_.size() && i < ranks.size(); ++i) {
+    int new_fd = -1;
+    if (i < log_paths.size() && !log_paths[i].empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(std::filesystem::path(log_paths[i]).parent_path(), ec);
+      new_fd = ::open(log_paths[i].c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+      if (new_fd < 0) {
+        EFDL_LOG_WARN("cannot open worker log file {}: {}; rank {} goes on writing its old one",
+                      log_paths[i], std::strerror(errno), ranks[i]);
+      }
+    }
+    MutexLock lock(connect_error_mu_);   // EmitLine writes the log under it: none is mid-write
     workers_[i].spec.rank = ranks[i];
-    names_[i] = {ranks[i], fmt::format("[rank {}] ", ranks[i])};
+    OutputName& name = names_[i];
+    name.rank = ranks[i];
+    name.prefix = fmt::format("[rank {}] ", ranks[i]);
+    if (new_fd >= 0) {
+      if (name.log_fd >= 0) ::close(name.log_fd);
+      name.log_fd = new_fd;
+      workers_[i].spec.log_path = log_paths[i];
+    }
   }
 }
 
@@ -285,7 +307,12 @@ void WorkerGroup::EmitLine(Stream& s, std::string_view line) {
   }
   out.append(line).push_back('\n');
   WriteAll(s.dest_fd, out.data(), out.size());  // one write per line: lines never interleave
-  if (s.log_fd >= 0) WriteAll(s.log_fd, out.data() + prefix_size, line.size() + 1);
+  {
+    // Under the lock: Renumber() may switch the file to the new round's (and close the old).
+    MutexLock lock(connect_error_mu_);
+    const int log_fd = names_[s.worker].log_fd;
+    if (log_fd >= 0) WriteAll(log_fd, out.data() + prefix_size, line.size() + 1);
+  }
   if (s.is_stderr) {
     MutexLock lock(connect_error_mu_);
     auto& tail = stderr_tails_[rank];

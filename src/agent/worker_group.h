@@ -95,8 +95,10 @@ class WorkerGroup {
   size_t size() const { return workers_.size(); }
   // The workers continue in `round` without a restart (in-process round change): `ranks[i]` is
   // the new global rank of the i-th worker (local rank i). Their output lines carry the new rank
-  // from now on; their log files stay those of the round they started in.
-  void Renumber(int64_t round, const std::vector<int>& ranks);
+  // from now on, and go to the log file `log_paths[i]` (given with --log-dir: the new round's
+  // file; one that cannot be opened keeps the old file, with a warning).
+  void Renumber(int64_t round, const std::vector<int>& ranks,
+                const std::vector<std::string>& log_paths = {});
   // Reaps exited workers without blocking: kFailed as soon as one exited non-zero, kSucceeded
   // once all exited 0.
   State Poll();
@@ -138,7 +140,6 @@ class WorkerGroup {
   struct Stream {
     int fd = -1;            // read end, non-blocking
     int dest_fd = -1;       // agent's stdout or stderr
-    int log_fd = -1;        // shared by a worker's two streams; owned by log_fds_
     size_t worker = 0;      // index into workers_ and names_
     std::string partial;    // bytes after the last newline
     bool is_stderr = false;
@@ -148,6 +149,7 @@ class WorkerGroup {
   struct OutputName {
     int rank = 0;
     std::string prefix;     // "[rank N] "
+    int log_fd = -1;        // the worker's log file (its two streams'), owned; -1: none
   };
 
   explicit WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {}
@@ -164,7 +166,6 @@ class WorkerGroup {
   int64_t round_ = 0;                 // options_.round, then Renumber()'s
   std::vector<Worker> workers_;
   std::vector<Stream> streams_;     // touched only by the output thread once it runs
-  std::vector<int> log_fds_;
   std::optional<WorkerExit> first_failure_;
   StopPolicy stop_policy_;                              // of the last Stop()
   std::chrono::steady_clock::time_point stop_start_{};

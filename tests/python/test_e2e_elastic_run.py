@@ -156,6 +156,47 @@ def test_survivors_keep_their_processes_across_a_leave_a_join_and_a_crash(job, t
         assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3, (got, want)
 
 
+def test_log_dir_files_follow_in_process_round_changes(job, tmp_path):
+    """--log-dir: a worker that continues in-process writes each round's output to that round's
+    file (round-R.rank-N.log), not on into the file of the round it started in. The pause and
+    the continuation name the same counter: the step of the snapshot taken at the pause."""
+    logs = tmp_path / "logs"
+    env = {"WORKER_STEPS": "250", "WORKER_STEP_TIME": "0.02", "WORKER_MODE": "in-process"}
+    command = [cluster.PYTHON, WORKER]
+    a = job.start_agent("node-a", env=env, command=command, nnodes="1:2",
+                        extra=["--log-dir", str(logs)])
+    b = job.start_agent("node-b", env=env, command=command, nnodes="1:2")
+    wait_world([a, b], 2, 0)
+    left = time.monotonic()
+    b.proc.send_signal(signal.SIGTERM)
+    wait_world([a], 1, left)
+    assert b.wait(30) == 128 + signal.SIGTERM
+    assert a.wait(120) == 0, a.output()[-3000:]
+    out = a.output()
+    assert "continue in-process" in out, out[-3000:]
+    rounds = sorted({s[1] for s in steps_of(a)})
+    assert len(rounds) >= 2, rounds
+    # One file per round (node-a's rank may differ from round to round).
+    names = [re.match(r"round-(\d+)\.rank-\d+\.log$", f.name) for f in (logs / "node-a").iterdir()]
+    assert all(names), os.listdir(logs / "node-a")
+    files = {int(m.group(1)): logs / "node-a" / m.group(0) for m in names}
+    assert set(rounds) <= set(files), (rounds, sorted(files))
+    for r, path in files.items():
+        in_file = {int(m.group(1)) for m in re.finditer(r"^STEP round=(\d+) ",
+                                                         path.read_text(), re.M)}
+        assert in_file <= {r}, (path.name, sorted(in_file))
+    assert "STEP round=%d " % rounds[-1] in files[rounds[-1]].read_text()
+    # "rank 0 paused in round R after its commit of step S (snapshot taken)" and then
+    # "round R': 1 rank(s) continue in-process with the state they paused with (step S)" (one
+    # rank: nothing to agree on), never "step None".
+    paused = re.findall(r"rank 0 paused in round \d+ after its commit of step (\d+) \(snapshot "
+                        r"taken\)", out)
+    resumed = re.findall(r"continue in-process (?:from the snapshot of step (\d+)|with the state "
+                         r"they paused with \(step (\d+)\)) ", out)
+    resumed = [x or y for x, y in resumed]
+    assert paused and resumed and paused[-1] == resumed[-1], (paused, resumed, out[-3000:])
+
+
 def _gpus():
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -180,3 +180,37 @@ def test_the_zygote_learns_the_modules_the_programs_workers_imported(job):
     # a leads (rank 0): its world-2 worker had the module; b, not learning, did not.
     assert preloaded == {"0": "1", "1": "0"}, (preloaded, a.output()[-3000:], b.output()[-3000:])
     assert "more module(s) the program imported" not in b.output()
+
+
+def test_ps_names_each_worker_by_rank_node_and_job(job):
+    """A worker forked from the zygote would read `python3 -m efdl.preload --zygote N` in ps like
+    every other: it names itself (python/efdl/preload.py set_worker_title) - comm (ps -o comm)
+    efdl-rank<R>, the argument area (ps -o args, /proc/PID/cmdline) `efdl-worker rank=R node=N
+    job=J round=K`, cut to the area's size."""
+    a = job.start_agent("a", nnodes="1", nproc=2)
+    job.wait_for_world(2, timeout=90)
+    titles = {}
+
+    def named():
+        for pid in a.worker_pids():
+            try:
+                with open("/proc/%d/comm" % pid) as f:
+                    comm = f.read().strip()
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    args = f.read().split(b"\0")[0].decode()
+            except OSError:
+                continue
+            if comm.startswith("efdl-rank"):
+                titles[comm] = args
+        return len(titles) == 2
+    wait_for(named, 30, "two workers named efdl-rank<R> (%s)" % titles)
+    assert sorted(titles) == ["efdl-rank0", "efdl-rank1"], titles
+    for comm, args in titles.items():
+        rank = comm[len("efdl-rank"):]
+        full = "efdl-worker rank=%s node=a job=%s round=" % (rank, job.job)
+        # At least "efdl-worker rank=R" fits the shortest interpreter command line.
+        assert args.startswith("efdl-worker rank=%s" % rank), titles
+        assert full.startswith(args) or args.startswith(full), (args, full)
+    out = subprocess.run(["ps", "-o", "comm=,args=", "-p", ",".join(map(str, a.worker_pids()))],
+                         capture_output=True, text=True, timeout=10).stdout
+    assert "efdl-rank0" in out and "efdl-worker rank=1" in out, out

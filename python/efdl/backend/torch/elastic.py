@@ -139,6 +139,7 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
         if env is None:
             raise SystemExit(0)   # the agent stops this worker instead: its snapshot is taken
         os.environ.update(env)
+        _retitle()
 
 
 def _leave_round(state, clean, stop_group):
@@ -245,3 +246,16 @@ def _reachable_samplers(func, state, args, kwargs):
                 if isinstance(s, tud.distributed.DistributedSampler):
                     found[id(s)] = s
     return list(found.values())
+
+
+def _retitle():
+    """A worker forked from the zygote (its ps name is efdl-rank<N>, efdl/preload.py) takes the
+    new round's rank in its process title."""
+    try:
+        with open("/proc/self/comm") as f:
+            if not f.read().startswith("efdl-rank"):
+                return
+    except OSError:
+        return
+    from efdl import preload
+    preload.set_worker_title()
