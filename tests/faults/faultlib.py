@@ -45,14 +45,13 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "tests", "python", "workers"))
 import cluster  # noqa: E402
 
-PYTHON = "/usr/bin/python3"
+PYTHON = cluster.PYTHON
 WORKER = os.path.join(HERE, "worker.py")
 LINE_RE = re.compile(r"^(?:\[rank \d+\] )?"
                      r"(RESUME|STEP|COMMIT|ACK|DONE|HANGING|FAILING|PAUSING) (.*) t=([\d.]+)$")
 
 
-def efdl_bin():
-    return cluster.efdl_bin()
+efdl_bin = cluster.efdl_bin
 
 
 def describe(pids):
@@ -410,14 +409,7 @@ class Job:
         return out
 
     def wait_for(self, predicate, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = predicate()
-            if result:
-                return result
-            time.sleep(0.05)
-        raise AssertionError("timed out after %ss waiting for %s\n%s" % (timeout, what,
-                                                                         self.dump()))
+        return cluster.wait_for(predicate, timeout, what, output=self.dump)
 
     def wait_step(self, step, world=None, nodes=None, timeout=90):
         """Waits until some rank (of a round of `world` ranks) finished `step`."""

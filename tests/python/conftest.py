@@ -9,7 +9,6 @@ session stops at once if an interpreter started that way would import efdl from 
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_DIR = os.path.join(REPO, "python")
-PYTHON = "/usr/bin/python3"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+from cluster import PYTHON, free_port  # noqa: E402,F401  (the one place: workers/cluster.py)
 
 if sys.path[:1] != [PYTHON_DIR]:
     sys.path.insert(0, PYTHON_DIR)
@@ -66,13 +66,6 @@ def pytest_report_header(config):
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "NODE_RANK", "NNODES", "EFDL_CONTROL_SOCKET", "EFDL_ETCD_ENDPOINTS",
                "EFDL_JOB_ID", "EFDL_REEXECUTED", "EFDL_HOROVOD")
-
-
-def free_port():
-    """A TCP port free on loopback right now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_environment():

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from cluster import wait_for
 from efdl import control
 
 
@@ -210,7 +211,7 @@ def test_a_pause_is_seen_as_a_stop_request_and_the_next_round_brings_its_environ
     agent, client = agent_with(_in_process_agent)
     with client:
         client.announce_in_process()
-        assert wait_until(client.stop_requested)
+        wait_for(client.stop_requested, 5.0, "the pause as a stop request", interval=0.01)
         assert client.stop_request() is None, "a pause is not a stop"
         assert client.pause_request().reason == "node b joined"
         client.notify_paused(12, snapshot=True)
@@ -259,7 +260,7 @@ def test_a_failure_report_carries_the_round_and_the_message(agent_with):
     agent, client = agent_with(lambda m: [])
     with client:
         client.notify_failed("RuntimeError: Connection closed by peer")
-        assert wait_until(lambda: agent.requests)
+        wait_for(lambda: agent.requests, 5.0, "the failure report", interval=0.01)
     assert agent.requests[0] == {"type": "failed", "round": 4,
                                  "message": "RuntimeError: Connection closed by peer"}
 
@@ -271,13 +272,3 @@ def test_an_agent_gone_while_waiting_for_the_next_round_is_a_stop(agent_with):
         agent._listen.close()
         client._sock.shutdown(socket.SHUT_RDWR)   # the agent's end closes
         assert client.wait_for_round(timeout=5) is None
-
-
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    return predicate()

@@ -56,16 +56,6 @@ def job_processes(job, round_=None):
     return found
 
 
-def wait_until(what, predicate, timeout, output=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("timed out after %ss waiting for %s\n%s" % (timeout, what, output()))
-
-
 def test_fragmented_example_replaces_the_two_process_node_by_two_one_process_nodes(tmp_path):
     # examples/fragmented.py: 1 + 2 processes (world 3), then the 2-process node is SIGKILLed
     # after two 1-process nodes joined as standbys; the job goes on as 1 + 1 + 1 and finishes.
@@ -158,8 +148,8 @@ def test_torchrun_inside_efdl_run_launcher_survives_a_node_kill(torchrun_job):
         return re.findall(r"^\[rank 0\] epoch 0 step \d+ samples \d+ loss \S+ world 4 ",
                           agent.output(), re.M)
 
-    wait_until("round 1 to train at world 4",
-               lambda: lead() and len(steps_at_world_4(lead())) >= 3, 150, outputs)
+    cluster.wait_for(lambda: lead() and len(steps_at_world_4(lead())) >= 3, 150,
+                     "round 1 to train at world 4", outputs)
     a = lead()
     b = next(x for x in c.agents if x is not a)
     r1 = resumes(a)[0][4]
@@ -171,11 +161,11 @@ def test_torchrun_inside_efdl_run_launcher_survives_a_node_kill(torchrun_job):
 
     b.kill()
     c3 = c.start_agent("node-c", **kw)
-    wait_until("a new round to resume at world 4",
-               lambda: [r for r in resumes(a) if r[4] > r1 and r[3] == 4], 150, outputs)
+    cluster.wait_for(lambda: [r for r in resumes(a) if r[4] > r1 and r[3] == 4], 150,
+                     "a new round to resume at world 4", outputs)
     # The survivor's round-1 torchrun was stopped with all its workers (its whole process group).
-    wait_until("round-%d processes to be gone" % r1, lambda: not job_processes(c.job, r1), 20,
-               lambda: str(job_processes(c.job, r1)))
+    cluster.wait_for(lambda: not job_processes(c.job, r1), 20,
+                     "round-%d processes to be gone" % r1, lambda: str(job_processes(c.job, r1)))
     assert a.wait(150) == 0, outputs()
     assert c3.wait(60) == 0, outputs()
     later = [r for r in resumes(a) if r[4] > r1]

@@ -72,13 +72,6 @@ def reapers_of(pid):
     return out
 
 
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 class Commands:
     """The efdl commands a test starts, each in a session of its own; killed (by process group)
     at the end if still running."""
@@ -105,8 +98,8 @@ class Commands:
         the process and its private etcd's directory."""
         cwd = self.root / name
         proc = self.start(["run", "--no-prestart", "--", sys.executable, "-c", SLEEPER], cwd)
-        wait_until(lambda: (cwd / "ready").exists() or proc.poll() is not None, 120,
-                   "the run's program never started")
+        cluster.wait_for(lambda: (cwd / "ready").exists() or proc.poll() is not None, 120,
+                         "the run's program never started")
         assert proc.poll() is None, proc.communicate()[0]
         mine = [d for d in etcd_dirs(self.tmp) if owner_pid(d) == proc.pid]
         assert len(mine) == 1, (etcd_dirs(self.tmp), proc.pid)
@@ -143,8 +136,8 @@ def test_a_sigkilled_run_without_etcd_leaves_nothing_in_tmp(commands):
     etcd = etcd_of(path)
     assert etcd, "no etcd serves from %s" % path
     sigkill(proc)
-    wait_until(lambda: not os.path.exists(path), REAPER_WAIT,
-               "%s outlived the SIGKILLed efdl run" % path)
+    cluster.wait_for(lambda: not os.path.exists(path), REAPER_WAIT,
+                     "%s outlived the SIGKILLed efdl run" % path)
     assert not any(alive(p) for p in etcd), "the private etcd outlived its run"
     assert etcd_dirs(commands.tmp) == []
     # The next run leaves nothing either.
@@ -161,13 +154,13 @@ def test_a_sigkilled_sim_leaves_nothing_in_tmp(commands):
         assert proc.poll() is None, proc.communicate()[0]
         return [d for d in etcd_dirs(commands.tmp)
                 if os.path.exists(os.path.join(d, "efdl-owner"))]
-    wait_until(started, 60, "efdl sim never started its private etcd")
+    cluster.wait_for(started, 60, "efdl sim never started its private etcd")
     path = started()[0]
     assert owner_pid(path) == proc.pid
     etcd = etcd_of(path)
     sigkill(proc)
-    wait_until(lambda: not os.path.exists(path), REAPER_WAIT,
-               "%s outlived the SIGKILLed efdl sim" % path)
+    cluster.wait_for(lambda: not os.path.exists(path), REAPER_WAIT,
+                     "%s outlived the SIGKILLed efdl sim" % path)
     assert not any(alive(p) for p in etcd), "the private etcd outlived efdl sim"
     done = commands.run(["sim", "--nodes", "5", "--json"])
     assert done.returncode == 0, done.stdout + done.stderr
@@ -183,7 +176,7 @@ def test_what_a_killed_reaper_left_is_swept_but_never_a_live_runs(commands):
     for pid in reapers:
         os.kill(pid, signal.SIGKILL)
     sigkill(dead)
-    wait_until(lambda: not etcd_of(dead_path), 10, "the killed run's etcd lives on")
+    cluster.wait_for(lambda: not etcd_of(dead_path), 10, "the killed run's etcd lives on")
     time.sleep(1)
     assert os.path.exists(dead_path), "this test made no stale directory"
 

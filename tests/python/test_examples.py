@@ -10,14 +10,17 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PYTHON = "/usr/bin/python3"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+from cluster import PYTHON, REPO  # noqa: E402
+import cluster  # noqa: E402
+
 EXAMPLES = os.path.join(REPO, "examples")
-EFDL = os.environ.get("EFDL_BIN") or os.path.join(REPO, "build", "efdl")
+EFDL = cluster.efdl_bin() or os.path.join(REPO, "build", "efdl")
 
 pytestmark = pytest.mark.skipif(not os.access(EFDL, os.X_OK),
                                 reason="efdl binary not built (set EFDL_BIN)")

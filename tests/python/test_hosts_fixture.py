@@ -17,8 +17,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import hosts  # noqa: E402
+from cluster import PYTHON  # noqa: E402
 
-PYTHON = "/usr/bin/python3"
 _why = hosts.HostWorld.unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 

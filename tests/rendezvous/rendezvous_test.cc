@@ -147,6 +147,31 @@ std::unique_ptr<Node> Start(MemoryEtcd& db, RendezvousOptions o,
   return n;
 }
 
+// The setup several tests share: nodes "a" then "b" of a 2:2 job (`nproc_a`, `nproc_b` worker
+// processes), with their first round's kRoundStarted events. `before_join(node id, rendezvous)`:
+// what each agent tells its rendezvous before it joins. Tests assert ok() first.
+struct TwoNodeRound {
+  explicit TwoNodeRound(
+      MemoryEtcd& db, int nproc_a = 1, int nproc_b = 1,
+      const std::function<void(const std::string&, Rendezvous&)>& before_join = {}) {
+    auto start = [&](const std::string& id, int nproc) {
+      RendezvousOptions o = Opts(id, 2, 2);
+      o.nproc = nproc;
+      std::function<void(Rendezvous&)> told;
+      if (before_join) told = [&](Rendezvous& r) { before_join(id, r); };
+      return Start(db, std::move(o), told);
+    };
+    a = start("a", nproc_a);
+    b = start("b", nproc_b);
+    ea = a->Started();
+    eb = b->Started();
+  }
+  bool ok() const { return ea && eb; }
+
+  std::unique_ptr<Node> a, b;
+  std::optional<Event> ea, eb;
+};
+
 int64_t LeaseOf(MemoryEtcd& db, const std::string& node) {
   auto kv = db.Get(JobKeys("job1").Node(node));
   return kv.ok() && kv->has_value() ? (*kv)->lease : 0;
@@ -190,15 +215,9 @@ TEST(RendezvousTest, FormsAtMinOnlyAfterLastCall) {
 
 TEST(RendezvousTest, HeterogeneousNprocGivesContiguousRanks) {
   MemoryEtcd db;
-  auto oa = Opts("a", 2, 2);
-  oa.nproc = 3;
-  auto ob = Opts("b", 2, 2);
-  ob.nproc = 5;
-  auto a = Start(db, oa);
-  auto b = Start(db, ob);
-  auto ea = a->Started();
-  auto eb = b->Started();
-  ASSERT_TRUE(ea && eb);
+  TwoNodeRound round(db, 3, 5);
+  ASSERT_TRUE(round.ok());
+  const auto& [a, b, ea, eb] = round;
   EXPECT_EQ(ea->assignment.rank_offset, 0);
   EXPECT_EQ(ea->assignment.nproc, 3);
   EXPECT_EQ(eb->assignment.rank_offset, 3);
@@ -614,11 +633,11 @@ TEST(RendezvousTest, OneReroundCostsLinearRequestsAndEvents) {
 
 TEST(RendezvousTest, TheRankZeroNodesAgentStoreIsEveryNodesMasterPortUntilItIsWithdrawn) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 2, 2), [](Rendezvous& r) { r.OfferAgentStore(45678); });
-  auto b = Start(db, Opts("b", 2, 2), [](Rendezvous& r) { r.OfferAgentStore(45679); });
-  auto ea = a->Started();
-  auto eb = b->Started();
-  ASSERT_TRUE(ea && eb);
+  TwoNodeRound round(db, 1, 1, [](const std::string& node, Rendezvous& r) {
+    r.OfferAgentStore(node == "a" ? 45678 : 45679);
+  });
+  ASSERT_TRUE(round.ok());
+  const auto& [a, b, ea, eb] = round;
   ASSERT_EQ(ea->assignment.node_rank, 0);
   for (const Assignment* x : {&ea->assignment, &eb->assignment}) {
     EXPECT_EQ(x->master_port, 45678);
@@ -640,15 +659,9 @@ TEST(RendezvousTest, TheRankZeroNodesAgentStoreIsEveryNodesMasterPortUntilItIsWi
 
 TEST(RendezvousTest, HorovodLayoutAndServerPortReachEveryNodeButTheMemberListOnlyRankZero) {
   MemoryEtcd db;
-  auto oa = Opts("a", 2, 2);
-  oa.nproc = 1;
-  auto ob = Opts("b", 2, 2);
-  ob.nproc = 2;
-  auto a = Start(db, oa);
-  auto b = Start(db, ob);
-  auto ea = a->Started();
-  auto eb = b->Started();
-  ASSERT_TRUE(ea && eb);
+  TwoNodeRound round(db, 1, 2);
+  ASSERT_TRUE(round.ok());
+  const auto& [a, b, ea, eb] = round;
   const Assignment& x = ea->assignment;
   const Assignment& y = eb->assignment;
   ASSERT_EQ(x.node_rank, 0);

@@ -26,6 +26,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "allreduce_wor
 STEP_RE = re.compile(r"^(?:\[rank \d+\] )?STEP round=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
 
 
+# The tests' one place for the interpreter (the one with the Debian torch, never the first
+# python3 on PATH), the efdl binary, free ports and waiting: tests/python (conftest.py too) and
+# tests/faults (faultlib.py) take them from here.
 def efdl_bin():
     path = os.environ.get("EFDL_BIN") or os.path.join(REPO, "build", "efdl")
     return path if os.path.exists(path) else None
@@ -48,16 +51,18 @@ def base_env():
 
 
 
-def wait_for(predicate, timeout, what):
-    """Polls predicate() until it returns a true value, which is returned; fails naming `what`
-    after `timeout` seconds."""
+def wait_for(predicate, timeout, what, output=None, interval=0.05):
+    """The tests' one wait-until-deadline helper: polls predicate() every `interval` seconds
+    until it returns a true value, which is returned; after `timeout` seconds fails naming
+    `what`, followed by output() when given (the processes' output, for the failure message)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.05)
-    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
+        time.sleep(interval)
+    raise AssertionError("timed out after %ss waiting for %s%s" % (
+        timeout, what, "\n" + output() if output else ""))
 
 
 class Agent:
