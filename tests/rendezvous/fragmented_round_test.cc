@@ -91,19 +91,9 @@ TEST(FragmentedPlanTest, NotFormedWhenNothingAddsUpOrTheNodeCountIsOutOfRange) {
 }
 
 RendezvousOptions FragOpts(const std::string& node, int nproc) {
-  RendezvousOptions o;
-  o.job_id = "fragjob";
-  o.node_id = node;
-  o.advertise_addr = "127.0.0.1";
+  RendezvousOptions o = testing::FastRendezvousOptions("fragjob", node, 1, 3);
   o.nproc = nproc;
-  o.min_nodes = 1;
-  o.max_nodes = 3;
   o.world_size = 3;
-  o.ttl = 10s;
-  o.last_call = 300ms;
-  o.join_timeout = 20s;
-  o.liveness_window = 200ms;
-  o.takeover_step = 100ms;
   return o;
 }
 

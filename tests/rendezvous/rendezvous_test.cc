@@ -106,18 +106,7 @@ class CuttableClient final : public etcd::Client {
 };
 
 RendezvousOptions Opts(const std::string& node, int min, int max) {
-  RendezvousOptions o;
-  o.job_id = "job1";
-  o.node_id = node;
-  o.advertise_addr = "127.0.0.1";
-  o.min_nodes = min;
-  o.max_nodes = max;
-  o.ttl = 10s;
-  o.last_call = 300ms;
-  o.join_timeout = 20s;
-  o.liveness_window = 200ms;
-  o.takeover_step = 100ms;
-  return o;
+  return testing::FastRendezvousOptions("job1", node, min, max);
 }
 
 struct Node {

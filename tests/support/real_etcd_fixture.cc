@@ -24,16 +24,12 @@ void RealEtcdRendezvousTest::TearDown() {
 
 rdzv::RendezvousOptions RealEtcdRendezvousTest::Opts(const std::string& node, int min_nodes,
                                                      int max_nodes) const {
-  rdzv::RendezvousOptions o;
-  o.job_id = job_id_;
-  o.node_id = node;
-  o.advertise_addr = "127.0.0.1";
-  o.min_nodes = min_nodes;
-  o.max_nodes = max_nodes;
-  o.ttl = 10s;
+  // The in-memory tests' options, with more slack for a real etcd and the default takeover step.
+  rdzv::RendezvousOptions o = FastRendezvousOptions(job_id_, node, min_nodes, max_nodes);
   o.last_call = last_call_;
   o.join_timeout = 30s;
   o.liveness_window = 300ms;
+  o.takeover_step = rdzv::RendezvousOptions{}.takeover_step;
   return o;
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "rendezvous/rendezvous.h"
@@ -27,6 +28,25 @@ inline std::optional<rdzv::Event> NextEvent(rdzv::Rendezvous& r, rdzv::Event::Ty
     if (e->type == type) return e;
   }
   return std::nullopt;
+}
+
+// Options for node `node` of job `job` (MIN:MAX = min:max) with the fast timing of the tests on
+// the in-memory etcd: rounds form in well under a second, a lease outlives any test.
+inline rdzv::RendezvousOptions FastRendezvousOptions(const std::string& job,
+                                                     const std::string& node, int min, int max) {
+  using namespace std::chrono_literals;
+  rdzv::RendezvousOptions o;
+  o.job_id = job;
+  o.node_id = node;
+  o.advertise_addr = "127.0.0.1";
+  o.min_nodes = min;
+  o.max_nodes = max;
+  o.ttl = 10s;
+  o.last_call = 300ms;
+  o.join_timeout = 20s;
+  o.liveness_window = 200ms;
+  o.takeover_step = 100ms;
+  return o;
 }
 
 }  // namespace efdl::testing
