@@ -315,3 +315,14 @@ def test_restore_hint_and_reset_of_a_running_job_say_what_to_do(tmp_path):
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+
+
+def test_usage_lines_name_the_program():
+    """CLI11's usage lines start with the program's name: `Usage: efdl run [OPTIONS] ...`, not
+    `Usage: run [OPTIONS] ...`."""
+    top, _ = run(["--help"])
+    assert top.returncode == 0 and "Usage: efdl [OPTIONS] SUBCOMMAND" in top.stdout, top.stdout
+    for sub in ("run", "status", "reset"):
+        proc, _ = run([sub, "--help"])
+        assert proc.returncode == 0, proc.stderr
+        assert "Usage: efdl %s [OPTIONS]" % sub in proc.stdout, proc.stdout

@@ -126,6 +126,10 @@ def test_suspended_two_node_job_resumes_at_the_next_step_and_sample(cluster):
     for a in again:
         assert a.wait(180) == 0, a.output()[-3000:]
     text = "\n".join(a.output() for a in again)
+    # The resumed job's round has no coordinator: the first node says it took over that job,
+    # not "took over coordination of job J from " with an empty name.
+    assert "took over coordination of resumed job %s" % cluster.job in text, text[-3000:]
+    assert not re.search(r"took over coordination of job \S+ from $", text, re.M), text[-3000:]
     m = re.search(r"RESUME epoch=0 step=(\d+) samples=(\d+) world=2", text)
     assert m, text[-3000:]
     assert int(m.group(1)) == step + 1
