@@ -124,7 +124,8 @@ def test_heterogeneous_nodes_complete_and_late_agents_exit_zero(job):
                           timeout=30)
     first = proc.stdout.splitlines()[0]
     assert re.match(r"job %s: COMPLETE after round \d+ \(its workers finished\); `efdl reset "
-                    r"--job %s` lets the job id run again$" % (job.job, job.job), first), proc.stdout
+                    r"--job %s` lets the job id run again$" % (job.job, job.job),
+                    first), proc.stdout
 
 
 def test_below_min_gives_up_after_join_timeout(job):
