@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "agent/stale_dirs.h"
 #include "cli/commands.h"
 #include "etcd/private_dirs.h"
 #include "snapshot/arena_dir.h"
@@ -91,6 +92,9 @@ int RunArenas(const std::string& action, const SnapshotsArgs& a) {
       etcd_bytes += d.bytes;
       etcd_paths.push_back(d.path);
     }
+    // The control-socket directories of SIGKILLed agents (agent/stale_dirs.h), which otherwise
+    // only the next `efdl run` on this host removes (#36: a node's last step after scancel).
+    const int agent_dirs = a.dry_run ? 0 : agent::RemoveStaleAgentDirs(tmp);
     auto plan = snap::PlanGc(entries, "");
     uint64_t freed = 0;
     std::vector<std::string> removed;
@@ -106,7 +110,8 @@ int RunArenas(const std::string& action, const SnapshotsArgs& a) {
     if (a.json) {
       std::cout << nlohmann::json({{"removed", removed}, {"bytes", freed},
                                    {"etcd_dirs", etcd_paths}, {"etcd_bytes", etcd_bytes},
-                                   {"dry_run", a.dry_run}}).dump(2) << "\n";
+                                   {"agent_dirs", agent_dirs}, {"dry_run", a.dry_run}}).dump(2)
+                << "\n";
     } else {
       for (const auto& p : removed) std::cout << (a.dry_run ? "would remove " : "removed ") << p << "\n";
       std::cout << fmt::format("{} {} arena(s), {} MiB, from {}; arenas a live process holds are "
@@ -120,6 +125,10 @@ int RunArenas(const std::string& action, const SnapshotsArgs& a) {
                                "commands are kept\n", a.dry_run ? "would remove" : "removed",
                                etcd_dirs.size(), etcd_dirs.size() == 1 ? "y" : "ies",
                                Mib(etcd_bytes), tmp);
+      if (!a.dry_run) {
+        std::cout << fmt::format("removed {} control-socket director{} of dead agents from {}\n",
+                                 agent_dirs, agent_dirs == 1 ? "y" : "ies", tmp);
+      }
     }
     return 0;
   }
