@@ -29,6 +29,7 @@ int Fail(int code, const std::string& message) {
 }
 
 int ShowStatus(const StatusArgs& args) {
+  if (args.job.empty()) return Fail(2, kJobIdMissing);
   if (args.etcd.empty()) {
     return Fail(2, "--etcd HOST:PORT is required (or set EFDL_ETCD_ENDPOINTS): a job run "
                    "without --etcd keeps its state in a private etcd nobody else can read");
@@ -36,7 +37,6 @@ int ShowStatus(const StatusArgs& args) {
   auto endpoints = etcd::ParseEndpoints(args.etcd);
   if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
   // Bad input is exit 2 before etcd is contacted, like every other usage error.
-  if (args.job.empty()) return Fail(2, kJobIdMissing);
   if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return Fail(2, st.message());
   etcd::ClientOptions options;
   options.endpoints = *endpoints;
