@@ -27,6 +27,8 @@ struct SimArgs {
   int liveness_ms = 400;
   unsigned seed = 1;
   int driver_threads = 32;
+  int join_threads = 64;
+  int clients = 16;
   int compare_max = 2000;
 };
 
@@ -55,6 +57,13 @@ int RunSim(const SimArgs& args) {
     return Fail(2, fmt::format("--driver-threads {}: give 1 to 4096 threads for all simulated "
                                "nodes, or 0 for one thread per node", args.driver_threads));
   }
+  if (args.join_threads < 1 || args.join_threads > 4096) {
+    return Fail(2, fmt::format("--join-threads {}: give 1 to 4096 (nodes joining at once)",
+                               args.join_threads));
+  }
+  if (args.clients < 1 || args.clients > 1024) {
+    return Fail(2, fmt::format("--clients {}: give 1 to 1024 etcd connections", args.clients));
+  }
   if (args.compare_max < 0) {
     return Fail(2, "--compare-max must be 0 (no comparison) or a node count");
   }
@@ -82,11 +91,11 @@ int RunSim(const SimArgs& args) {
       std::printf("%s\n", r.ToJson().c_str());
       return;
     }
-    std::printf("N = %d, %s (one process, one shared etcd client, etcd %s)\n", n,
+    std::printf("N = %d, %s (one process, %d etcd connections, etcd %s)\n", n,
                 r.driver_threads > 0
                     ? fmt::format("{} driver threads for all nodes", r.driver_threads).c_str()
                     : "one driver thread per node (the first simulator)",
-                embedded ? "private" : args.etcd.c_str());
+                args.clients, embedded ? "private" : args.etcd.c_str());
     std::printf("  baseline: %d concurrent puts seen by one watch in %.3f s (ratio below: "
                 "scenario / baseline)\n", n, r.baseline_seconds);
     std::printf("  %-28s %8s %7s %10s %12s %12s %12s %12s%s\n", "scenario", "seconds", "ratio",
@@ -110,8 +119,18 @@ int RunSim(const SimArgs& args) {
                 "(plus lease keep-alives on the shared stream)\n",
                 r.steady_cpu_percent_per_node,
                 static_cast<long long>(r.steady_requests_per_node_per_min));
+    if (r.etcd_rss_mb >= 0) std::printf("  etcd resident memory at the end: %.0f MiB\n", r.etcd_rss_mb);
     std::fflush(stdout);
   };
+
+  std::vector<std::unique_ptr<etcd::Client>> node_clients;
+  std::vector<etcd::Client*> node_client_ptrs;
+  for (int i = 0; i < args.clients; ++i) {
+    auto c = etcd::Connect(client_options);
+    if (!c.ok()) return Fail(1, "cannot reach etcd: " + c.status().message());
+    node_client_ptrs.push_back(c->get());
+    node_clients.push_back(std::move(*c));
+  }
 
   int rc = 0;
   for (int n : sizes) {
@@ -122,6 +141,8 @@ int RunSim(const SimArgs& args) {
     o.liveness_window = std::chrono::milliseconds(args.liveness_ms);
     o.seed = args.seed;
     o.driver_threads = args.driver_threads;
+    o.join_threads = args.join_threads;
+    o.node_clients = node_client_ptrs;
     o.etcd_pid = embedded ? embedded->pid() : 0;
     auto report = rdzv::RunScaleSim(**client, o);
     if (!report.ok()) return Fail(1, report.status().message());
@@ -157,6 +178,11 @@ void RegisterSimCommand(CLI::App& app, CommandRunner& runner) {
   cmd->add_option("--driver-threads", args->driver_threads,
                   "threads that drive all simulated nodes (0: one thread per node, the first "
                   "simulator)");
+  cmd->add_option("--clients", args->clients,
+                  "etcd connections the simulated nodes share (each with its own watch and "
+                  "keep-alive stream)");
+  cmd->add_option("--join-threads", args->join_threads,
+                  "nodes that join at the same time while the job forms");
   cmd->add_option("--compare-max", args->compare_max,
                   "also run the thread-per-node simulator at node counts up to this (0: never), "
                   "and print its figures with the ratio to the pool's");

@@ -409,6 +409,12 @@ RoundRecord TakeOverRecord(const RoundRecord& round, const std::string& self) {
   return next;
 }
 
+bool IsTakeOver(const RoundRecord& prev, const RoundRecord& next) {
+  return !prev.coordinator.empty() && next.coordinator != prev.coordinator && !next.graceful &&
+         next.message == fmt::format("coordinator {} is gone; {} took over", prev.coordinator,
+                                     next.coordinator);
+}
+
 RoundRecord HandOverRecord(const RoundRecord& round, const std::string& self,
                            const std::string& successor) {
   RoundRecord next = round;

@@ -142,6 +142,8 @@ std::vector<Candidate> Candidates(const JobView& v, const RoundRecord& round, bo
 // - a node that finds the coordinator gone takes over: the record it writes (a new proposal
 //   unless the job is gathering);
 RoundRecord TakeOverRecord(const RoundRecord& round, const std::string& self);
+// Whether `next` is the record a node wrote taking over from `prev`'s vanished coordinator.
+bool IsTakeOver(const RoundRecord& prev, const RoundRecord& next);
 // - a coordinator that leaves hands over to `successor` (a graceful change).
 RoundRecord HandOverRecord(const RoundRecord& round, const std::string& self,
                            const std::string& successor);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "rendezvous/status_pages.h"
 
 namespace efdl::rdzv {
 namespace {
@@ -271,7 +272,7 @@ void Coordinator::WriteStatus() {
              {"standbys", json(std::vector<std::string>(view_.standbys.begin(),
                                                         view_.standbys.end()))},
              {"events", json(std::vector<json>(history_.begin(), history_.end()))}};
-  auto put = client_.Put(keys_.status, st.dump());
+  auto put = PutStatusRecord(client_, keys_, std::move(st));   // in pages at 4096+ nodes
   if (!put.ok()) {
     EFDL_LOG_WARN("rdzv {}: cannot write the job status: {}", cfg_.node_id,
                   put.status().ToString());

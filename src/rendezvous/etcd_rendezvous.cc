@@ -8,9 +8,9 @@
 //
 // Threading: each EtcdRendezvous owns one driver thread that runs the whole state machine and
 // makes every etcd call. With a DriverPool (efdl sim, issue #37) the same steps run as the node's
-// strand on a thread shared with other nodes, never on two threads at once. Watch and keep-alive callbacks only append an Input to a queue (under
-// in_mu_, which is never held while calling etcd or destroying a watch), so they never block
-// the client's shared watch thread. Public methods other than Join/Leave only queue inputs too.
+// strand on a thread shared with other nodes, never on two threads at once. Watch and keep-alive
+// callbacks only append an Input to a queue (under in_mu_, which is never held while calling
+// etcd or destroying a watch), so they never block the client's shared watch thread. Public methods other than Join/Leave only queue inputs too.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -233,7 +233,9 @@ void EtcdRendezvous::OnTimers() {
                        opt_.node_id, opt_.job_id, s.message()));
       return;
     } else {
-      rejoin_at_ = now + std::chrono::seconds(1);
+      rejoin_at_ = now + std::max<std::chrono::milliseconds>(
+                             std::chrono::seconds(1),
+                             JoinBackoff(++rejoin_attempt_, last_join_latency_, UnitRandom()));
     }
   }
   if (unplaced_since_ && now - *unplaced_since_ >= opt_.join_timeout && opt_.world_size > 0) {
@@ -348,7 +350,13 @@ void EtcdRendezvous::Handle(Input& in) {
       OnCoordinatorGone(in.detail);
       break;
     case Input::Type::kLeaseLost:
-      if (in.lease == registration_.lease()) Fence("its lease expired or was revoked");
+      if (in.lease == registration_.lease()) {
+        // Registered again with a longer TTL: a lease that expired because its renewals did not
+        // get through in time (node_rules.h TtlAfterExpiries) must not expire again and again.
+        ++lease_expiries_;
+        Fence(fmt::format("its lease expired or was revoked; it registers again with a TTL of "
+                          "{} s", TtlAfterExpiries(opt_.ttl, lease_expiries_).count() / 1000.0));
+      }
       break;
     case Input::Type::kGaveUp:
       for (const auto& e : in.events) {

@@ -193,6 +193,12 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   std::optional<TimePoint> unplaced_since_;
   std::optional<TimePoint> rejoin_at_;
   std::optional<TimePoint> fenced_since_;
+  // Overload (node_rules.h JoinBackoff, TakeoverBackoff; issue #37).
+  std::chrono::milliseconds last_join_latency_{0};   // how long the last Register took
+  int rejoin_attempt_ = 0;                            // failed rejoins since the fence
+  int lease_expiries_ = 0;                            // fences by lease expiry (TtlAfterExpiries)
+  std::deque<TimePoint> takeovers_seen_;              // within kTakeoverPeriod, oldest first
+  double UnitRandom() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
 };
 
 }  // namespace efdl::rdzv::internal

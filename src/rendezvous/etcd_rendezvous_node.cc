@@ -57,6 +57,17 @@ Status EtcdRendezvous::Join() {
   if (joined_) return Status::FailedPrecondition("Join() was already called");
   EFDL_RETURN_IF_ERROR(CheckSameProgram());
   Status s = Register();
+  // An etcd too slow to answer a registration in time (thousands of agents starting at once):
+  // try again after a jittered back-off (node_rules.h JoinBackoff) within the join timeout,
+  // instead of failing the agent or hammering etcd again at once.
+  const auto join_deadline = Clock::now() + opt_.join_timeout;
+  for (int attempt = 0; s.IsDeadlineExceeded() && Clock::now() < join_deadline; ++attempt) {
+    const auto wait = JoinBackoff(attempt, last_join_latency_, UnitRandom());
+    EFDL_LOG_WARN("rdzv {}: etcd did not answer the registration in time ({}); trying again in "
+                  "{} ms", opt_.node_id, s.message(), wait.count());
+    std::this_thread::sleep_for(wait);
+    s = Register();
+  }
   if (s.code() == Status::Code::kAlreadyExists) s = WaitOutStaleRegistration(std::move(s));
   EFDL_RETURN_IF_ERROR(s);
   joined_ = true;
@@ -134,8 +145,12 @@ Status EtcdRendezvous::Register() {
   fresh.phase = Phase::kGathering;
   fresh.coordinator = opt_.node_id;
   fresh.message = "job started";
+  const auto began = Clock::now();
   auto joined =
-      registration_.Open(NodeRecord{opt_.advertise_addr, opt_.nproc, opt_.program}, opt_.ttl, fresh);
+      registration_.Open(NodeRecord{opt_.advertise_addr, opt_.nproc, opt_.program},
+                         TtlAfterExpiries(opt_.ttl, lease_expiries_), fresh);
+  last_join_latency_ =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
   if (!joined.ok()) return joined.status();
   acked_round_ = 0;
   round_mod_rev_ = 0;
@@ -153,6 +168,7 @@ Status EtcdRendezvous::Register() {
 void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
   if (mod_rev <= round_mod_rev_) return;
   const int64_t held_round = round_mod_rev_ == 0 ? 0 : round_.round;
+  if (round_mod_rev_ != 0 && IsTakeOver(round_, rec)) takeovers_seen_.push_back(Clock::now());
   round_ = rec;
   round_mod_rev_ = mod_rev;
   if (rec.phase == Phase::kSuspended) {
@@ -303,11 +319,24 @@ void EtcdRendezvous::OnCoordinatorGone(const std::string& coordinator) {
     return;
   }
   auto delay = succession_.after_steps * opt_.takeover_step;
+  // A job whose coordinators keep vanishing (leases lost to an overloaded etcd) slows its
+  // takeovers down instead of churning through coordinators (node_rules.h TakeoverBackoff).
+  const auto now = Clock::now();
+  while (!takeovers_seen_.empty() && now - takeovers_seen_.front() > kTakeoverPeriod) {
+    takeovers_seen_.pop_front();
+  }
+  if (auto extra = TakeoverBackoff(takeovers_seen_.size()); extra.count() > 0) {
+    EFDL_LOG_INFO("rdzv {}: {} takeovers in the last {} s: waiting {} ms more before taking "
+                  "over from {}", opt_.node_id, takeovers_seen_.size(),
+                  std::chrono::duration_cast<std::chrono::seconds>(kTakeoverPeriod).count(),
+                  extra.count(), coordinator);
+    delay += extra;
+  }
   if (succession_.spread) {
     std::uniform_int_distribution<int64_t> extra(0, kSpreadSteps * opt_.takeover_step.count());
     delay += std::chrono::milliseconds(extra(rng_));
   }
-  takeover_at_ = Clock::now() + delay;
+  takeover_at_ = now + delay;
 }
 
 void EtcdRendezvous::TakeOver() {
@@ -352,10 +381,13 @@ void EtcdRendezvous::Fence(const std::string& why) {
   registration_.Fence();   // first: from now on nothing of the old round is published
   Emit(MakeEvent(Event::Type::kFenced, round, false,
                  fmt::format("node {} was fenced out of round {}: {}", opt_.node_id, round, why)));
-  fenced_round_ = std::max(round, round_.round);
+  fenced_round_ = std::max(fenced_round_, FencedRound(round_, Part()));
   StopTakingPart();
   fenced_since_ = Clock::now();
-  rejoin_at_ = Clock::now();
+  // At once while etcd is fast; spread when it is slow (a crowd fenced together by an
+  // overloaded etcd must not register again all at once: node_rules.h JoinBackoff).
+  rejoin_attempt_ = 0;
+  rejoin_at_ = Clock::now() + JoinBackoff(0, last_join_latency_, UnitRandom());
 }
 
 void EtcdRendezvous::Fail(const std::string& message) {

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "rendezvous/protocol.h"
+#include "rendezvous/status_pages.h"
 #include "rendezvous/suspend.h"
 
 namespace efdl::rdzv {
@@ -20,9 +21,10 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
                               etcd::TxnOp::Get(keys.nodes, true), etcd::TxnOp::Get(keys.ack, true),
                               etcd::TxnOp::Get(keys.complete),
                               etcd::TxnOp::Get(keys.suspended, true),
-                              etcd::TxnOp::Get(keys.gaveup, true)});
+                              etcd::TxnOp::Get(keys.gaveup, true),
+                              etcd::TxnOp::Get(StatusPagePrefix(keys), true)});
   if (!snap.ok()) return snap.status().WithContext(fmt::format("cannot read job {}", job_id));
-  if (snap->gets.size() != 7) return Status::Internal("etcd answered a short transaction");
+  if (snap->gets.size() != 8) return Status::Internal("etcd answered a short transaction");
   JobStatus out;
   out.job_id = job_id;
   out.complete = !snap->gets[4].kvs.empty();
@@ -83,7 +85,8 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
   if (!snap->gets[1].kvs.empty()) {
     // The status record is informational: a damaged one leaves the lists it would have filled
     // empty (nodes then show as waiting) instead of failing the whole command.
-    auto st = StatusRecord::Decode(snap->gets[1].kvs[0].value);
+    auto st =
+        StatusRecord::Decode(JoinStatusPages(snap->gets[1].kvs[0].value, snap->gets[7].kvs));
     if (st.ok()) {
       for (const auto& m : st->members) {
         auto it = live.find(m.id);

@@ -65,4 +65,34 @@ RoundRecord FailureProposal(const RoundRecord& round, const std::string& self,
   return next;
 }
 
+int64_t FencedRound(const RoundRecord& round, const NodePart& part) {
+  const bool decided = round.phase == Phase::kActive || round.phase == Phase::kComplete;
+  return std::max(part.started_round, decided ? round.round : 0);
+}
+
+std::chrono::milliseconds JoinBackoff(int attempt, std::chrono::milliseconds last_join_latency,
+                                      double unit_random) {
+  if (attempt <= 0 && last_join_latency < kSlowEtcd) return std::chrono::milliseconds(0);
+  int64_t base = std::max(last_join_latency, kSlowEtcd).count();
+  for (int i = 0; i < attempt && base < kMaxJoinBackoff.count(); ++i) base *= 2;
+  base = std::min(base, static_cast<int64_t>(kMaxJoinBackoff.count()));
+  const double r = std::clamp(unit_random, 0.0, 1.0);
+  const int64_t half = base / 2;
+  return std::chrono::milliseconds(half + static_cast<int64_t>(r * static_cast<double>(half)));
+}
+
+std::chrono::milliseconds TtlAfterExpiries(std::chrono::milliseconds ttl, int expiries) {
+  auto out = ttl;
+  for (int i = 0; i < std::min(expiries, 3); ++i) out *= 2;
+  return std::max(ttl, std::min(out, kMaxAdaptedTtl));
+}
+
+std::chrono::milliseconds TakeoverBackoff(size_t recent_takeovers) {
+  if (recent_takeovers < static_cast<size_t>(kMaxTakeoversPerPeriod)) {
+    return std::chrono::milliseconds(0);
+  }
+  const size_t over = recent_takeovers - static_cast<size_t>(kMaxTakeoversPerPeriod) + 1;
+  return kTakeoverPeriod / kMaxTakeoversPerPeriod * static_cast<int64_t>(over);
+}
+
 }  // namespace efdl::rdzv

@@ -4,6 +4,7 @@
 // coordinator's, over a model of etcd to check every interleaving of small jobs.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -71,5 +72,46 @@ Succession WhomToFollow(const RoundRecord& round, const NodePart& part);
 // the coordinator, whose lease takes a TTL to end).
 RoundRecord FailureProposal(const RoundRecord& round, const std::string& self,
                             const std::string& detail);
+
+// The newest round a node fenced out of its registration (its lease lost) may never ack or
+// start again under its next one: the round whose place it held, and a decided (active) round it
+// knew of - its assignment may be in etcd. Not a round still gathering or proposed: the new
+// registration takes part in that round like any newcomer (an ack of the old one went with its
+// lease). Issue #37: 225 of 300 nodes whose leases expired while the job gathered never acked
+// its proposal, which stayed below MIN for good.
+int64_t FencedRound(const RoundRecord& round, const NodePart& part);
+
+// OVERLOAD (issue #37). A job whose etcd (or whose machines) cannot keep up must slow down, not
+// churn: thousands of nodes that lost their leases at once must not all register again at once,
+// and a coordinator that keeps losing its lease must not be replaced again and again.
+//
+// How long a node waits before registration attempt `attempt` (0: the first after a fence, or
+// the retry after a join that etcd did not answer), given how long its last registration took
+// and `unit_random` in [0, 1). While etcd answers a registration within kSlowEtcd and this is
+// the first attempt, nothing: a small or healthy job is not slowed. Otherwise a back-off that
+// starts at the last registration's latency (at least kSlowEtcd), doubles per attempt up to
+// kMaxJoinBackoff, and is spread by half of it at random (so a crowd arrives over the whole
+// window, and never all at its start).
+inline constexpr std::chrono::milliseconds kSlowEtcd{250};
+inline constexpr std::chrono::milliseconds kMaxJoinBackoff{30000};
+std::chrono::milliseconds JoinBackoff(int attempt, std::chrono::milliseconds last_join_latency,
+                                      double unit_random);
+
+// The lease TTL a node registers with after its lease expired `expiries` times (fenced by
+// expiry, not by its own leaving): doubled per expiry up to 8x (at most kMaxAdaptedTtl, never
+// below `ttl`). A node whose renewals cannot get through in time - its machine or etcd starved
+// of CPU - then keeps its next lease instead of churning through fence and rejoin; the price is
+// a slower detection of its crash by lease (worker failures still re-round at once).
+inline constexpr std::chrono::milliseconds kMaxAdaptedTtl{120000};
+std::chrono::milliseconds TtlAfterExpiries(std::chrono::milliseconds ttl, int expiries);
+
+// Takeovers a node saw recently (the times the round record named a new coordinator that took
+// over, oldest first, within kTakeoverPeriod): from the kMaxTakeoversPerPeriod-th one on, a
+// node that would take over waits kTakeoverPeriod / kMaxTakeoversPerPeriod more per takeover
+// over the bound, so at most about kMaxTakeoversPerPeriod happen per period plus one per such
+// extra wait. With no recent takeover, nothing changes (the recovery bound above holds).
+inline constexpr std::chrono::milliseconds kTakeoverPeriod{60000};
+inline constexpr int kMaxTakeoversPerPeriod = 3;
+std::chrono::milliseconds TakeoverBackoff(size_t recent_takeovers);
 
 }  // namespace efdl::rdzv

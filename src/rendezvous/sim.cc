@@ -153,6 +153,24 @@ double CpuSeconds() {
   return tv(ru.ru_utime) + tv(ru.ru_stime);
 }
 
+// Resident memory of another process in MiB (VmRSS of /proc/<pid>/status); -1: unknown.
+double ProcessRssMb(int pid) {
+  if (pid <= 0) return -1;
+  std::FILE* f = std::fopen(fmt::format("/proc/{}/status", pid).c_str(), "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  double mb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long long kb = 0;
+    if (std::sscanf(line, "VmRSS: %llu kB", &kb) == 1) {
+      mb = static_cast<double>(kb) / 1024.0;
+      break;
+    }
+  }
+  std::fclose(f);
+  return mb;
+}
+
 // CPU seconds another process used so far (utime + stime of /proc/<pid>/stat); -1: unknown.
 double ProcessCpuSeconds(int pid) {
   if (pid <= 0) return -1;
@@ -224,7 +242,11 @@ class Harness {
     int index = static_cast<int>(nodes_.size());
     auto node = std::make_unique<SimNode>();
     node->id = fmt::format("n{:05}", index);
-    node->client = std::make_unique<SimNodeClient>(client_, counters_);
+    etcd::Client& via = opt_.node_clients.empty()
+                            ? client_
+                            : *opt_.node_clients[static_cast<size_t>(index) %
+                                                 opt_.node_clients.size()];
+    node->client = std::make_unique<SimNodeClient>(via, counters_);
     RendezvousOptions o;
     o.job_id = opt_.job_id;
     o.node_id = node->id;
@@ -513,6 +535,7 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
     report.steady_cpu_percent_per_node = cpu / 5.0 * 100.0 / h.Alive();
     report.steady_requests_per_node_per_min = h.counters().requests * 12 / std::max(1, h.Alive());
   }
+  report.etcd_rss_mb = ProcessRssMb(options.etcd_pid);
   return report;
 }
 
@@ -523,6 +546,7 @@ std::string SimReport::ToJson() const {
   j["baseline_seconds"] = baseline_seconds;
   j["steady_cpu_percent_per_node"] = steady_cpu_percent_per_node;
   j["steady_requests_per_node_per_min"] = steady_requests_per_node_per_min;
+  j["etcd_rss_mb"] = etcd_rss_mb;
   nlohmann::json arr = nlohmann::json::array();
   for (const auto& s : scenarios) {
     arr.push_back({{"name", s.name},

@@ -1,8 +1,9 @@
-// Scale simulation: many nodes' real Rendezvous objects in one process, sharing one
-// etcd::Client (one watch stream, one keep-alive stream), so the etcd traffic is exactly what
-// N agents would send. The nodes' driver steps run on a small DriverPool (driver_pool.h: many
-// nodes per thread, issue #37) or, as the first simulator did, on one thread per node. Only the workers are simulated: a node "runs" a round by recording its
-// kRoundStarted event. Used by `efdl sim` and bench/scale.py; see docs/scale.md.
+// Scale simulation: many nodes' real Rendezvous objects in one process, sharing one or a few
+// etcd::Clients (each one watch stream, one keep-alive stream), so the etcd traffic is exactly
+// what N agents would send. The nodes' driver steps run on a small DriverPool (driver_pool.h: many
+// nodes per thread, issue #37) or, as the first simulator did, on one thread per node. Only the
+// workers are simulated: a node "runs" a round by recording its kRoundStarted event. Used by
+// `efdl sim` and bench/scale.py; see docs/scale.md.
 #pragma once
 
 #include <atomic>
@@ -72,6 +73,11 @@ struct SimOptions {
   // agent runs it (the first simulator: 5,000 threads on 2 cores never formed).
   int driver_threads = 32;
   int etcd_pid = 0;        // the etcd process, to report its CPU per scenario (0: unknown)
+  // Connections the simulated nodes use, node i the (i mod size)-th (each its own gRPC channel,
+  // watch stream and keep-alive stream; must outlive the run); empty: all use `client`. etcd
+  // serves one keep-alive stream's renewals one after another, so 10,000 leases on one stream
+  // are renewed too slowly and expire (issue #37); real agents each have their own.
+  std::vector<etcd::Client*> node_clients;
 };
 
 // One measured scenario: from the trigger to the moment every expected node had started the
@@ -85,7 +91,7 @@ struct SimScenario {
   int64_t bytes = 0;                      // sent + received
   int64_t watch_events = 0;
   double agent_cpu_ms_per_node = 0;       // this process's CPU during the scenario / nodes
-  double etcd_cpu_ms = 0;                 // the etcd process's CPU during the scenario (-1: unknown)
+  double etcd_cpu_ms = 0;                 // etcd's CPU during the scenario (-1: unknown)
   std::string error;
 };
 
@@ -96,6 +102,7 @@ struct SimReport {
   std::vector<SimScenario> scenarios;
   double steady_cpu_percent_per_node = 0; // idle job: CPU of one node as % of a core
   int64_t steady_requests_per_node_per_min = 0;
+  double etcd_rss_mb = -1;                // etcd's resident memory at the end (-1: unknown)
   std::string ToJson() const;
 };
 
