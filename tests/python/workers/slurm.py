@@ -125,7 +125,9 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            "AuthInfo=socket=%s" % self.munge_socket,
+            # cred_expire: also how long a requeued job waits before it may start again
+            # (120 s by default); 15 s keeps the requeue case short.
+            "AuthInfo=socket=%s,cred_expire=15" % self.munge_socket,
             "StateSaveLocation=%s" % os.path.join(d, "state"),
             "SlurmdSpoolDir=%s" % os.path.join(d, "spool", "%n"),
             "SlurmctldPidFile=%s" % os.path.join(d, "slurmctld.pid"),
