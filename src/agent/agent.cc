@@ -373,6 +373,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   }
   const int restart_count = rounds_started_++;
   if (group_ && ContinueInProcess(a, restart_count)) {
+    round_started_ = std::chrono::steady_clock::now();
     ArmHangMonitor(/*fresh=*/false);
     return std::nullopt;
   }
@@ -415,6 +416,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     return 1;
   }
   group_ = std::move(group).value();
+  round_started_ = std::chrono::steady_clock::now();
   ArmHangMonitor(/*fresh=*/true);
   return std::nullopt;
 }
@@ -423,9 +425,23 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   if (!pending_failure_) return std::nullopt;
   const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
   if (!f.collateral.empty()) {
-    EFDL_LOG_INFO("round {} failure ({}) came from {}: not counted as a restart", f.round,
-                  f.detail, f.collateral);
-    return std::nullopt;
+    // A streak of collateral failures with no round that lasted between them may be this
+    // node's doing after all (its peers finished, or it breaks what it connects to): from
+    // kCollateralStreak on, they count, so the node cannot loop for ever.
+    const auto now = std::chrono::steady_clock::now();
+    // (round_started_ is still the failed round's: the next one starts after this count.)
+    collateral_streak_ = now - round_started_ >= kStreakReset ? 1 : collateral_streak_ + 1;
+    if (collateral_streak_ <= std::max(kCollateralStreak, 2 * options_.max_restarts)) {
+      EFDL_LOG_INFO("round {} failure ({}) came from {}: not counted as a restart", f.round,
+                    f.detail, f.collateral);
+      return std::nullopt;
+    }
+    EFDL_LOG_WARN("round {} failure ({}) came from {}, but it is the {}th such failure in a row "
+                  "with no round lasting {} s between them: counted as this node's",
+                  f.round, f.detail, f.collateral, collateral_streak_,
+                  std::chrono::duration_cast<std::chrono::seconds>(kStreakReset).count());
+  } else {
+    collateral_streak_ = 0;
   }
   if (!a.standby && a.nnodes < f.nnodes) {
     // A peer left with the failure: its loss broke our workers; not our failure.

@@ -251,6 +251,13 @@ class Agent {
   // A worker failure after every local rank was silent this long (a fraction of the hang
   // timeout) is collateral of a hang another node ended.
   static constexpr double kCollateralStall = 0.8;
+  // Collateral failures in a row (each within kStreakReset of its round's start) that are not
+  // counted; from the next one on they are (at least 2x --max-restarts).
+  static constexpr int kCollateralStreak = 6;
+  static constexpr std::chrono::seconds kStreakReset{60};
+  int collateral_streak_ = 0;
+  // When this node's workers of the newest round started (or continued in-process).
+  std::chrono::steady_clock::time_point round_started_{};
   std::optional<std::chrono::steady_clock::time_point> hang_fallback_at_;
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;

@@ -109,6 +109,33 @@ TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
                                       "ValueError: bad batch"}));
 }
 
+// Issue #32, blame: a worker whose collective lost its peer (gloo's "Connection closed by peer")
+// is not this node's failure and is not counted - but a streak of them, each within a minute of
+// its round's start, is counted from 2x --max-restarts on (at least 6), so a node whose peers
+// finished (or that breaks what it connects to) cannot go round for ever.
+TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 2;
+  opts_.command = {"sh", "-c",
+                   "echo 'RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] "
+                   "Connection closed by peer [127.0.0.1]:4242' >&2; exit 1"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 2, 0, 1, 2)));
+  };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 1);
+  const std::string text = log.Text();
+  // 6 collateral failures not counted, then 3 counted: the give-up at restart 3 of 2.
+  EXPECT_EQ(rdzv_.failures().size(), 9u) << text;
+  EXPECT_EQ(agent.restarts(), 3);
+  EXPECT_NE(text.find("because a collective that lost a peer (Connection closed by peer): not "
+                      "this node's failure"), std::string::npos) << text;
+  EXPECT_NE(text.find("it is the 7th such failure in a row"), std::string::npos) << text;
+  EXPECT_NE(text.find("giving up"), std::string::npos) << text;
+}
+
 // Workers that fail at every round as gloo does when a peer's address is wrong: the agent says
 // once which address was tried and what to set, however many rounds fail.
 TEST_F(AgentLoopTest, PeerConnectFailuresAreExplainedOnceAcrossRestarts) {
