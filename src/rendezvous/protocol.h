@@ -66,7 +66,10 @@
 //     which every live node has a place (member, or standby at MAX).
 // RECOVERY BOUND: a dead coordinator is replaced at most TTL (its lease, from its last renewal)
 // + (3 + 4) x takeover_step after it died, by whichever live node remains; the round then forms
-// within the liveness window (doubled, up to 8x, for each node left out and back).
+// within the liveness window (doubled, up to 8x, for each node left out and back). Under
+// overload the bound stretches on purpose (node_rules.h, issue #37): a node whose lease expired
+// registers again with a longer TTL (up to 8x), and from the 3rd takeover a node saw within a
+// minute each further takeover waits 20 s more.
 //
 // STABLE RANKS. Members of the previous round keep their relative order; new members go after
 // them in join order (create_revision); at most MAX members, the rest are standbys.
