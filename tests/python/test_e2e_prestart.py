@@ -91,15 +91,18 @@ def test_default_spawns_other_commands_and_no_prestart_turns_spares_off(tmp_path
     assert "[rank 0] plain-0" in proc.stdout and "pre-starting" not in proc.stderr, proc.stderr
 
     # What a worker sees of its own process: a spawned one is its command line; the default
-    # (a spare) is `python3 -m efdl.preload FD READY_FD` (documented in docs/agent.md).
+    # (a spare) names itself in the argument area, `efdl-worker rank=R node=N job=J round=K`
+    # cut to the length of `python3 -m efdl.preload ...` (docs/agent.md, issue #33).
     script = tmp_path / "who.py"
     script.write_text("print('cmdline', open('/proc/self/cmdline', 'rb').read()"
-                      ".split(b'\\0')[1:3])\n")
+                      ".split(b'\\0')[1:3])\n"
+                      "print('args', open('/proc/self/cmdline', 'rb').read()"
+                      ".split(b'\\0')[0][:18])\n")
     cmd = ["--", cluster.PYTHON, str(script)]
     default = run_single(cmd)
     assert default.returncode == 0, default.stderr[-3000:]
     assert "1 of 1 worker(s) taken from pre-started spares" in default.stderr, default.stderr
-    assert "cmdline [b'-m', b'efdl.preload']" in default.stdout, default.stdout
+    assert "args b'efdl-worker rank=0'" in default.stdout, default.stdout
     for off in (run_single(["--no-prestart"] + cmd), run_single(cmd, {"EFDL_PRESTART": "0"})):
         assert off.returncode == 0, off.stderr[-3000:]
         assert "pre-starting" not in off.stderr and "spares" not in off.stderr, off.stderr
