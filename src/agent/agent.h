@@ -174,6 +174,8 @@ class Agent {
   // ends this node's workers when one of them caused it (a failure of this node), else waits
   // for the culprit's node, and ends them too if the hang outlasts another timeout.
   void CheckHang();
+  // This node's rank caused the hang: SIGKILL of its workers, a failure of this node.
+  void EndHungWorkers(int64_t round, const std::string& detail);
   int Shutdown(int signal);
   // --log-dir's file of `rank`'s output in `round` (<dir>/<node>/round-R.rank-N.log); empty
   // without --log-dir.
@@ -248,6 +250,14 @@ class Agent {
   // A hang with no cause on this node: its workers' next failure is collateral; and when it
   // outlasts this deadline, this node's workers are ended too.
   bool hang_elsewhere_ = false;
+  // A rank of this node seen outside any collective at a hang, to be ended once confirmed.
+  struct HangConfirm {
+    std::chrono::steady_clock::time_point at;
+    pid_t pid = 0;
+    std::string detail;
+  };
+  std::optional<HangConfirm> hang_confirm_;
+  static constexpr std::chrono::milliseconds kHangConfirm{1000};
   // A worker failure after every local rank was silent this long (a fraction of the hang
   // timeout) is collateral of a hang another node ended.
   static constexpr double kCollateralStall = 0.8;

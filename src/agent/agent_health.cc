@@ -1,6 +1,8 @@
 // Hang detection in the agent (issue #32; src/health; docs/operations.md "Hangs"): the workers
 // report progress on the progress board; a rank silent for its timeout makes this agent write
 // every local worker's Python stack and end the workers of the node that caused it.
+#include <signal.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -45,6 +47,7 @@ void Agent::StartHangMonitor() {
 void Agent::ArmHangMonitor(bool fresh) {
   hang_elsewhere_ = false;
   hang_fallback_at_.reset();
+  hang_confirm_.reset();
   if (!hang_ || !group_) return;
   hang_->Arm(group_->pids(), fresh);
 }
@@ -67,6 +70,17 @@ void Agent::CheckHang() {
     rdzv_.ReportWorkerFailure(round, detail);
     pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
     pending_failure_->collateral = "a hang whose cause no node found";   // counted against nobody
+    return;
+  }
+  if (hang_confirm_) {
+    if (now < hang_confirm_->at) return;
+    const HangConfirm c = *std::exchange(hang_confirm_, std::nullopt);
+    hang_elsewhere_ = false;
+    // Still there and not exiting: its own code holds it (a worker whose collective broke
+    // because another node just ended its culprit would have failed by now, and PollWorkers
+    // would have taken that failure before this).
+    if (::kill(c.pid, 0) != 0 || group_->Poll() != WorkerGroup::State::kRunning) return;
+    EndHungWorkers(round, c.detail);
     return;
   }
   if (!hang_->armed()) return;
@@ -109,6 +123,19 @@ void Agent::CheckHang() {
   const std::string detail = fmt::format("rank {} made no progress for {:.0f} s ({})",
                                          assignment_.rank_offset + c.local_rank,
                                          hung.front().silent_s, c.why);
+  if (c.state == 'T' || c.state == 't' || c.state == 'D') {
+    EndHungWorkers(round, detail);   // stopped or stuck in the kernel: nothing else can be
+    return;
+  }
+  // Outside a collective in one sample: every node's monitor fires at about the same moment, so
+  // this rank may just be failing because another node ended its culprit (a collective error
+  // being raised). Confirm after kHangConfirm that it is still alive and running; until then a
+  // failure of these workers is collateral.
+  hang_elsewhere_ = true;
+  hang_confirm_ = HangConfirm{now + kHangConfirm, c.pid, detail};
+}
+
+void Agent::EndHungWorkers(int64_t round, const std::string& detail) {
   EFDL_LOG_ERROR("job {} round {}: {}: the hang is this node's ({}); ending its workers",
                  options_.job_id, round, detail, options_.node_id);
   group_->Close();   // SIGKILL: a stopped or stuck process answers nothing else
