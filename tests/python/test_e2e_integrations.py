@@ -228,7 +228,9 @@ def test_the_documented_torchrun_script_runs_as_written(tmp_path):
                           timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    trained = sorted(line.split("TRAINED ", 1)[1] for line in out.splitlines()
-                     if "TRAINED " in line)
+    # Both ranks of the one launcher share its stdout, and a line's text and its newline may
+    # reach the pipe in two writes, so one rank's line can end after the other's: look for
+    # each record rather than each line.
+    trained = sorted(re.findall(r"TRAINED (rank=\d+ world=\d+ sum=\d+ args=--epochs 1)", out))
     assert trained == ["rank=0 world=2 sum=2 args=--epochs 1",
                        "rank=1 world=2 sum=2 args=--epochs 1"], out[-4000:]
