@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from efdl import _env
+from efdl._names import Env
 
 # Set on the re-executed command so that a second arrival without agent env is an error, not a loop.
-_REEXEC_MARKER = "EFDL_REEXECUTED"
+_REEXEC_MARKER = Env.REEXECUTED
 
 
 def default_backend():
@@ -40,12 +41,12 @@ def world_size():
 
 
 def _agent_required():
-    return bool(os.environ.get("EFDL_ETCD_ENDPOINTS")) and bool(os.environ.get("EFDL_JOB_ID"))
+    return bool(os.environ.get(Env.ETCD_ENDPOINTS)) and bool(os.environ.get(Env.JOB_ID))
 
 
 def find_efdl_binary():
     """Path of the `efdl` command: EFDL_BIN when set, else PATH. Raises RuntimeError if absent."""
-    explicit = os.environ.get("EFDL_BIN", "")
+    explicit = os.environ.get(Env.BIN, "")
     if explicit:
         if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
             return explicit
@@ -122,17 +123,17 @@ def init_process_group(timeout=None, backend=None):
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)
 
     size = _env.world_size()
-    if _env.has_launcher_env() and (size > 1 or os.environ.get("MASTER_ADDR")):
+    if _env.has_launcher_env() and (size > 1 or os.environ.get(Env.MASTER_ADDR)):
         this_rank = _env.rank()
         if this_rank >= size:
             raise ValueError("RANK=%d is not below WORLD_SIZE=%d; the launcher's environment is "
                              "inconsistent" % (this_rank, size))
-        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+        missing = [n for n in (Env.MASTER_ADDR, Env.MASTER_PORT) if not os.environ.get(n)]
         if missing:
             raise ValueError("WORLD_SIZE=%d but %s not set: run under `efdl run` (or set them to "
                              "rank 0's address and a free port)" % (size, " and ".join(missing)))
         if this_rank != 0:
-            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            wait_for_store(os.environ[Env.MASTER_ADDR], int(os.environ[Env.MASTER_PORT]),
                            timeout if timeout is not None else _STORE_WAIT_S)
         dist.init_process_group(backend, init_method="env://", rank=this_rank, world_size=size,
                                 **kwargs)

@@ -4,10 +4,13 @@ variables that every module of the package uses.
 The agent (`efdl run`) gives every worker RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT (the torchrun names, so unmodified torch programs run too). A process
 started without them is a 1-process job: rank 0 of 1. Pure functions of os.environ; no state.
-Imports nothing of efdl and not torch, so every module may use it (the control client too).
+Imports nothing of efdl but the generated names (_names.py, from src/common/env_names.h) and not
+torch, so every module may use it (the control client too).
 """
 
 import os
+
+from efdl._names import Env
 
 # How a value that is not an integer is reported (a %-format of the dict with "name", "value"
 # and "minimum"). Each caller keeps the words it always had.
@@ -65,26 +68,26 @@ def env_flag(name, default=False, words=None, normalize=True):
 
 
 def rank():
-    return launcher_int("RANK", 0)
+    return launcher_int(Env.RANK, 0)
 
 
 def world_size():
-    return launcher_int("WORLD_SIZE", 1, minimum=1)
+    return launcher_int(Env.WORLD_SIZE, 1, minimum=1)
 
 
 def local_rank():
-    return launcher_int("LOCAL_RANK", 0)
+    return launcher_int(Env.LOCAL_RANK, 0)
 
 
 def local_world_size():
-    return launcher_int("LOCAL_WORLD_SIZE", 1, minimum=1)
+    return launcher_int(Env.LOCAL_WORLD_SIZE, 1, minimum=1)
 
 
 def has_launcher_env():
     """True when a launcher (the agent, torchrun, a platform) placed this process in a group."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return Env.RANK in os.environ and Env.WORLD_SIZE in os.environ
 
 
 def under_agent():
     """True when this process was started by an EFDL agent (it always sets these two)."""
-    return "EFDL_CONTROL_SOCKET" in os.environ or has_launcher_env()
+    return Env.CONTROL_SOCKET in os.environ or has_launcher_env()

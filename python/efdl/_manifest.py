@@ -26,10 +26,11 @@ import warnings
 import torch
 
 from efdl import _efdl, _env, _unpickle
+from efdl._names import Env
 
 SnapshotError = _efdl.SnapshotError
 
-RESTORE_OTHER_PROGRAM_ENV = "EFDL_RESTORE_OTHER_PROGRAM"
+RESTORE_OTHER_PROGRAM_ENV = Env.RESTORE_OTHER_PROGRAM
 
 # Keyword arguments of these types are written as JSON in the manifest and read back from it
 # exactly (ints only in the range a JSON parser keeps exact); others are pickled.

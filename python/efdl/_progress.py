@@ -1,8 +1,8 @@
 """Progress reports from a worker to its agent, and the stack dump on a hang (issue #32).
 
 Each State.commit() reports progress (one store into the node's progress board, shared memory
-the agent maps: src/health/progress_board.h owns its layout and the variable names below); a
-program without State calls efdl.progress(). Under `efdl run`, a rank whose reports stop for the
+the agent maps: src/health/progress_board.h owns its layout, src/common/env_names.h the names of
+its variables); a program without State calls efdl.progress(). Under `efdl run`, a rank whose reports stop for the
 hang timeout is declared hung: its agent writes every local worker's Python stack (faulthandler,
 armed here on the signal the agent names) and ends the rank that caused it (docs/operations.md,
 "Hangs"). Outside `efdl run` every function here does nothing.
@@ -11,38 +11,26 @@ armed here on the signal the agent names) and ends the rank that caused it (docs
 import contextlib
 import os
 
+from efdl._names import Env
+
 _board = {"key": None, "slot": None}   # the cached writer, keyed by (board path, slot)
 _armed = {"pid": None, "file": None}
-_env_names = {}   # the variables' names, from their owner (src/health/progress_board.h)
-
-
-def _name(what):
-    """The name of one of the agent's variables, bound from C++ (None without _efdl)."""
-    if not _env_names:
-        try:
-            from efdl import _efdl
-        except ImportError:
-            return None
-        _env_names.update(board=_efdl.PROGRESS_BOARD_ENV, slot=_efdl.PROGRESS_SLOT_ENV,
-                          stack_dir=_efdl.STACK_DIR_ENV, stack_signal=_efdl.STACK_SIGNAL_ENV)
-    return _env_names[what]
 
 
 def _slot():
     """The ProgressSlot writer of this worker, or None outside `efdl run` (or without a board)."""
-    board_env = _name("board")
-    path = os.environ.get(board_env) if board_env else None
+    path = os.environ.get(Env.PROGRESS_BOARD)
     if not path:
         return None
-    key = (path, os.environ.get(_name("slot")))
+    key = (path, os.environ.get(Env.PROGRESS_SLOT))
     if _board["key"] != key:
         _board["key"] = key
         _board["slot"] = None
         try:
             from efdl import _efdl
             _board["slot"] = _efdl.ProgressSlot(path, int(key[1]))
-        except (ValueError, TypeError, RuntimeError):
-            _board["slot"] = None   # no board (detection off): no reports
+        except (ImportError, ValueError, TypeError, RuntimeError):
+            _board["slot"] = None   # no board (detection off) or no _efdl: no reports
     return _board["slot"]
 
 
@@ -86,10 +74,8 @@ def pause_expected(seconds):
 def arm_stack_dump():
     """Arms faulthandler so that the agent's stack signal writes every thread's Python stack to
     EFDL_STACK_DIR/stack-<pid>.txt (done once per process; a forked spare arms its own)."""
-    if _name("stack_dir") is None:
-        return
-    d = os.environ.get(_name("stack_dir"))
-    sig = os.environ.get(_name("stack_signal"))
+    d = os.environ.get(Env.STACK_DIR)
+    sig = os.environ.get(Env.STACK_SIGNAL)
     if not d or not sig or _armed["pid"] == os.getpid():
         return
     try:

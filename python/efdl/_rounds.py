@@ -23,6 +23,7 @@ A mixin of State (efdl/state.py), which owns everything it uses.
 import os
 
 from efdl import _agreement
+from efdl._names import Env
 
 _PARTS = ("model", "optimizer", "scheduler")
 
@@ -84,7 +85,7 @@ class InProcessRounds:
         given = [p for p in _PARTS if getattr(self, p) is not None]
         world = _agreement.group_size()
         agreed, self._agreed_round = self._agreed_round, None
-        if world and agreed is not None and agreed == os.environ.get("EFDL_ROUND"):
+        if world and agreed is not None and agreed == os.environ.get(Env.ROUND):
             # Constructed in this round's group: its constructor's agreement was this round's
             # (it paired with the other ranks' agreement here); nothing changed since.
             ref = self._restored

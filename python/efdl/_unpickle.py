@@ -22,7 +22,9 @@ import io
 import os
 import pickle
 
-ALLOW_ENV = "EFDL_UNPICKLE_ALLOW"
+from efdl._names import Env
+
+ALLOW_ENV = Env.UNPICKLE_ALLOW
 
 _SAFE = {
     "builtins": frozenset(("complex", "set", "frozenset", "bytearray", "slice", "range", "list",

@@ -12,9 +12,10 @@ import sys
 import time
 
 from efdl import _env
+from efdl._names import Env
 
 PROTOCOL_VERSION = 1
-ENV_SOCKET = "EFDL_CONTROL_SOCKET"
+ENV_SOCKET = Env.CONTROL_SOCKET
 
 # stop_requested() reads the socket at most this often; between reads it returns a cached flag,
 # so a per-step call costs well under a microsecond. A read that finds nothing costs about 5 us
@@ -170,8 +171,8 @@ class ControlClient:
                 if isinstance(env, dict):
                     env = {str(k): str(v) for k, v in env.items()}
                     self.round = int(message["round"])
-                    self.rank = _int_or(env.get("RANK"), self.rank)
-                    self.local_rank = _int_or(env.get("LOCAL_RANK"), self.local_rank)
+                    self.rank = _int_or(env.get(Env.RANK), self.rank)
+                    self.local_rank = _int_or(env.get(Env.LOCAL_RANK), self.local_rank)
                     self._pause = None
                     return env
             if self._stop is not None:
@@ -356,5 +357,5 @@ def connect_from_env(timeout=5.0):
     path = os.environ.get(ENV_SOCKET)
     if not path:
         return None
-    return ControlClient(path, rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0),
-                         round_=_env_int("EFDL_ROUND", 0), timeout=timeout)
+    return ControlClient(path, rank=_env_int(Env.RANK, 0), local_rank=_env_int(Env.LOCAL_RANK, 0),
+                         round_=_env_int(Env.ROUND, 0), timeout=timeout)

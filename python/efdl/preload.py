@@ -39,14 +39,16 @@ import sysconfig
 import time
 import types
 
+from efdl._names import Env
+
 DEFAULT_MODULES = "torch,torch.distributed,efdl.backend.torch"
 # A worker forked from the zygote reports the installed modules its program imported in a file
 # here at its exit (src/agent/zygote.h, "Learning the program's imports").
-IMPORTS_DIR_ENV = "EFDL_IMPORTS_DIR"   # src/agent/zygote.h kImportsDirVariable
+IMPORTS_DIR_ENV = Env.IMPORTS_DIR   # src/agent/zygote.h kImportsDirVariable
 # The package directory the agent put in front of PYTHONPATH for this process alone, when the
 # worker's interpreter cannot import efdl by itself (src/agent/zygote.h, "Where the zygote finds
 # efdl").
-PRELOAD_PATH_ENV = "EFDL_PRELOAD_PATH"   # src/agent/zygote.h kPreloadPathVariable
+PRELOAD_PATH_ENV = Env.PRELOAD_PATH   # src/agent/zygote.h kPreloadPathVariable
 _MAX_REPORTED = 5000
 # Reports are written this long after the program started, by a daemon thread (a program
 # stopped by SIGTERM at a round change never reaches its exit), and at its exit. The first
@@ -68,11 +70,11 @@ def _forget_preload_path():
         if i > 0 and p and os.path.abspath(p) == os.path.abspath(entry):
             del sys.path[i]
             break
-    rest = os.environ.get("PYTHONPATH", "")
+    rest = os.environ.get(Env.PYTHONPATH, "")
     if rest == entry:
-        del os.environ["PYTHONPATH"]
+        del os.environ[Env.PYTHONPATH]
     elif rest.startswith(entry + os.pathsep):
-        os.environ["PYTHONPATH"] = rest[len(entry) + 1:]
+        os.environ[Env.PYTHONPATH] = rest[len(entry) + 1:]
 
 
 def _preload(names):
@@ -215,8 +217,8 @@ def worker_title():
     env = os.environ
     # The rank first: an interpreter's argument area may hold only the first few dozen bytes.
     return "efdl-worker rank=%s node=%s job=%s round=%s" % (
-        env.get("RANK", "?"), env.get("EFDL_NODE_ID", "?"), env.get("EFDL_JOB_ID", "?"),
-        env.get("EFDL_ROUND", "?"))
+        env.get(Env.RANK, "?"), env.get(Env.NODE_ID, "?"), env.get(Env.JOB_ID, "?"),
+        env.get(Env.ROUND, "?"))
 
 
 def set_worker_title():
@@ -227,7 +229,7 @@ def set_worker_title():
     are fields arg_start/arg_end of /proc/self/stat); where that is refused, args stay as they
     were. Called again at each in-process round change (the rank may change)."""
     try:
-        _prctl(_PR_SET_NAME, ("efdl-rank%s" % os.environ.get("RANK", "?")).encode()[:15])
+        _prctl(_PR_SET_NAME, ("efdl-rank%s" % os.environ.get(Env.RANK, "?")).encode()[:15])
     except OSError:
         pass
     try:
@@ -396,7 +398,7 @@ def zygote(sock_fd):
     with open("/proc/self/comm", "rb") as f:
         name = f.read().strip()
     _prctl(_PR_SET_NAME, ZYGOTE_NAME)
-    _preload(os.environ.get("EFDL_PRELOAD_MODULES", DEFAULT_MODULES))
+    _preload(os.environ.get(Env.PRELOAD_MODULES, DEFAULT_MODULES))
     threads = _threads()
     if threads != 1:
         # fork() copies only the calling thread: a lock another thread held stays locked.
@@ -561,7 +563,7 @@ def main():
             code = _exit_status(e.code)
         _exit_without_teardown(code)
     fd = int(sys.argv[1])
-    _preload(os.environ.get("EFDL_PRELOAD_MODULES", DEFAULT_MODULES))
+    _preload(os.environ.get(Env.PRELOAD_MODULES, DEFAULT_MODULES))
     return _serve(fd, int(sys.argv[2]) if len(sys.argv) > 2 else None)
 
 

@@ -55,6 +55,7 @@ import weakref
 
 from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts, _progress, _rounds
 from efdl._manifest import program_name
+from efdl._names import Env
 from efdl._parts import SnapshotMismatchError
 
 __all__ = ["State", "SnapshotMismatchError", "SnapshotError"]
@@ -85,7 +86,7 @@ def _remove_arena(path, shm_dir, box, key):
 
 def default_job_id():
     """EFDL_JOB_ID, or a stable id for this script (so re-running it restores its snapshots)."""
-    job = os.environ.get("EFDL_JOB_ID", "").strip()
+    job = os.environ.get(Env.JOB_ID, "").strip()
     if job:
         return job
     script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
@@ -123,7 +124,7 @@ class State(_rounds.InProcessRounds):
         d["_vote"] = None
         d["_vote_checked"] = False
         d["_fast"] = None          # efdl._efdl.FastCommit of the current plan, see _snapshot
-        d["_fast_enabled"] = _env.env_flag("EFDL_FAST_COMMIT", True)
+        d["_fast_enabled"] = _env.env_flag(Env.FAST_COMMIT, True)
         d["_fast_strikes"] = 0     # fast paths dropped after < 4 commits, in a row: _make_fast
         d["_fast_retry"] = 0       # no fast path before this many commits
         self._init_rounds()        # efdl/_rounds.py: in-process round changes
@@ -143,13 +144,13 @@ class State(_rounds.InProcessRounds):
         # persister and the cleanup use too. Under `efdl run` the agent holds the holder lock
         # and names the holder (EFDL_ARENA_HOLDER); a standalone process shares "<host>.0" by
         # a shared lock, so a live program's arena is never taken for a dead one's.
-        holder = os.environ.get("EFDL_ARENA_HOLDER", "").strip()
+        holder = os.environ.get(Env.ARENA_HOLDER, "").strip()
         self._holder_lock = None
         if not holder:
             holder = _efdl.holder_name(socket.gethostname(), 0)
             self._holder_lock = _efdl.HolderLock.lock_shared(
                 shm_dir, self._job, holder, "python State, job %s" % self._job)
-        storage = os.path.join(os.environ.get("EFDL_SNAPSHOT_DIR", "efdl-snapshots"), self._job)
+        storage = os.path.join(os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots"), self._job)
         if per_rank:
             storage = os.path.join(storage, "rank-%d" % rank)
         self._storage_dir = os.path.abspath(storage)
@@ -157,25 +158,25 @@ class State(_rounds.InProcessRounds):
         # One writer per arena: local rank 0 for a node copy, every rank for per-rank copies.
         # Storage gets one copy per job (global rank 0) or one per rank.
         self._writer = per_rank or local_rank == 0
-        self._agent_persists = _env.env_flag("EFDL_AGENT_PERSISTS", False)
+        self._agent_persists = _env.env_flag(Env.AGENT_PERSISTS, False)
         persist = (per_rank or rank == 0) and not self._agent_persists
         self._persists = persist and self._writer
         self._last_step = None  # step of this process' newest commit (for "persisted" reports)
         self._engine = _efdl.SnapshotEngine(
             self._job, scope, self._arena_path, self._storage_dir,
-            num_slots=_env.env_int("EFDL_SNAPSHOT_SLOTS", _efdl.DEFAULT_SNAPSHOT_SLOTS),
+            num_slots=_env.env_int(Env.SNAPSHOT_SLOTS, _efdl.DEFAULT_SNAPSHOT_SLOTS),
             keep=settings.keep,
             persist=persist and self._writer,
-            copy_threads=_env.env_int("EFDL_SNAPSHOT_THREADS", 0),
+            copy_threads=_env.env_int(Env.SNAPSHOT_THREADS, 0),
             persist_min_interval_ms=settings.min_interval_ms,
             hmac_key=settings.hmac_key,
-            commit_checksum=_env.env_flag("EFDL_COMMIT_CHECKSUM", False))
+            commit_checksum=_env.env_flag(Env.COMMIT_CHECKSUM, False))
         self._control = self._connect_control()
 
         world = _agreement.group_size()
         if world:
             self._restore_agreed(world)
-            self._agreed_round = os.environ.get("EFDL_ROUND")   # see _rounds._sync_round
+            self._agreed_round = os.environ.get(Env.ROUND)   # see _rounds._sync_round
         else:
             self._restore_newest()
         if self._restored is not None and rank == 0:
@@ -503,7 +504,7 @@ class State(_rounds.InProcessRounds):
         epoch = self._values.get("epoch")
         detail = "step %d%s" % (ref.step, ", epoch %s" % epoch if isinstance(epoch, int) else "")
         # A job run with --etcd keeps its records there: its reset needs --etcd too (worker_env.cc).
-        shared = _env.env_flag("EFDL_SHARED_ETCD", False)
+        shared = _env.env_flag(Env.SHARED_ETCD, False)
         sys.stderr.write(
             "efdl: job '%s' continues from snapshot %d (%s) in %s, written %s; to start "
             "over: `efdl reset --job %s%s` first, or use another job id\n"
@@ -599,7 +600,7 @@ class State(_rounds.InProcessRounds):
     # -- stopping ------------------------------------------------------------------------------
 
     def _connect_control(self):
-        if not os.environ.get("EFDL_CONTROL_SOCKET"):
+        if not os.environ.get(Env.CONTROL_SOCKET):
             return None
         try:
             from efdl import control

@@ -15,6 +15,7 @@
 
 #include "agent/stale_dirs.h"
 #include "agent/zygote.h"
+#include "common/env_names.h"
 #include "common/log.h"
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
@@ -400,7 +401,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     spec.env = options_.launcher
                    ? LauncherEnvironment(options_, a, restart_count)
                    : WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
-    spec.env["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
+    spec.env[envvar::kArenaHolder] = holder_lock_->holder();
     spec.log_path = WorkerLogPath(a.round, spec.rank);
     wg.workers.push_back(std::move(spec));
   }
@@ -485,7 +486,7 @@ void Agent::StartSparePool() {
   typical.nproc = options_.nproc;
   for (int lr = 0; lr < options_.nproc; ++lr) {
     so.start_env[lr] = WorkerEnvironment(options_, typical, lr, 0, socket_path_);
-    so.start_env[lr]["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
+    so.start_env[lr][envvar::kArenaHolder] = holder_lock_->holder();
   }
   auto pool = SparePool::Create(std::move(so));
   if (!pool.ok()) {
@@ -614,8 +615,8 @@ void Agent::ExplainPeerConnectError(int64_t round, const std::optional<PeerConne
       "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME) or --advertise-addr ADDR, and check that no "
       "firewall blocks the ports between the nodes (docs/troubleshooting.md)",
       round, e->rank, e->address, e->port, e->line, options_.advertise_addr,
-      setting("GLOO_SOCKET_IFNAME", options_.gloo_iface),
-      setting("NCCL_SOCKET_IFNAME", options_.gloo_iface), e->address);
+      setting(envvar::kGlooSocketIfname, options_.gloo_iface),
+      setting(envvar::kNcclSocketIfname, options_.gloo_iface), e->address);
 }
 
 void Agent::ServeFlushRequests() {
@@ -702,7 +703,7 @@ int Agent::Shutdown(int signal) {
 }
 
 bool Agent::TakeArenaHolder() {
-  shm_dir_ = snapshot::ShmDir(std::getenv("EFDL_SHM_DIR"));
+  shm_dir_ = snapshot::ShmDir(std::getenv(envvar::kShmDir));
   auto lock = snapshot::HolderLock::Acquire(
       shm_dir_, options_.job_id, HostName(),
       fmt::format("efdl run, job {}, node {}", options_.job_id, options_.node_id));

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "agent/agent.h"
+#include "common/env_names.h"
 #include "common/log.h"
 #include "horovod/rendezvous_server.h"
 
@@ -82,7 +83,7 @@ bool Agent::ContinueInProcess(const rdzv::Assignment& a, int restart_count) {
     group_->Renumber(a.round, ranks, log_paths);
     for (int lr = 0; lr < n && why.empty(); ++lr) {
       auto env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
-      env["EFDL_ARENA_HOLDER"] = holder_lock_->holder();
+      env[envvar::kArenaHolder] = holder_lock_->holder();
       if (!control_->AssignRound(old_round, lr, a.round, env)) {
         why = fmt::format("local rank {} could not be reached", lr);
       }

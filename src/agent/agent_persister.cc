@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "common/env_names.h"
 #include "common/log.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
@@ -28,7 +29,7 @@ Result<AgentPersisterOptions> AgentPersisterOptionsFromEnvironment(
   o.job_id = std::move(job_id);
   o.holder = std::move(holder);
   o.snapshot_dir = std::move(snapshot_dir);
-  if (const char* shm = getenv("EFDL_SHM_DIR"); shm != nullptr && *shm != '\0') o.shm_dir = shm;
+  if (const char* shm = getenv(envvar::kShmDir); shm != nullptr && *shm != '\0') o.shm_dir = shm;
   auto settings = snapshot::PersistSettingsFromEnvironment(getenv, std::move(job_secret));
   if (!settings.ok()) return settings.status();
   o.per_rank = settings->per_rank;

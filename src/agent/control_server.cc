@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/env_names.h"
 #include "common/log.h"
 
 namespace efdl::agent {
@@ -172,7 +173,7 @@ bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round
     }
     SendLocked(fd, line);
     c.round = new_round;
-    auto rank = env.find("RANK");
+    auto rank = env.find(envvar::kRank);
     if (rank != env.end()) c.rank = std::atoi(rank->second.c_str());
     return true;
   }

@@ -18,6 +18,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "common/env_names.h"
 #include "common/log.h"
 
 extern char** environ;
@@ -113,9 +114,11 @@ std::optional<PythonCommand> ParsePythonCommand(const std::vector<std::string>& 
 
 bool IsRoundVariable(std::string_view name) {
   static constexpr std::array<std::string_view, 13> kNames = {
-      "RANK",        "LOCAL_RANK",  "WORLD_SIZE",      "LOCAL_WORLD_SIZE", "GROUP_RANK",
-      "NODE_RANK",   "NNODES",      "GROUP_WORLD_SIZE", "ROLE_NAME",       "ROLE_RANK",
-      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+      envvar::kRank,           envvar::kLocalRank,      envvar::kWorldSize,
+      envvar::kLocalWorldSize, envvar::kGroupRank,      envvar::kNodeRank,
+      envvar::kNnodes,         envvar::kGroupWorldSize, envvar::kRoleName,
+      envvar::kRoleRank,       envvar::kRoleWorldSize,  envvar::kMasterAddr,
+      envvar::kMasterPort};
   for (std::string_view n : kNames) {
     if (name == n) return true;
   }
@@ -169,12 +172,12 @@ std::map<std::string, std::string> SparePool::WithPreloadPath(
     std::map<std::string, std::string> env) const {
   if (preload_path_.empty()) return env;
   std::string rest;
-  if (auto it = env.find("PYTHONPATH"); it != env.end()) {
+  if (auto it = env.find(envvar::kPythonPath); it != env.end()) {
     rest = it->second;
-  } else if (const char* v = std::getenv("PYTHONPATH")) {
+  } else if (const char* v = std::getenv(envvar::kPythonPath)) {
     rest = v;
   }
-  env["PYTHONPATH"] = rest.empty() ? preload_path_ : preload_path_ + ":" + rest;
+  env[envvar::kPythonPath] = rest.empty() ? preload_path_ : preload_path_ + ":" + rest;
   env[kPreloadPathVariable] = preload_path_;
   return env;
 }

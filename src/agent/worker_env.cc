@@ -7,9 +7,10 @@
 #include <string>
 
 #include "agent/agent.h"
+#include "common/env_names.h"
+#include "health/progress_board.h"
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
-#include "health/progress_board.h"
 
 namespace efdl::agent {
 
@@ -38,7 +39,7 @@ void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& 
     o.rendezvous_token = std::move(token).value();
   }
   // A value the user set in the agent's environment reaches the worker unchanged.
-  if (std::getenv("HOROVOD_GLOO_IFACE") == nullptr) o.gloo_iface = options.gloo_iface;
+  if (std::getenv(envvar::kHorovodGlooIface) == nullptr) o.gloo_iface = options.gloo_iface;
   env.merge(horovod::WorkerEnv(slot, o));
 }
 
@@ -48,7 +49,7 @@ void AddHorovodEnvironment(const AgentOptions& options, const rdzv::Assignment& 
 // "Networking"), unless the user set the variable in the agent's environment.
 void AddSocketInterface(const AgentOptions& options, std::map<std::string, std::string>& env) {
   if (options.gloo_iface.empty()) return;
-  for (const char* name : {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}) {
+  for (const char* name : {envvar::kGlooSocketIfname, envvar::kNcclSocketIfname}) {
     if (std::getenv(name) == nullptr) env[name] = options.gloo_iface;
   }
 }
@@ -57,23 +58,25 @@ void AddSocketInterface(const AgentOptions& options, std::map<std::string, std::
 // directory, the thread count and the socket interface.
 void AddCommon(const AgentOptions& options, const rdzv::Assignment& a, int restart_count,
                std::map<std::string, std::string>& env) {
-  env["EFDL_JOB_ID"] = options.job_id;
-  env["EFDL_NODE_ID"] = options.node_id;
-  env["EFDL_ROUND"] = std::to_string(a.round);
-  env["EFDL_RESTART_COUNT"] = std::to_string(restart_count);
-  env["EFDL_NUM_MIN_WORKERS"] = std::to_string(options.min_nodes);
-  env["EFDL_NUM_MAX_WORKERS"] = std::to_string(options.max_nodes);
-  env["EFDL_SNAPSHOT_DIR"] = options.snapshot_dir;
+  env[envvar::kJobId] = options.job_id;
+  env[envvar::kNodeId] = options.node_id;
+  env[envvar::kRound] = std::to_string(a.round);
+  env[envvar::kRestartCount] = std::to_string(restart_count);
+  env[envvar::kNumMinWorkers] = std::to_string(options.min_nodes);
+  env[envvar::kNumMaxWorkers] = std::to_string(options.max_nodes);
+  env[envvar::kSnapshotDir] = options.snapshot_dir;
   // As torchrun does: several processes per node must not each spawn a thread per core.
-  if (a.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
+  if (a.nproc > 1 && std::getenv(envvar::kOmpNumThreads) == nullptr) {
+    env[envvar::kOmpNumThreads] = "1";
+  }
   AddSocketInterface(options, env);
   // --horovod: `import horovod` finds EFDL's stand-in first (docs/horovod.md), whose layer is
   // the one EFDL_HOROVOD=torch chooses.
   if (!options.horovod_shim_dir.empty()) {
-    const char* path = std::getenv("PYTHONPATH");
-    env["PYTHONPATH"] = options.horovod_shim_dir +
-                        (path != nullptr && *path != '\0' ? ":" + std::string(path) : "");
-    env["EFDL_HOROVOD"] = "torch";
+    const char* path = std::getenv(envvar::kPythonPath);
+    env[envvar::kPythonPath] = options.horovod_shim_dir +
+                               (path != nullptr && *path != '\0' ? ":" + std::string(path) : "");
+    env[envvar::kHorovod] = "torch";
   }
 }
 
@@ -85,31 +88,31 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
                                                      const std::string& control_socket) {
   const int rank = a.rank_offset + local_rank;
   std::map<std::string, std::string> env = {
-      {"RANK", std::to_string(rank)},
-      {"LOCAL_RANK", std::to_string(local_rank)},
-      {"WORLD_SIZE", std::to_string(a.world_size)},
-      {"LOCAL_WORLD_SIZE", std::to_string(a.nproc)},
-      {"GROUP_RANK", std::to_string(a.node_rank)},
-      {"NODE_RANK", std::to_string(a.node_rank)},
-      {"NNODES", std::to_string(a.nnodes)},
-      {"NPROC_PER_NODE", std::to_string(a.nproc)},
-      {"GROUP_WORLD_SIZE", std::to_string(a.nnodes)},
-      {"ROLE_NAME", "default"},
-      {"ROLE_RANK", std::to_string(rank)},
-      {"ROLE_WORLD_SIZE", std::to_string(a.world_size)},
-      {"MASTER_ADDR", a.master_addr},
-      {"MASTER_PORT", std::to_string(a.master_port)},
-      {"EFDL_CONTROL_SOCKET", control_socket},
+      {envvar::kRank, std::to_string(rank)},
+      {envvar::kLocalRank, std::to_string(local_rank)},
+      {envvar::kWorldSize, std::to_string(a.world_size)},
+      {envvar::kLocalWorldSize, std::to_string(a.nproc)},
+      {envvar::kGroupRank, std::to_string(a.node_rank)},
+      {envvar::kNodeRank, std::to_string(a.node_rank)},
+      {envvar::kNnodes, std::to_string(a.nnodes)},
+      {envvar::kNprocPerNode, std::to_string(a.nproc)},
+      {envvar::kGroupWorldSize, std::to_string(a.nnodes)},
+      {envvar::kRoleName, "default"},
+      {envvar::kRoleRank, std::to_string(rank)},
+      {envvar::kRoleWorldSize, std::to_string(a.world_size)},
+      {envvar::kMasterAddr, a.master_addr},
+      {envvar::kMasterPort, std::to_string(a.master_port)},
+      {envvar::kControlSocket, control_socket},
       // torch 1.13 keeps a round's keys apart in an agent store under this count's prefix, so it
       // must then be the same on every worker of the round: the round number.
-      {"TORCHELASTIC_RESTART_COUNT", std::to_string(a.agent_store ? a.round : restart_count)},
-      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
-      {"TORCHELASTIC_RUN_ID", options.job_id},
+      {envvar::kTorchelasticRestartCount, std::to_string(a.agent_store ? a.round : restart_count)},
+      {envvar::kTorchelasticMaxRestarts, std::to_string(options.max_restarts)},
+      {envvar::kTorchelasticRunId, options.job_id},
       // "True": MASTER_PORT is the rank-0 node's agent store and every rank, rank 0 included,
       // connects to it as a client (torch.distributed's env:// handler reads this).
-      {"TORCHELASTIC_USE_AGENT_STORE", a.agent_store ? "True" : "False"},
+      {envvar::kTorchelasticUseAgentStore, a.agent_store ? "True" : "False"},
   };
-  if (!options.job_secret.empty()) env["EFDL_JOB_SECRET"] = options.job_secret;
+  if (!options.job_secret.empty()) env[envvar::kJobSecret] = options.job_secret;
   // Hang detection (src/health): the progress board and the stacks live in the agent's own
   // directory, beside its control socket (agent_health.cc creates the board there).
   if (HangDetectionOn(options) && !control_socket.empty()) {
@@ -120,9 +123,9 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
     env[health::kStackSignalEnv] = std::to_string(health::kStackSignal);
   }
   // The agent's AgentPersister writes storage; the workers only commit to shared memory.
-  if (!options.snapshot_dir.empty()) env["EFDL_AGENT_PERSISTS"] = "1";
+  if (!options.snapshot_dir.empty()) env[envvar::kAgentPersists] = "1";
   // The job's records live in a shared etcd (--etcd): starting it over needs `efdl reset --etcd`.
-  if (options.shared_etcd) env["EFDL_SHARED_ETCD"] = "1";
+  if (options.shared_etcd) env[envvar::kSharedEtcd] = "1";
   AddCommon(options, a, restart_count, env);
   AddHorovodEnvironment(options, a, local_rank, env);
   return env;
@@ -132,16 +135,16 @@ std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& optio
                                                        const rdzv::Assignment& a,
                                                        int restart_count) {
   std::map<std::string, std::string> env = {
-      {"NNODES", std::to_string(a.nnodes)},
-      {"NODE_RANK", std::to_string(a.node_rank)},
-      {"NPROC_PER_NODE", std::to_string(a.nproc)},
-      {"MASTER_ADDR", a.master_addr},
-      {"MASTER_PORT", std::to_string(a.master_port)},
-      {"WORLD_SIZE", std::to_string(a.world_size)},
-      {"RANK", std::to_string(a.rank_offset)},
+      {envvar::kNnodes, std::to_string(a.nnodes)},
+      {envvar::kNodeRank, std::to_string(a.node_rank)},
+      {envvar::kNprocPerNode, std::to_string(a.nproc)},
+      {envvar::kMasterAddr, a.master_addr},
+      {envvar::kMasterPort, std::to_string(a.master_port)},
+      {envvar::kWorldSize, std::to_string(a.world_size)},
+      {envvar::kRank, std::to_string(a.rank_offset)},
       // Recipes written for one process per GPU gate the launch on local rank 0.
-      {"LOCAL_RANK", "0"},
-      {"EFDL_LAUNCHER", "1"},
+      {envvar::kLocalRank, "0"},
+      {envvar::kLauncher, "1"},
   };
   AddCommon(options, a, restart_count, env);
   return env;

@@ -59,6 +59,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/env_names.h"
 #include "common/subprocess.h"
 #include "efdl/status.h"
 
@@ -85,7 +86,7 @@ struct SpareDescriptors {
 };
 
 // Where a forked worker writes its import report (the agent's own directory).
-inline constexpr const char* kImportsDirVariable = "EFDL_IMPORTS_DIR";
+inline constexpr const char* kImportsDirVariable = envvar::kImportsDir;
 // An import report's file name there: imports-PID-N.json, written as imports-PID-N.json.tmp and
 // renamed (python/efdl/preload.py). `or_partial`: a report still being written counts too.
 inline bool IsImportReportName(std::string_view name, bool or_partial = false) {
@@ -104,7 +105,7 @@ inline bool IsImportReportName(std::string_view name, bool or_partial = false) {
 // the one its interpreter gives it (the efdl modules already imported stay importable through
 // the package's own path). Where no known package loads there (another Python version or ABI),
 // the pool starts no spares and says so once (ChoosePackageDir's problem: the cost and the fix).
-inline constexpr const char* kPreloadPathVariable = "EFDL_PRELOAD_PATH";
+inline constexpr const char* kPreloadPathVariable = envvar::kPreloadPath;
 
 // What the worker's interpreter says about itself (ProbeInterpreter).
 struct InterpreterFacts {

@@ -14,6 +14,7 @@
 
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
+#include "common/env_names.h"
 #include "efdl/etcd.h"
 #include "rendezvous/protocol.h"
 #include "snapshot/arena_dir.h"
@@ -80,7 +81,7 @@ int ResetEtcd(const ResetArgs& args) {
 int Reset(const ResetArgs& args) {
   if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return Fail(2, st.message());
   // This host's arenas of the job: none may be in use.
-  const std::string shm = snapshot::ShmDir(std::getenv("EFDL_SHM_DIR"));
+  const std::string shm = snapshot::ShmDir(std::getenv(envvar::kShmDir));
   std::vector<std::string> arenas;
   uint64_t bytes = 0;
   for (const auto& e : snapshot::ScanArenaDir(shm, snapshot::HolderLockHeld)) {
@@ -134,13 +135,13 @@ void RegisterResetCommand(CLI::App& app, CommandRunner& runner) {
       "reset",
       "Start a job over: remove its records from etcd (with --etcd), move its snapshots aside, "
       "remove this host's arenas of it");
-  OptionWithEnv(cmd, "--job", args->job, "the job id", "EFDL_JOB_ID")->required();
+  OptionWithEnv(cmd, "--job", args->job, "the job id", envvar::kJobId)->required();
   OptionWithEnv(cmd, "--etcd", args->etcd,
                 "etcd endpoints of a job run with --etcd (none: a job without etcd)",
-                "EFDL_ETCD_ENDPOINTS");
+                envvar::kEtcdEndpoints);
   AddEtcdSecurityFlags(cmd, args->etcd_security);
   OptionWithEnv(cmd, "--snapshot-dir", args->snapshot_dir, "snapshot storage directory",
-                "EFDL_SNAPSHOT_DIR")
+                envvar::kSnapshotDir)
       ->capture_default_str();
   cmd->callback([args, &runner] { runner.Set([args] { return Reset(*args); }); });
 }

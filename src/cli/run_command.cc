@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
 #include "cli/slurm_job.h"
+#include "common/env_names.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "efdl/embedded_etcd.h"
@@ -138,13 +139,13 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
       "run", "Run this node's share of an elastic job: efdl run [OPTIONS] -- COMMAND [ARGS...]");
   OptionWithEnv(run, "--etcd", args->etcd,
                 "etcd endpoints HOST:PORT[,HOST:PORT...]; none: a private etcd, single node",
-                "EFDL_ETCD_ENDPOINTS");
+                envvar::kEtcdEndpoints);
   AddEtcdSecurityFlags(run, args->etcd_security);
   OptionWithEnv(run, "--job", f.job_id,
                 "job id shared by all nodes of the job (required with --etcd, except inside a "
                 "Slurm job: slurm-$SLURM_JOB_ID; without --etcd: local-<script name>-<8 hex>, "
                 "the program's own)",
-                "EFDL_JOB_ID");
+                envvar::kJobId);
   OptionWithEnv(run, "--nnodes", f.nnodes,
                 "nodes in the job: N or MIN:MAX (default 1:1; with --world-size N: 1:N)",
                 "EFDL_NNODES");
@@ -156,13 +157,13 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "start ONE process per node that launches the node's workers itself (torchrun, "
                 "accelerate, ...), with NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, "
                 "MASTER_PORT, WORLD_SIZE, RANK in its environment")
-      ->envname("EFDL_LAUNCHER");
+      ->envname(envvar::kLauncher);
   OptionWithEnv(run, "--nproc-per-node", f.nproc_per_node,
                 "worker processes on this node (default: visible GPUs, else 1)",
                 "EFDL_NPROC_PER_NODE");
   OptionWithEnv(run, "--node-id", f.node_id,
                 "this node's unique id (default: host name plus a unique suffix)",
-                "EFDL_NODE_ID");
+                envvar::kNodeId);
   OptionWithEnv(run, "--advertise-addr", f.advertise_addr,
                 "address of this host other nodes reach this one at (MASTER_ADDR when rank 0); "
                 "default: the address this host reaches etcd from (127.0.0.1 for loopback etcd)",
@@ -195,7 +196,7 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "also write each worker's output to DIR/<node id>/round-R.rank-N.log",
                 "EFDL_LOG_DIR");
   OptionWithEnv(run, "--snapshot-dir", f.snapshot_dir,
-                "snapshot storage given to workers as EFDL_SNAPSHOT_DIR", "EFDL_SNAPSHOT_DIR");
+                "snapshot storage given to workers as EFDL_SNAPSHOT_DIR", envvar::kSnapshotDir);
   // Two flags rather than CLI11's "--prestart,!--no-prestart", whose help reads
   // "--no-prestart{false}" as if the feature were off by default.
   CLI::Option* prestart =

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "common/env_names.h"
 #include "efdl/embedded_etcd.h"
 #include "efdl/etcd.h"
 #include "etcd/private_dirs.h"
@@ -169,7 +170,7 @@ void RegisterSimCommand(CLI::App& app, CommandRunner& runner) {
       "sim", "Simulate many nodes' rendezvous in one process and measure how it scales");
   cmd->add_option("--nodes", args->nodes, "node counts to run, comma separated (e.g. 100,500,1000)");
   OptionWithEnv(cmd, "--etcd", args->etcd, "etcd endpoints HOST:PORT[,...] (default: a private etcd)",
-                "EFDL_ETCD_ENDPOINTS");
+                envvar::kEtcdEndpoints);
   cmd->add_flag("--json", args->json, "one JSON object per node count");
   cmd->add_option("--ttl", args->ttl_s, "lease TTL of each simulated node, seconds");
   cmd->add_option("--liveness-window-ms", args->liveness_ms,

@@ -17,6 +17,7 @@
 
 #include "agent/stale_dirs.h"
 #include "cli/commands.h"
+#include "common/env_names.h"
 #include "etcd/private_dirs.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
@@ -77,7 +78,7 @@ nlohmann::json ArenaRow(const snap::ArenaEntry& e) {
 
 // This host's arenas (no --job), or `gc`.
 int RunArenas(const std::string& action, const SnapshotsArgs& a) {
-  const std::string dir = snap::ShmDir(std::getenv("EFDL_SHM_DIR"));
+  const std::string dir = snap::ShmDir(std::getenv(envvar::kShmDir));
   if (!snap::Env::Posix()->FileExists(dir)) {
     return Fail(fmt::format("shared-memory directory {} does not exist (EFDL_SHM_DIR)", dir));
   }
@@ -281,9 +282,9 @@ void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner) {
                                 n == "list" ? "Job id (without: this host's shared-memory arenas)"
                                             : "Job id");
     if (n != "list") job->required();
-    job->envname("EFDL_JOB_ID");
+    job->envname(envvar::kJobId);
     OptionWithEnv(sub, "--snapshot-dir", args->dir, "Snapshot storage directory",
-                  "EFDL_SNAPSHOT_DIR")
+                  envvar::kSnapshotDir)
         ->capture_default_str();
     if (std::string(act.name) == "prune") {
       sub->add_option("--keep", args->keep, "Snapshots to keep")

@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
 #include "cli/slurm_job.h"
+#include "common/env_names.h"
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
 #include "rendezvous/protocol.h"
@@ -67,10 +68,10 @@ void RegisterStatusCommand(CLI::App& app, CommandRunner& runner) {
   auto args = std::make_shared<StatusArgs>();
   CLI::App* cmd = app.add_subcommand("status", "Show a job's nodes, round and recent events");
   OptionWithEnv(cmd, "--etcd", args->etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
-                "EFDL_ETCD_ENDPOINTS");
+                envvar::kEtcdEndpoints);
   AddEtcdSecurityFlags(cmd, args->etcd_security);
   OptionWithEnv(cmd, "--job", args->job,
-                "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", "EFDL_JOB_ID");
+                "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", envvar::kJobId);
   cmd->add_flag("--json", args->json, "one JSON object instead of a table");
   cmd->callback([args, &runner] {
     if (args->job.empty()) args->job = SlurmJobIdFromEnv();

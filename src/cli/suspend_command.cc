@@ -13,6 +13,7 @@
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
 #include "cli/slurm_job.h"
+#include "common/env_names.h"
 #include "efdl/etcd.h"
 #include "rendezvous/suspend.h"
 
@@ -144,10 +145,10 @@ int RunResume(const SuspendArgs& args) {
 CLI::App* AddCommon(CLI::App& app, const char* name, const char* help, SuspendArgs& args) {
   CLI::App* cmd = app.add_subcommand(name, help);
   OptionWithEnv(cmd, "--etcd", args.etcd, "etcd endpoints HOST:PORT[,HOST:PORT...]",
-                "EFDL_ETCD_ENDPOINTS");
+                envvar::kEtcdEndpoints);
   AddEtcdSecurityFlags(cmd, args.etcd_security);
   OptionWithEnv(cmd, "--job", args.job,
-                "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", "EFDL_JOB_ID");
+                "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", envvar::kJobId);
   return cmd;
 }
 

@@ -7,11 +7,13 @@
 #include <ctime>
 #include <string>
 
+#include "common/env_names.h"
+
 namespace efdl {
 
 namespace {
 LogLevel ThresholdFromEnv() {
-  const char* v = std::getenv("EFDL_LOG_LEVEL");
+  const char* v = std::getenv(envvar::kLogLevel);
   if (v == nullptr) return LogLevel::kInfo;
   std::string_view s(v);
   if (s == "debug") return LogLevel::kDebug;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "common/env_names.h"
 #include "efdl/status.h"
 
 namespace efdl::health {
@@ -22,10 +23,10 @@ namespace efdl::health {
 // The environment through which the agent gives a worker its slot (worker_env.cc) and the
 // signal on which the worker's Python stacks are written to EFDL_STACK_DIR/stack-<pid>.txt
 // (python/efdl/_progress.py arms faulthandler for it).
-inline constexpr const char* kBoardEnv = "EFDL_PROGRESS_BOARD";
-inline constexpr const char* kSlotEnv = "EFDL_PROGRESS_SLOT";
-inline constexpr const char* kStackDirEnv = "EFDL_STACK_DIR";
-inline constexpr const char* kStackSignalEnv = "EFDL_STACK_SIGNAL";
+inline constexpr const char* kBoardEnv = envvar::kProgressBoard;
+inline constexpr const char* kSlotEnv = envvar::kProgressSlot;
+inline constexpr const char* kStackDirEnv = envvar::kStackDir;
+inline constexpr const char* kStackSignalEnv = envvar::kStackSignal;
 // SIGRTMIN + 7 in glibc numbering (34 + 7): a real-time signal no library of the stack uses.
 inline constexpr int kStackSignal = 41;
 

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "common/env_names.h"
 #include "horovod/rendezvous_server.h"
 
 namespace efdl::horovod {
@@ -101,25 +102,25 @@ Result<std::vector<EnvMap>> WorkerEnvForHost(const std::vector<HostSlots>& hosts
 
 EnvMap WorkerEnv(const SlotInfo& s, const WorkerEnvOptions& options) {
   EnvMap env{
-      {"HOROVOD_HOSTNAME", s.hostname},
-      {"HOROVOD_RANK", std::to_string(s.rank)},
-      {"HOROVOD_SIZE", std::to_string(s.size)},
-      {"HOROVOD_LOCAL_RANK", std::to_string(s.local_rank)},
-      {"HOROVOD_LOCAL_SIZE", std::to_string(s.local_size)},
-      {"HOROVOD_CROSS_RANK", std::to_string(s.cross_rank)},
-      {"HOROVOD_CROSS_SIZE", std::to_string(s.cross_size)},
-      {"HOROVOD_CONTROLLER", "gloo"},
-      {"HOROVOD_CPU_OPERATIONS", "gloo"},
+      {envvar::kHorovodHostname, s.hostname},
+      {envvar::kHorovodRank, std::to_string(s.rank)},
+      {envvar::kHorovodSize, std::to_string(s.size)},
+      {envvar::kHorovodLocalRank, std::to_string(s.local_rank)},
+      {envvar::kHorovodLocalSize, std::to_string(s.local_size)},
+      {envvar::kHorovodCrossRank, std::to_string(s.cross_rank)},
+      {envvar::kHorovodCrossSize, std::to_string(s.cross_size)},
+      {envvar::kHorovodController, "gloo"},
+      {envvar::kHorovodCpuOperations, "gloo"},
   };
   if (options.rendezvous_port != 0 && !options.rendezvous_token.empty()) {
-    env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = HorovodAddrWithToken(
+    env[envvar::kHorovodGlooRendezvousAddr] = HorovodAddrWithToken(
         options.rendezvous_addr, options.rendezvous_port, options.rendezvous_token);
-    env["HOROVOD_GLOO_RENDEZVOUS_PORT"] = std::to_string(options.rendezvous_port);
+    env[envvar::kHorovodGlooRendezvousPort] = std::to_string(options.rendezvous_port);
   }
-  if (options.elastic) env["HOROVOD_ELASTIC"] = "1";
-  if (!options.gloo_iface.empty()) env["HOROVOD_GLOO_IFACE"] = options.gloo_iface;
+  if (options.elastic) env[envvar::kHorovodElastic] = "1";
+  if (!options.gloo_iface.empty()) env[envvar::kHorovodGlooIface] = options.gloo_iface;
   if (options.gloo_timeout_seconds > 0) {
-    env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = std::to_string(options.gloo_timeout_seconds);
+    env[envvar::kHorovodGlooTimeoutSeconds] = std::to_string(options.gloo_timeout_seconds);
   }
   return env;
 }

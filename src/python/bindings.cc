@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/env_names.h"
 #include "efdl/snapshot.h"
 #include "health/progress_board.h"
 #include "python/fast_commit.h"
@@ -199,7 +200,7 @@ PYBIND11_MODULE(_efdl, m) {
   m.def(
       "persist_settings",
       [] {
-        const char* secret = std::getenv("EFDL_JOB_SECRET");
+        const char* secret = std::getenv(efdl::envvar::kJobSecret);
         auto settings = snap::PersistSettingsFromEnvironment(
             [](const char* name) -> const char* { return std::getenv(name); },
             secret != nullptr ? secret : "");
@@ -211,7 +212,7 @@ PYBIND11_MODULE(_efdl, m) {
       "ValueError with one line for a refused value.");
 
   // The arena naming contract (snapshot/arena_dir.h): one owner, used by state.py and the agent.
-  m.def("shm_dir", [] { return snap::ShmDir(std::getenv("EFDL_SHM_DIR")); },
+  m.def("shm_dir", [] { return snap::ShmDir(std::getenv(efdl::envvar::kShmDir)); },
         "EFDL_SHM_DIR, or /dev/shm.");
   m.def("local_job_id", &snap::LocalJobId, py::arg("program"),
         "The job id of a program run without one: local-<stem>-<8 hex of its real path's SHA-1>");
@@ -285,10 +286,6 @@ PYBIND11_MODULE(_efdl, m) {
 
   // The progress board (src/health/progress_board.h, issue #32): a worker's reports to its agent.
   namespace health = efdl::health;
-  m.attr("PROGRESS_BOARD_ENV") = health::kBoardEnv;
-  m.attr("PROGRESS_SLOT_ENV") = health::kSlotEnv;
-  m.attr("STACK_DIR_ENV") = health::kStackDirEnv;
-  m.attr("STACK_SIGNAL_ENV") = health::kStackSignalEnv;
   struct Slot {
     std::unique_ptr<health::ProgressBoard> board;
     int slot = 0;

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "common/env_names.h"
+
 namespace efdl::snapshot {
 
 namespace {
@@ -62,23 +64,23 @@ bool EnvOnWord(const GetEnv& getenv, const char* name) {
 Result<PersistSettings> PersistSettingsFromEnvironment(const GetEnv& getenv,
                                                        std::string job_secret) {
   PersistSettings s;
-  auto per_rank = EnvInt(getenv, "EFDL_SNAPSHOT_PER_RANK", 0);
+  auto per_rank = EnvInt(getenv, envvar::kSnapshotPerRank, 0);
   if (!per_rank.ok()) return per_rank.status();
   s.per_rank = *per_rank != 0;
-  auto keep = EnvInt(getenv, "EFDL_SNAPSHOT_KEEP", 2);
+  auto keep = EnvInt(getenv, envvar::kSnapshotKeep, 2);
   if (!keep.ok()) return keep.status();
   if (*keep < 1) {
     return Status::InvalidArgument(fmt::format(
         "EFDL_SNAPSHOT_KEEP={} keeps no snapshot; set it to 1 or more", *keep));
   }
   s.keep = static_cast<int>(std::min<int64_t>(*keep, int64_t{1} << 20));
-  auto interval = EnvInt(getenv, "EFDL_PERSIST_MIN_INTERVAL_MS", 1000);
+  auto interval = EnvInt(getenv, envvar::kPersistMinIntervalMs, 1000);
   if (!interval.ok()) return interval.status();
   // A year is as good as never (exits, stops and flushes persist at once) and keeps the sum with
   // a steady_clock time point far from overflowing.
   constexpr int64_t kYearMs = int64_t{365} * 24 * 3600 * 1000;
   s.min_interval = std::chrono::milliseconds(std::clamp<int64_t>(*interval, 0, kYearMs));
-  if (EnvOnWord(getenv, "EFDL_SNAPSHOT_HMAC")) {
+  if (EnvOnWord(getenv, envvar::kSnapshotHmac)) {
     if (job_secret.empty()) {
       return Status::InvalidArgument(
           "EFDL_SNAPSHOT_HMAC=1 needs the job's secret, which `efdl run` hands its agents (from "

@@ -11,12 +11,13 @@ import importlib.util
 import os
 
 from efdl import _env
+from efdl._names import Env
 
 _CHOICES = ("auto", "native", "torch")
 
 
 def choice():
-    value = os.environ.get("EFDL_HOROVOD", "auto") or "auto"
+    value = os.environ.get(Env.HOROVOD, "auto") or "auto"
     if value not in _CHOICES:
         raise ValueError("EFDL_HOROVOD=%r: use one of %s" % (value, ", ".join(_CHOICES)))
     return value
@@ -60,7 +61,7 @@ def native_env_problem():
     """
     if not _env.has_launcher_env() or _env.world_size() <= 1:
         return None
-    if os.environ.get("HOROVOD_RANK") and os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+    if os.environ.get(Env.HOROVOD_RANK) and os.environ.get(Env.HOROVOD_GLOO_RENDEZVOUS_ADDR):
         return None
     return ("WORLD_SIZE=%d but no HOROVOD_RANK / HOROVOD_GLOO_RENDEZVOUS_ADDR: this agent does "
             "not serve Horovod's rendezvous, so real Horovod would train each worker alone"

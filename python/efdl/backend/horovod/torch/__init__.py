@@ -15,6 +15,7 @@ Horovod-API layer over torch.distributed (see _layer.py and docs/horovod.md).
 import warnings
 
 from efdl import _env
+from efdl._names import Env
 from efdl.backend.horovod import choice, import_native, native_env_problem
 
 _INSTALL_HINT = ("install Horovod built with PyTorch (HOROVOD_WITH_PYTORCH=1 pip install horovod) "
@@ -73,25 +74,25 @@ def init(comm=None, process_sets=None, timeout=None, backend=None):
 
 
 def get_rank():
-    return hvd.rank() if hvd.is_initialized() else _env.launcher_int("HOROVOD_RANK", _env.rank())
+    return hvd.rank() if hvd.is_initialized() else _env.launcher_int(Env.HOROVOD_RANK, _env.rank())
 
 
 def get_world_size():
     if hvd.is_initialized():
         return hvd.size()
-    return _env.launcher_int("HOROVOD_SIZE", _env.world_size(), minimum=1)
+    return _env.launcher_int(Env.HOROVOD_SIZE, _env.world_size(), minimum=1)
 
 
 def get_local_rank():
     if hvd.is_initialized():
         return hvd.local_rank()
-    return _env.launcher_int("HOROVOD_LOCAL_RANK", _env.local_rank())
+    return _env.launcher_int(Env.HOROVOD_LOCAL_RANK, _env.local_rank())
 
 
 def get_local_world_size():
     if hvd.is_initialized():
         return hvd.local_size()
-    return _env.launcher_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(), minimum=1)
+    return _env.launcher_int(Env.HOROVOD_LOCAL_SIZE, _env.local_world_size(), minimum=1)
 
 
 def __getattr__(name):

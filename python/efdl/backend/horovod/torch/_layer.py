@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from efdl import _dist, _env
+from efdl._names import Env
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
@@ -108,8 +109,8 @@ class _Context:
         self.owns_default_group = owns_default_group
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
-        self.local_rank = _env.launcher_int("HOROVOD_LOCAL_RANK", _env.local_rank())
-        self.local_size = _env.launcher_int("HOROVOD_LOCAL_SIZE", _env.local_world_size(),
+        self.local_rank = _env.launcher_int(Env.HOROVOD_LOCAL_RANK, _env.local_rank())
+        self.local_size = _env.launcher_int(Env.HOROVOD_LOCAL_SIZE, _env.local_world_size(),
                                             minimum=1)
         # NCCL only moves CUDA tensors; CPU tensors (counters, objects) go through gloo.
         self.cpu_group = None
@@ -123,8 +124,8 @@ class _Context:
         # Horovod's cross communicator joins the processes with the same local rank, one per
         # node; the agent numbers ranks node by node, so global order is node order.
         peers = [r for r, lr in enumerate(local_ranks) if lr == self.local_rank]
-        self.cross_rank = _env.launcher_int("HOROVOD_CROSS_RANK", peers.index(self.rank))
-        self.cross_size = _env.launcher_int("HOROVOD_CROSS_SIZE", len(peers), minimum=1)
+        self.cross_rank = _env.launcher_int(Env.HOROVOD_CROSS_RANK, peers.index(self.rank))
+        self.cross_size = _env.launcher_int(Env.HOROVOD_CROSS_SIZE, len(peers), minimum=1)
         self.homogeneous = len({int(t[1]) for t in layout}) == 1
 
     def group_for(self, tensor):
