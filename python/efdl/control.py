@@ -12,9 +12,8 @@ import sys
 import time
 
 from efdl import _env
-from efdl._names import Env
+from efdl._names import PROTOCOL_VERSION, Env, Msg
 
-PROTOCOL_VERSION = 1
 ENV_SOCKET = Env.CONTROL_SOCKET
 
 # stop_requested() reads the socket at most this often; between reads it returns a cached flag,
@@ -98,9 +97,10 @@ class ControlClient:
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
-            self._send({"type": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid(),
+            self._send({"type": Msg.HELLO, "version": PROTOCOL_VERSION, "pid": os.getpid(),
                         "rank": rank, "local_rank": local_rank, "round": round_})
-            self.welcome = self._wait_for(lambda m: m.get("type") in ("welcome", "stop"), timeout)
+            self.welcome = self._wait_for(lambda m: m.get("type") in (Msg.WELCOME, Msg.STOP),
+                                          timeout)
         except OSError as e:
             self._sock.close()
             raise ControlError("cannot reach the efdl agent at %s: %s" % (path, e)) from None
@@ -140,22 +140,22 @@ class ControlClient:
         at round changes, as for a program without efdl.elastic.run)."""
         self._in_process = True
         try:
-            self._send({"type": "in_process", "round": self.round})
-            answer = self._wait_for(lambda m: m.get("type") in ("in_process", "error"), timeout)
+            self._send({"type": Msg.IN_PROCESS, "round": self.round})
+            answer = self._wait_for(lambda m: m.get("type") in (Msg.IN_PROCESS, Msg.ERROR), timeout)
         except (OSError, ControlError):
             return False
-        return answer.get("type") == "in_process" and bool(answer.get("accepted", True))
+        return answer.get("type") == Msg.IN_PROCESS and bool(answer.get("accepted", True))
 
     def notify_failed(self, message):
         """A collective of the current round failed here: the agent has the round formed again
         (sent before the process group is torn down, which may take a while)."""
-        self._send_quiet({"type": "failed", "round": self.round, "message": str(message)[:1000]})
+        self._send_quiet({"type": Msg.FAILED, "round": self.round, "message": str(message)[:1000]})
 
     def notify_paused(self, step, snapshot):
         """This worker left the current round (its process group is destroyed) and waits for
         the next; `snapshot`: it took a snapshot of `step` at the pause (False: it goes back to
         its newest snapshot, after a failure)."""
-        self._send_quiet({"type": "paused", "round": self.round,
+        self._send_quiet({"type": Msg.PAUSED, "round": self.round,
                           "step": -1 if step is None else int(step), "snapshot": bool(snapshot)})
 
     def wait_for_round(self, timeout=None):
@@ -181,7 +181,7 @@ class ControlClient:
             if left is not None and left <= 0:
                 raise ControlError("the efdl agent gave no next round within %.1f s" % timeout)
             try:
-                self._wait_for(lambda m: m.get("type") in ("round", "stop"),
+                self._wait_for(lambda m: m.get("type") in (Msg.ROUND, Msg.STOP),
                                left if left is not None else 3600.0)
             except ControlError:
                 if self._stop is not None:
@@ -189,7 +189,7 @@ class ControlClient:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
-    # -- notifications    # -- notifications -------------------------------------------------------------------------
+    # -- notifications -------------------------------------------------------------------------
 
     def notify_committed(self, step):
         """A snapshot of `step` is complete in the node's memory. Sent at most every 100 ms (a
@@ -199,27 +199,27 @@ class ControlClient:
         if now < self._next_committed_ns:
             return
         self._next_committed_ns = now + _COMMITTED_INTERVAL_NS
-        self._send_quiet({"type": "committed", "step": int(step)})
+        self._send_quiet({"type": Msg.COMMITTED, "step": int(step)})
 
     def notify_persisted(self, step):
         """The snapshot of `step` is durable in storage (sent after a successful flush)."""
-        self._send_quiet({"type": "persisted", "step": int(step)})
+        self._send_quiet({"type": Msg.PERSISTED, "step": int(step)})
 
     def notify_stopping(self, step, snapshot=True):
         """Answer to a stop request: this worker exits 0 after the snapshot of `step`. `gpu`
         tells the agent whether it must wait for this process' exit (GPU memory is freed only
         then) before starting the next round's worker; without a GPU it starts it at once."""
         round_ = self._stop.round if self._stop is not None else self.round
-        self._send_quiet({"type": "stopping", "round": round_, "step": int(step),
+        self._send_quiet({"type": Msg.STOPPING, "round": round_, "step": int(step),
                           "snapshot": bool(snapshot), "gpu": uses_gpu()})
 
     def query_restore_step(self, timeout=5.0):
         """The newest step this node's workers reported, or None when none did."""
         request_id = self._next_id
         self._next_id += 1
-        self._send({"type": "query", "id": request_id, "what": "restore"})
+        self._send({"type": Msg.QUERY, "id": request_id, "what": Msg.QUERY_RESTORE})
         reply = self._wait_for(lambda m: m.get("id") == request_id, timeout)
-        if reply.get("type") == "error":
+        if reply.get("type") == Msg.ERROR:
             raise ControlError("agent refused the query: %s" % reply.get("message"))
         step = reply.get("restore_step")
         return None if step is None else int(step)
@@ -234,13 +234,13 @@ class ControlClient:
             return False
         request_id = self._next_id
         self._next_id += 1
-        self._send({"type": "flush", "id": request_id, "scope": scope,
+        self._send({"type": Msg.FLUSH, "id": request_id, "scope": scope,
                     "timeout_ms": int(max(0.0, timeout) * 1000)})
-        reply = self._wait_for(lambda m: m.get("id") == request_id or m.get("type") == "stop",
+        reply = self._wait_for(lambda m: m.get("id") == request_id or m.get("type") == Msg.STOP,
                                max(0.0, timeout) + _FLUSH_ANSWER_MARGIN_S)
-        if reply.get("type") == "stop":
+        if reply.get("type") == Msg.STOP:
             return False
-        if reply.get("type") == "error":
+        if reply.get("type") == Msg.ERROR:
             raise ControlError("the agent could not persist the snapshot: %s"
                                % reply.get("message"))
         return bool(reply.get("persisted"))
@@ -280,16 +280,16 @@ class ControlClient:
 
     def _handle(self, message):
         kind = message.get("type")
-        if kind == "stop" and self._stop is None:
+        if kind == Msg.STOP and self._stop is None:
             self._stop = StopRequest(message.get("round", self.round),
                                      bool(message.get("graceful", False)),
                                      message.get("reason", ""))
-        elif kind == "pause" and self._pause is None and self._in_process:
+        elif kind == Msg.PAUSE and self._pause is None and self._in_process:
             round_ = _int_or(message.get("round"), self.round)
             if round_ >= self.round:   # not one of a round this worker already left
                 self._pause = StopRequest(round_, bool(message.get("graceful", False)),
                                           message.get("reason", ""))
-        elif kind == "round" and _int_or(message.get("round"), -1) > self.round:
+        elif kind == Msg.ROUND and _int_or(message.get("round"), -1) > self.round:
             self._next_round = message
 
     def _take_lines(self):

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "agent/control_messages.h"
 #include "common/env_names.h"
 #include "common/log.h"
 
@@ -24,7 +25,6 @@ namespace {
 
 using nlohmann::json;
 
-constexpr int kProtocolVersion = 1;
 constexpr size_t kMaxLine = 64 * 1024;
 // Flush requests waiting for the agent's loop; a worker cannot have more than one in flight, so
 // more than this means something is sending them without waiting for the answers.
@@ -126,7 +126,7 @@ bool ControlServer::IsConnected(int64_t round, int local_rank) const {
 
 std::vector<int> ControlServer::RequestStop(int64_t round, bool graceful,
                                             const std::string& reason) {
-  return SendToRound("stop", round, graceful, reason, /*in_process_only=*/false);
+  return SendToRound(control::kStop, round, graceful, reason, /*in_process_only=*/false);
 }
 
 std::vector<int> ControlServer::SendToRound(const char* type, int64_t round, bool graceful,
@@ -154,7 +154,7 @@ std::vector<int> ControlServer::InProcessRanks(int64_t round) const {
 
 std::vector<int> ControlServer::RequestPause(int64_t round, bool graceful,
                                              const std::string& reason) {
-  return SendToRound("pause", round, graceful, reason, /*in_process_only=*/true);
+  return SendToRound(control::kPause, round, graceful, reason, /*in_process_only=*/true);
 }
 
 std::vector<int> ControlServer::PausedRanks(int64_t round) const {
@@ -165,7 +165,7 @@ std::vector<int> ControlServer::PausedRanks(int64_t round) const {
 
 bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round,
                                 const std::map<std::string, std::string>& env) {
-  std::string line = Line({{"type", "round"}, {"round", new_round}, {"env", env}});
+  std::string line = Line({{"type", control::kRound}, {"round", new_round}, {"env", env}});
   MutexLock lock(mutex_);
   for (auto& [fd, c] : clients_) {
     if (!c.said_hello || !c.in_process || c.round != round || c.local_rank != local_rank) {
@@ -209,8 +209,9 @@ void ControlServer::AnswerFlush(const FlushRequest& request, const Status& statu
   json id = json::parse(request.id_json, nullptr, /*allow_exceptions=*/false);
   if (id.is_discarded()) id = nullptr;
   std::string line = status.ok()
-                         ? Line({{"type", "reply"}, {"id", id}, {"persisted", persisted}})
-                         : Line({{"type", "error"}, {"id", id}, {"message", status.message()}});
+                         ? Line({{"type", control::kReply}, {"id", id}, {"persisted", persisted}})
+                         : Line({{"type", control::kError}, {"id", id},
+                                 {"message", status.message()}});
   MutexLock lock(mutex_);
   for (const auto& [fd, c] : clients_) {
     if (c.connection == request.connection) {
@@ -246,21 +247,21 @@ void ControlServer::SendLocked(int fd, const std::string& json_line) {
 bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) {
   json msg = json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (msg.is_discarded() || !msg.is_object()) {
-    SendLocked(fd, Line({{"type", "error"}, {"message", "not a JSON object"}}));
+    SendLocked(fd, Line({{"type", control::kError}, {"message", "not a JSON object"}}));
     return true;
   }
   const std::string type = StringField(msg, "type");
-  if (type == "hello") {
+  if (type == control::kHello) {
     client.said_hello = true;
     client.pid = static_cast<int>(IntField(msg, "pid", 0));
     client.rank = static_cast<int>(IntField(msg, "rank", -1));
     client.local_rank = static_cast<int>(IntField(msg, "local_rank", -1));
     client.round = IntField(msg, "round", -1);
     if (client.round != round_) {
-      SendLocked(fd, Line({{"type", "stop"}, {"round", client.round}, {"graceful", false},
+      SendLocked(fd, Line({{"type", control::kStop}, {"round", client.round}, {"graceful", false},
                            {"reason", fmt::format("round {} is over", client.round)}}));
     } else {
-      SendLocked(fd, Line({{"type", "welcome"}, {"version", kProtocolVersion},
+      SendLocked(fd, Line({{"type", control::kWelcome}, {"version", control::kProtocolVersion},
                            {"round", round_}, {"job_id", options_.job_id},
                            {"node_id", options_.node_id}}));
     }
@@ -268,10 +269,10 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
                    client.rank, client.local_rank, client.pid, client.round);
     return true;
   }
-  if (type == "committed" || type == "stopping") {
+  if (type == control::kCommitted || type == control::kStopping) {
     int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
-    if (type == "stopping") {
+    if (type == control::kStopping) {
       // A worker that does not say (an older efdl) may hold GPU memory: not released early.
       const bool gpu = BoolField(msg, "gpu", false);
       if (client.said_hello) {
@@ -283,10 +284,10 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     }
     return true;
   }
-  if (type == "in_process") {
+  if (type == control::kInProcess) {
     if (client.said_hello) client.in_process = true;
     // The answer tells the worker it is counted: a round's close from now on pauses it.
-    SendLocked(fd, Line({{"type", "in_process"}, {"round", client.round},
+    SendLocked(fd, Line({{"type", control::kInProcess}, {"round", client.round},
                          {"accepted", client.said_hello}}));
     EFDL_LOG_DEBUG("control socket: rank {} (pid {}) takes round changes in-process",
                    client.rank, client.pid);
@@ -294,7 +295,7 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
   }
   // A worker speaks for its own round only (the one it said hello for, or was assigned): the
   // message's "round" is not trusted, so nothing here grows with made-up rounds.
-  if (type == "failed") {
+  if (type == control::kFailed) {
     const int64_t round = client.round;
     const std::string message = StringField(msg, "message");
     if (client.said_hello && failures_.size() < kMaxPendingFlushes) {
@@ -303,7 +304,7 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     }
     return true;
   }
-  if (type == "paused") {
+  if (type == control::kPaused) {
     const int64_t round = client.round;
     const int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
@@ -316,13 +317,13 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
                                                     : "going back to its newest snapshot");
     return true;
   }
-  if (type == "persisted") {
+  if (type == control::kPersisted) {
     int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_persisted_ || step > *newest_persisted_)) newest_persisted_ = step;
     return true;
   }
   json reply_id = msg.contains("id") ? msg["id"] : json(nullptr);
-  if (type == "flush") {
+  if (type == control::kFlush) {
     std::string scope = StringField(msg, "scope");
     const bool scope_ok =
         scope == "node" ||
@@ -337,7 +338,7 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
       problem = "too many flush requests waiting; wait for the answers";
     }
     if (!problem.empty()) {
-      SendLocked(fd, Line({{"type", "error"}, {"id", reply_id}, {"message", problem}}));
+      SendLocked(fd, Line({{"type", control::kError}, {"id", reply_id}, {"message", problem}}));
       return true;
     }
     const int64_t timeout_ms =
@@ -346,13 +347,13 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
                         std::chrono::milliseconds(timeout_ms)});
     return true;
   }
-  if (type == "query" && StringField(msg, "what") == "restore") {
+  if (type == control::kQuery && StringField(msg, "what") == control::kQueryRestore) {
     json step = newest_step_ ? json(*newest_step_) : json(nullptr);
-    SendLocked(fd, Line({{"type", "reply"}, {"id", reply_id}, {"restore_step", step},
+    SendLocked(fd, Line({{"type", control::kReply}, {"id", reply_id}, {"restore_step", step},
                          {"round", round_}}));
     return true;
   }
-  SendLocked(fd, Line({{"type", "error"}, {"id", reply_id},
+  SendLocked(fd, Line({{"type", control::kError}, {"id", reply_id},
                        {"message", fmt::format("unknown request type '{}'", type)}}));
   return true;
 }
@@ -417,7 +418,7 @@ void ControlServer::Serve() {
       if (client.buffer.size() > kMaxLine) {
         EFDL_LOG_WARN("control socket: closing a connection that sent a line over {} bytes",
                       kMaxLine);
-        SendLocked(fd, Line({{"type", "error"},
+        SendLocked(fd, Line({{"type", control::kError},
                              {"message", fmt::format("line longer than {} bytes; closing the "
                                                      "connection", kMaxLine)}}));
         keep = false;
