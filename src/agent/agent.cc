@@ -171,6 +171,15 @@ int Agent::RunUntilDone() {
                        "it was committed before this node's etcd lease expired or may have (the "
                        "node was frozen or cut off from etcd); a newer round may run without it");
     };
+    if (metrics::AgentMetrics* m = options_.metrics) {
+      persist->after_write = [m](const Status& s, double seconds, const snapshot::Manifest* w) {
+        if (s.ok() && w != nullptr) {
+          m->ObservePersist(seconds, w->data_bytes, w->wall_time);
+        } else {
+          m->CountPersistFailure();
+        }
+      };
+    }
     persister_ = std::make_unique<AgentPersister>(std::move(persist).value());
   }
   bool prestart = options_.prestart && !options_.launcher;
@@ -210,6 +219,7 @@ int Agent::RunUntilDone() {
     if (const int sig = PendingSignal(); sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
     CheckHang();
+    UpdateMetrics();
     ServeFlushRequests();
     ServeInProcessFailures();
     if (spares_) {
@@ -249,6 +259,7 @@ std::optional<int> Agent::PollWorkers() {
   // these workers' collectives (a failure of that node, not of this one).
   const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
   WorkerExit failure = *group_->first_failure();
+  BeginPause(std::chrono::steady_clock::now());
   std::string detail =
       fmt::format("rank {} {}", failure.rank, DescribeWaitStatus(failure.wait_status));
   EFDL_LOG_WARN("round {}: {}; stopping this node's other workers", round, detail);
@@ -278,6 +289,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
                     event.graceful ? "graceful" : "not graceful",
                     event.message.empty() ? "" : ": ", event.message);
+      if (options_.metrics) options_.metrics->CountRoundChange(event.graceful);
+      BeginPause(std::chrono::steady_clock::now());
       // A worker that already failed on its own is this node's failure too, even when a peer's
       // failure closed the round first: reap it before stopping the rest, or a program that
       // fails on every node is counted only on the node whose failure happened to be seen first.
@@ -324,6 +337,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       }
       return 0;
     case Type::kFenced:
+      if (options_.metrics) options_.metrics->CountFenced();
+      BeginPause(std::chrono::steady_clock::now());
       EFDL_LOG_WARN("node {} lost its lease: fenced out of round {}; stopping workers{}{}",
                     options_.node_id, event.round, event.message.empty() ? "" : ": ",
                     event.message);
@@ -353,6 +368,20 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   }
   if (auto code = CountPendingFailure(a)) return code;
   assignment_ = a;
+  if (options_.metrics) {
+    options_.metrics->SetRound(a.round, a.world_size, a.nnodes, a.nproc, a.standby);
+    const auto now = std::chrono::steady_clock::now();
+    if (pause_began_) {
+      options_.metrics->ObservePause(
+          "rendezvous", std::chrono::duration<double>(now - *pause_began_).count());
+      pause_began_.reset();
+    }
+    // The resume phase ends at every local rank's first progress report (UpdateMetrics); this
+    // node's first workers are its start-up instead.
+    resume_began_.reset();
+    if (!a.standby) resume_began_ = now;
+    resume_phase_ = rounds_started_ == 0 ? "startup" : "resume";
+  }
   control_->SetRound(a.round);
   if (persister_) {
     persister_->SetTargets(
@@ -425,6 +454,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
 std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   if (!pending_failure_) return std::nullopt;
   const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
+  if (options_.metrics) options_.metrics->CountWorkerFailure(/*own=*/f.collateral.empty());
   if (!f.collateral.empty()) {
     // A streak of collateral failures with no round that lasted between them may be this
     // node's doing after all (its peers finished, or it breaks what it connects to): from

@@ -26,6 +26,7 @@
 #include "common/job_spec.h"
 #include "common/net.h"
 #include "health/hang_monitor.h"
+#include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
 #include "snapshot/arena_dir.h"
 
@@ -86,6 +87,9 @@ struct AgentOptions : JobSpec {
   // exit 1 at once, instead of after its spares imported the program; AlreadyExists (the job is
   // complete) starts no spare, the join then says so. Empty: no check.
   std::function<Status()> check_before_start;
+  // The node's Prometheus metrics (src/metrics, `efdl run --metrics-port`), owned by the caller
+  // and outliving the agent; null: none.
+  metrics::AgentMetrics* metrics = nullptr;
 };
 
 // Hang detection runs (issue #32): not turned off, not --launcher, and the agent has a directory
@@ -177,6 +181,11 @@ class Agent {
   // This node's rank caused the hang: SIGKILL of its workers, a failure of this node.
   void EndHungWorkers(int64_t round, const std::string& detail);
   int Shutdown(int signal);
+  // The node's metrics (agent_observe.cc; options_.metrics): called on every loop turn, cheap.
+  void UpdateMetrics();
+  // A round change's pause begins here (the earliest sign wins: a failure seen, a hang's last
+  // progress, the round's close), unless one already began.
+  void BeginPause(std::chrono::steady_clock::time_point at);
   // --log-dir's file of `rank`'s output in `round` (<dir>/<node>/round-R.rank-N.log); empty
   // without --log-dir.
   std::string WorkerLogPath(int64_t round, int rank) const;
@@ -276,6 +285,14 @@ class Agent {
   bool no_prestart_noted_ = false;   // NoteNoPrestart told the rendezvous
   int restarts_ = 0;
   std::optional<PendingFailure> pending_failure_;
+  // Metrics: when the pause of the round change under way began; when this node's workers of
+  // the new round started (their first progress report ends the pause); the restarts the
+  // metrics counted; the next update of the slower gauges.
+  std::optional<std::chrono::steady_clock::time_point> pause_began_;
+  std::optional<std::chrono::steady_clock::time_point> resume_began_;
+  const char* resume_phase_ = "resume";   // or "startup": this node's first workers
+  int restarts_in_metrics_ = 0;
+  std::chrono::steady_clock::time_point next_metrics_update_{};
   bool peer_connect_explained_ = false;
   std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last
   std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last

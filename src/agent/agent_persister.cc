@@ -89,6 +89,7 @@ std::shared_ptr<snapshot::Persister> AgentPersister::MakePersister(
   p.poll_interval = options_.poll_interval;
   p.hmac_key = options_.hmac_key;
   p.before_publish = options_.before_publish;
+  p.after_write = options_.after_write;
   auto persister = std::make_shared<snapshot::Persister>(std::move(p));
   persister->Start();
   return persister;

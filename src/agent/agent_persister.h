@@ -60,6 +60,7 @@ struct AgentPersisterOptions {
   std::chrono::milliseconds poll_interval{150};
   std::string hmac_key;               // the job's secret when EFDL_SNAPSHOT_HMAC=1, else empty
   std::function<Status(const snapshot::Manifest&)> before_publish;   // PersisterOptions
+  std::function<void(const Status&, double, const snapshot::Manifest*)> after_write;   // ditto
 };
 
 // The options from the environment: EFDL_SHM_DIR, and the persistence settings through

@@ -347,6 +347,9 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
     }
     a.hang_timeout_s = t;
   }
+  auto metrics = metrics::ParseListen(f.metrics_port);
+  if (!metrics.ok()) return metrics.status();
+  plan.metrics = *metrics;
   const bool prestart_fits = !f.launcher && ParsePythonCommand(f.command).has_value();
   if (f.prestart == PrestartMode::kOn && !prestart_fits) {
     return Status::InvalidArgument(

@@ -11,6 +11,7 @@
 #include "common/job_spec.h"
 #include "common/net.h"
 #include "efdl/status.h"
+#include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
 
 namespace efdl::agent {
@@ -39,6 +40,7 @@ struct RunFlags {
   int max_restarts = 3;
   double stop_grace_s = 10;
   std::string hang_timeout = "auto";         // --hang-timeout: "auto", 0 (off) or seconds
+  std::string metrics_port = "auto";         // --metrics-port: "auto", "off" or a port (0: any)
   std::string log_dir;
   std::string snapshot_dir = "efdl-snapshots";
   PrestartMode prestart = PrestartMode::kAuto;  // pre-started python workers (SparePool)
@@ -55,6 +57,7 @@ struct RunPlan {
   rdzv::RendezvousOptions rendezvous;
   bool embedded_etcd = false;
   NetworkChoice network;                     // the advertise address and interface, and why
+  metrics::Listen metrics;                   // where the agent's Prometheus endpoint listens
 };
 
 struct NodeRange {

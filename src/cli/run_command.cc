@@ -108,6 +108,27 @@ int RunAgent(const RunArgs& args) {
   auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
   if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
   plan->agent.job_secret = std::move(secret).value();
+  // The metrics endpoint, announced in this node's record: started before the join.
+  std::unique_ptr<metrics::AgentMetrics> node_metrics;
+  {
+    auto started = metrics::AgentMetrics::Start(plan->metrics, plan->agent.job_id,
+                                                plan->agent.node_id);
+    if (!started.ok()) {
+      // A port the user chose is theirs to fix; the default range being full costs only metrics.
+      if (plan->metrics.mode == metrics::Listen::Mode::kPort) {
+        return Fail(2, started.status().message());
+      }
+      EFDL_LOG_WARN("running without metrics: {}", started.status().message());
+    } else if (*started) {
+      node_metrics = std::move(started).value();
+      const bool v6 = net.address.find(':') != std::string::npos;
+      plan->rendezvous.metrics_addr =
+          v6 ? fmt::format("[{}]:{}", net.address, node_metrics->port())
+             : fmt::format("{}:{}", net.address, node_metrics->port());
+      plan->agent.metrics = node_metrics.get();
+      EFDL_LOG_INFO("metrics at http://{}/metrics", plan->rendezvous.metrics_addr);
+    }
+  }
   auto rendezvous = rdzv::NewEtcdRendezvous(**client, plan->rendezvous);
   plan->agent.poll_signal = TakePendingShutdownSignal;
   // A suspended job is refused, and a complete one starts no spares, before any worker is
@@ -192,6 +213,11 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "interval between progress reports (600 s before a round's first), and never "
                 "for a program that does not report",
                 "EFDL_HANG_TIMEOUT");
+  OptionWithEnv(run, "--metrics-port", f.metrics_port,
+                "port of this node's Prometheus metrics (http://ADDRESS:PORT/metrics, listed by "
+                "efdl status); auto: 9441, or the next free port up to 9472 when several agents "
+                "share a host; 0: any free port; off: none",
+                "EFDL_METRICS_PORT");
   OptionWithEnv(run, "--log-dir", f.log_dir,
                 "also write each worker's output to DIR/<node id>/round-R.rank-N.log",
                 "EFDL_LOG_DIR");
@@ -229,7 +255,7 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   // The defaults as the flags hold them, shown in --help as [VALUE] (docs/agent.md lists them;
   // tests/python/test_e2e_cli.py checks that the two agree).
   for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",
-                           "--stop-grace", "--hang-timeout", "--snapshot-dir"}) {
+                           "--stop-grace", "--hang-timeout", "--metrics-port", "--snapshot-dir"}) {
     run->get_option(name)->capture_default_str();
   }
   run->add_option("command", f.command, "the training command, after --")->expected(-1);

@@ -22,6 +22,7 @@ struct StatusArgs {
   EtcdSecurityFlags etcd_security;
   std::string job;
   bool json = false;
+  bool prometheus_targets = false;
 };
 
 int Fail(int code, const std::string& message) {
@@ -51,12 +52,14 @@ int ShowStatus(const StatusArgs& args) {
   }
   auto status = rdzv::ReadJobStatus(**client, args.job);
   if (!status.ok()) return Fail(1, status.status().message());
-  if (!status->exists && !args.json) {  // one line, not a table saying the same first
+  if (!status->exists && !args.json && !args.prometheus_targets) {  // one line, not a table saying the same first
     return Fail(1, fmt::format("no job '{}' in etcd at {}: no node has registered it; check "
                                "--job and --etcd",
                                args.job, args.etcd));
   }
-  std::string text = args.json ? status->ToJson() + "\n" : status->ToText();
+  std::string text = args.prometheus_targets ? status->PrometheusTargets() + "\n"
+                     : args.json              ? status->ToJson() + "\n"
+                                              : status->ToText();
   std::fwrite(text.data(), 1, text.size(), stdout);
   if (!status->exists) return 1;  // --json: the object says exists=false
   return 0;
@@ -72,7 +75,11 @@ void RegisterStatusCommand(CLI::App& app, CommandRunner& runner) {
   AddEtcdSecurityFlags(cmd, args->etcd_security);
   OptionWithEnv(cmd, "--job", args->job,
                 "the job id (inside a Slurm job: slurm-$SLURM_JOB_ID by default)", envvar::kJobId);
-  cmd->add_flag("--json", args->json, "one JSON object instead of a table");
+  auto* json = cmd->add_flag("--json", args->json, "one JSON object instead of a table");
+  cmd->add_flag("--prometheus-targets", args->prometheus_targets,
+                "the nodes' metrics endpoints as a Prometheus file_sd target list (JSON), for "
+                "a scrape config's file_sd_configs (deploy/prometheus)")
+      ->excludes(json);
   cmd->callback([args, &runner] {
     if (args->job.empty()) args->job = SlurmJobIdFromEnv();
     runner.Set([args] { return ShowStatus(*args); });

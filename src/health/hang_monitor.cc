@@ -78,6 +78,7 @@ void HangMonitor::Sample() {
         const double per = static_cast<double>(v.last_ns - r.last_ns) / 1e9 /
                            static_cast<double>(v.beats - r.beats);
         intervals_.push_back(per);
+        r.interval_s = per;
         while (intervals_.size() > kIntervalWindow) intervals_.pop_front();
       }
       r.beats = v.beats;
@@ -88,6 +89,19 @@ void HangMonitor::Sample() {
       program_reports_ = true;
     }
   }
+}
+
+std::vector<HangMonitor::RankSample> HangMonitor::Progress() {
+  std::vector<RankSample> out;
+  if (!armed_) return out;
+  Sample();
+  const int64_t now = MonotonicNanos();
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    const Rank& r = ranks_[i];
+    out.push_back({static_cast<int>(i), r.track.progressed, r.step, r.interval_s,
+                   static_cast<double>(now - r.track.since_ns) / 1e9});
+  }
+  return out;
 }
 
 bool HangMonitor::Stalled(double fraction) {

@@ -73,6 +73,17 @@ class HangMonitor {
   // The running timeout in force now (for messages).
   double running_timeout_s() const;
 
+  // Each armed rank's progress as the board shows it now (for the metrics); empty when not
+  // armed.
+  struct RankSample {
+    int local_rank = 0;
+    bool progressed = false;   // reported at least once since armed
+    int64_t step = -1;
+    double interval_s = 0;     // between its last two reports (0: not two yet)
+    double silent_s = 0;       // since its last report, or since armed
+  };
+  std::vector<RankSample> Progress();
+
  private:
   HangMonitor(std::string dir, std::unique_ptr<ProgressBoard> board, HangConfig config)
       : dir_(std::move(dir)), board_(std::move(board)), config_(config) {}
@@ -83,6 +94,7 @@ class HangMonitor {
     uint64_t beats = 0;
     int64_t last_ns = 0;
     int64_t step = -1;
+    double interval_s = 0;
     RankTrack track;
   };
   std::string dir_;

@@ -146,9 +146,8 @@ Status EtcdRendezvous::Register() {
   fresh.coordinator = opt_.node_id;
   fresh.message = "job started";
   const auto began = Clock::now();
-  auto joined =
-      registration_.Open(NodeRecord{opt_.advertise_addr, opt_.nproc, opt_.program},
-                         TtlAfterExpiries(opt_.ttl, lease_expiries_), fresh);
+  const NodeRecord me{opt_.advertise_addr, opt_.nproc, opt_.program, opt_.metrics_addr};
+  auto joined = registration_.Open(me, TtlAfterExpiries(opt_.ttl, lease_expiries_), fresh);
   last_join_latency_ =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
   if (!joined.ok()) return joined.status();

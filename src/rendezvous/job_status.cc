@@ -69,6 +69,7 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
     if (rec.ok()) {
       n.addr = rec->addr;
       n.nproc = rec->nproc;
+      n.metrics = rec->metrics;
     }
     n.state = "waiting";
     live[n.id] = n;
@@ -121,7 +122,7 @@ json NodeJson(const NodeStatus& n) {
           {"nproc", n.nproc},   {"node_rank", n.node_rank},
           {"state", n.state},   {"last_report", n.last_report},
           {"last_report_round", n.last_report_round}, {"restarts", n.restarts},
-          {"no_prestart", n.no_prestart}};
+          {"no_prestart", n.no_prestart}, {"metrics", n.metrics}};
 }
 }  // namespace
 
@@ -151,6 +152,20 @@ std::string JobStatus::ToJson() const {
   }
   j["gave_up"] = gave;
   return j.dump(2, ' ', false, json::error_handler_t::replace);  // stderr lines: any bytes
+}
+
+std::string JobStatus::PrometheusTargets() const {
+  json targets = json::array();
+  for (const auto* list : {&members, &standbys, &waiting}) {
+    for (const auto& n : *list) {
+      if (!n.metrics.empty() && n.state != "gone") targets.push_back(n.metrics);
+    }
+  }
+  json groups = json::array();
+  if (!targets.empty()) {
+    groups.push_back({{"targets", targets}, {"labels", {{"efdl_job", job_id}}}});
+  }
+  return groups.dump(1);
 }
 
 std::string JobStatus::ToText() const {
@@ -189,6 +204,14 @@ std::string JobStatus::ToText() const {
                              ? "-"
                              : fmt::format("{} r{}", n.last_report, n.last_report_round),
                          n.restarts);
+    }
+  }
+  // Prometheus' targets (docs/operations.md, "Metrics"): `efdl status --json` has them too.
+  for (const auto* list : {&members, &standbys, &waiting}) {
+    for (const auto& n : *list) {
+      if (!n.metrics.empty()) {
+        out += fmt::format("  {} serves metrics at http://{}/metrics\n", n.id, n.metrics);
+      }
     }
   }
   for (const auto* list : {&members, &standbys, &waiting}) {

@@ -26,6 +26,7 @@ struct NodeStatus {
   int restarts = 0;            // worker failures this node reported
   // Why the node runs without pre-started workers, from its latest report ("": it has them).
   std::string no_prestart;
+  std::string metrics;         // its Prometheus endpoint HOST:PORT ("": none announced)
 };
 
 struct JobEvent {
@@ -59,6 +60,9 @@ struct JobStatus {
 
   std::string ToJson() const;         // one JSON object, stable field names
   std::string ToText() const;         // a human-readable multi-line table
+  // The nodes' announced metrics endpoints as Prometheus file_sd JSON: one group labelled
+  // efdl_job (`efdl status --prometheus-targets`; "[]" when no node announced one).
+  std::string PrometheusTargets() const;
 };
 
 // Reads the job's status; NotFound-free: a job nobody registered gives exists = false.

@@ -182,13 +182,14 @@ Result<GaveUpRecord> GaveUpRecord::Decode(const std::string& text) {
 std::string NodeRecord::Encode() const {
   json j = {{"addr", addr}, {"nproc", nproc}};
   if (!program.empty()) j["prog"] = program;
+  if (!metrics.empty()) j["metrics"] = metrics;
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 Result<NodeRecord> NodeRecord::Decode(const std::string& text) {
   return ParseWith<NodeRecord>("node", text, [](const json& j, NodeRecord& n) {
     return Field(j, "addr", n.addr) && Field(j, "nproc", n.nproc) && n.nproc > 0 &&
-           Field(j, "prog", n.program);
+           Field(j, "prog", n.program) && Field(j, "metrics", n.metrics);
   });
 }
 

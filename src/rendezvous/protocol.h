@@ -141,6 +141,7 @@ struct NodeRecord {
   std::string addr;
   int nproc = 1;
   std::string program;   // field "prog": RendezvousOptions::program ("" when not given)
+  std::string metrics;   // field "metrics": the agent's Prometheus endpoint HOST:PORT ("": none)
   std::string Encode() const;
   static Result<NodeRecord> Decode(const std::string& text);
 };

@@ -27,6 +27,9 @@ struct RendezvousOptions : JobSpec {
   // What this node runs ("train.py", a module name): the nodes of a job must run the same; a
   // node whose program differs from a registered node's is refused at Join. "" checks nothing.
   std::string program;
+  // The agent's Prometheus endpoint (HOST:PORT, `efdl run --metrics-port`), announced in the
+  // node's record for `efdl status`; "" none.
+  std::string metrics_addr;
   // Added by the rendezvous owner (protocol tuning; defaults suit real jobs and tests):
   // after a proposal, nodes that sent no ack while no other ack came for this long are left out
   // of the round (a crashed node whose lease is still alive must not hold the job up).

@@ -137,9 +137,15 @@ Result<bool> Persister::PersistLocked() {
         checksum = ChecksumOfRegion(manifest->tensors, data, nullptr);
         arena_->SetChecksum(slot.slot, slot.seq, *checksum);
       }
+      const auto began = std::chrono::steady_clock::now();
       s = store_.Write(*manifest, data, *checksum, options_.before_publish);
+      const auto ended = std::chrono::steady_clock::now();
+      if (options_.after_write) {
+        options_.after_write(s, std::chrono::duration<double>(ended - began).count(),
+                             s.ok() ? &*manifest : nullptr);
+      }
       MutexLock lock(mu_);
-      last_write_ = std::chrono::steady_clock::now();
+      last_write_ = ended;
     }
     arena_->Unpin(slot.slot);
     if (!s.ok()) return s;

@@ -36,6 +36,10 @@ struct PersisterOptions {
   // Asked right before each file is published (SnapshotStore::Write); the agent refuses while
   // its etcd lease may have expired (a frozen or cut-off node must not publish a stale write).
   std::function<Status(const Manifest&)> before_publish;
+  // Told after each write to storage (the agent's metrics): on the persister's thread, must not
+  // block. `seconds` the write took, `bytes` its data, `m` what was written; a failed write gives
+  // its status and no manifest.
+  std::function<void(const Status& status, double seconds, const Manifest* m)> after_write;
 };
 
 class Persister {

@@ -29,7 +29,7 @@ RoundRecord Round(int64_t r, Phase phase) {
 }
 
 MemberInfo Node(int64_t create_revision, int nproc = 1) {
-  return {create_revision, NodeRecord{"h" + std::to_string(create_revision), nproc, ""}};
+  return {create_revision, NodeRecord{"h" + std::to_string(create_revision), nproc, "", ""}};
 }
 
 AckRecord Ack(int64_t round, AckState state = AckState::kAck, uint16_t port = 0,

@@ -94,7 +94,7 @@ class CoordinatorTest : public ::testing::Test {
     host_.RereadRound();
   }
   void Register(const std::string& id, int nproc = 1) {
-    ASSERT_TRUE(etcd_.Put(keys_.Node(id), NodeRecord{"h-" + id, nproc, ""}.Encode()).ok());
+    ASSERT_TRUE(etcd_.Put(keys_.Node(id), NodeRecord{"h-" + id, nproc, "", ""}.Encode()).ok());
   }
   void PutAck(const std::string& id, int64_t round, AckState state, uint16_t port = 0) {
     AckRecord a;

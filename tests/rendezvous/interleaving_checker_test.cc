@@ -543,7 +543,7 @@ class World {
   void Register(int i) {
     Node& n = nodes_[i];
     n.lease = ++store_.next_lease;
-    store_.Apply({{false, keys_.Node(n.id), NodeRecord{"127.0.0.1", 1, ""}.Encode(), n.lease}});
+    store_.Apply({{false, keys_.Node(n.id), NodeRecord{"127.0.0.1", 1, "", ""}.Encode(), n.lease}});
     RoundRecord round;
     int64_t round_rev = 0;
     if (const KV* r = store_.Get(keys_.round)) {

@@ -33,10 +33,10 @@ TEST(StatusPagesTest, ARecordOverAPageIsSplitAndReadBackWhole) {
   ASSERT_TRUE(db.Put(keys.round, round.Encode()).ok());
   // Nodes m0..m6 and s0, s1 are registered, so the status shows them as members / standbys.
   for (int i = 0; i < 7; ++i) {
-    ASSERT_TRUE(db.Put(keys.Node("m" + std::to_string(i)), NodeRecord{"h", 1, ""}.Encode()).ok());
+    ASSERT_TRUE(db.Put(keys.Node("m" + std::to_string(i)), NodeRecord{"h", 1, "", ""}.Encode()).ok());
   }
   for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(db.Put(keys.Node("s" + std::to_string(i)), NodeRecord{"h", 1, ""}.Encode()).ok());
+    ASSERT_TRUE(db.Put(keys.Node("s" + std::to_string(i)), NodeRecord{"h", 1, "", ""}.Encode()).ok());
   }
   auto written = PutStatusRecord(db, keys, Record(7, 2), 3);
   ASSERT_TRUE(written.ok()) << written.status().ToString();
