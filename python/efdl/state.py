@@ -136,7 +136,12 @@ class State(_rounds.InProcessRounds):
         per_rank = settings.per_rank
         self._per_rank = per_rank
         self._job = default_job_id()
-        scope = "rank%d" % rank if per_rank else "node"
+        # Whose snapshot goes where (snapshot/scope.h, shared with the agent): this process'
+        # arena scope ("node" or "rank<N>"), whether it writes that arena (one writer per arena:
+        # local rank 0 for a node copy, every rank for per-rank copies), whether that arena goes
+        # to storage (one copy per job, global rank 0's, or one per rank) and where.
+        role = _efdl.snapshot_role(per_rank, rank, local_rank)
+        scope = role.scope
         self._scope = scope
         shm_dir = _efdl.shm_dir()
         self._shm_dir = shm_dir
@@ -150,23 +155,19 @@ class State(_rounds.InProcessRounds):
             holder = _efdl.holder_name(socket.gethostname(), 0)
             self._holder_lock = _efdl.HolderLock.lock_shared(
                 shm_dir, self._job, holder, "python State, job %s" % self._job)
-        storage = os.path.join(os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots"), self._job)
-        if per_rank:
-            storage = os.path.join(storage, "rank-%d" % rank)
-        self._storage_dir = os.path.abspath(storage)
+        self._storage_dir = os.path.abspath(_efdl.store_dir(
+            os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots"), self._job, per_rank, rank))
         self._arena_path = _efdl.arena_path(shm_dir, self._job, holder, scope)
-        # One writer per arena: local rank 0 for a node copy, every rank for per-rank copies.
-        # Storage gets one copy per job (global rank 0) or one per rank.
-        self._writer = per_rank or local_rank == 0
+        self._writer = role.writes_arena
+        # Under `efdl run` with a snapshot directory the agent stores the arena, not this process.
         self._agent_persists = _env.env_flag(Env.AGENT_PERSISTS, False)
-        persist = (per_rank or rank == 0) and not self._agent_persists
-        self._persists = persist and self._writer
+        self._persists = role.stored and not self._agent_persists
         self._last_step = None  # step of this process' newest commit (for "persisted" reports)
         self._engine = _efdl.SnapshotEngine(
             self._job, scope, self._arena_path, self._storage_dir,
             num_slots=_env.env_int(Env.SNAPSHOT_SLOTS, _efdl.DEFAULT_SNAPSHOT_SLOTS),
             keep=settings.keep,
-            persist=persist and self._writer,
+            persist=self._persists,
             copy_threads=_env.env_int(Env.SNAPSHOT_THREADS, 0),
             persist_min_interval_ms=settings.min_interval_ms,
             hmac_key=settings.hmac_key,

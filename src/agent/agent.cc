@@ -20,6 +20,7 @@
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
 #include "snapshot/arena_dir.h"
+#include "snapshot/scope.h"
 #include "snapshot/store.h"
 
 namespace efdl::agent {
@@ -77,13 +78,11 @@ std::optional<rdzv::PersistedPoint> NewestStoredPoint(const std::string& snapsho
     }
     return std::nullopt;
   };
-  const std::filesystem::path job_dir = std::filesystem::path(snapshot_dir) / job_id;
-  if (auto point = newest_in(job_dir.string())) return point;
+  const std::string job_dir = snapshot::JobStoreDir(snapshot_dir, job_id);
+  if (auto point = newest_in(job_dir)) return point;
   std::optional<rdzv::PersistedPoint> oldest_rank;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(job_dir, ec)) {
-    if (!entry.path().filename().string().starts_with("rank-")) continue;
-    auto point = newest_in(entry.path().string());
+  for (const std::string& dir : snapshot::RankStoreDirs(job_dir)) {
+    auto point = newest_in(dir);
     if (!point) return std::nullopt;  // a rank without a snapshot: the job has none complete
     if (!oldest_rank || point->seq < oldest_rank->seq) oldest_rank = point;
   }

@@ -11,6 +11,7 @@
 #include "snapshot/env.h"
 #include "snapshot/persist_settings.h"
 #include "snapshot/persister.h"
+#include "snapshot/scope.h"
 
 namespace efdl::agent {
 
@@ -43,16 +44,14 @@ std::vector<PersistTarget> PersistTargetsFor(const AgentPersisterOptions& o, int
                                              int nproc) {
   std::vector<PersistTarget> out;
   if (o.snapshot_dir.empty() || nproc <= 0) return out;
-  const std::filesystem::path job_dir = std::filesystem::path(o.snapshot_dir) / o.job_id;
-  if (!o.per_rank) {
-    // Local rank 0 writes the node copy on every node; storage gets the rank-0 node's.
-    if (rank_offset == 0) out.push_back({ArenaPath(o, "node"), job_dir.string()});
-    return out;
-  }
+  // The arenas of this node's ranks whose snapshots go to storage (snapshot/scope.h: the node
+  // copy of the node running global rank 0, or every rank's own), each to its store.
   for (int lr = 0; lr < nproc; ++lr) {
     const int rank = rank_offset + lr;
-    out.push_back({ArenaPath(o, fmt::format("rank{}", rank)),
-                   (job_dir / fmt::format("rank-{}", rank)).string()});
+    const snapshot::SnapshotRole role = snapshot::RoleOf(o.per_rank, rank, lr);
+    if (!role.stored) continue;
+    out.push_back({ArenaPath(o, role.scope),
+                   snapshot::StoreDir(o.snapshot_dir, o.job_id, o.per_rank, rank)});
   }
   return out;
 }

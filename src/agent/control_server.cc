@@ -17,6 +17,7 @@
 
 #include "agent/control_messages.h"
 #include "common/env_names.h"
+#include "snapshot/scope.h"
 #include "common/log.h"
 
 namespace efdl::agent {
@@ -325,10 +326,7 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
   json reply_id = msg.contains("id") ? msg["id"] : json(nullptr);
   if (type == control::kFlush) {
     std::string scope = StringField(msg, "scope");
-    const bool scope_ok =
-        scope == "node" ||
-        (scope.size() > 4 && scope.rfind("rank", 0) == 0 &&
-         scope.find_first_not_of("0123456789", 4) == std::string::npos);
+    const bool scope_ok = snapshot::ValidScope(scope);
     std::string problem;
     if (!client.said_hello) {
       problem = "say hello before asking for a flush";

@@ -22,6 +22,7 @@
 #include "snapshot/arena_dir.h"
 #include "snapshot/env.h"
 #include "snapshot/parallel.h"
+#include "snapshot/scope.h"
 #include "snapshot/store.h"
 
 namespace efdl::cli {
@@ -39,15 +40,11 @@ struct SnapshotsArgs {
   bool dry_run = false;
 };
 
-// The job's directory and its per-rank subdirectories, each a store of its own.
+// The job's directory and its per-rank subdirectories, each a store of its own
+// (snapshot/scope.h).
 std::vector<std::string> StoreDirs(const std::string& job_dir) {
   std::vector<std::string> dirs = {job_dir};
-  auto names = snap::Env::Posix()->GetChildren(job_dir);
-  if (names.ok()) {
-    for (const auto& n : *names) {
-      if (n.starts_with("rank-")) dirs.push_back(job_dir + "/" + n);
-    }
-  }
+  for (std::string& dir : snap::RankStoreDirs(job_dir)) dirs.push_back(std::move(dir));
   return dirs;
 }
 
@@ -156,7 +153,7 @@ int Run(const std::string& action, const SnapshotsArgs& a) {
   if (a.job.empty() || a.job.find('/') != std::string::npos || a.job == "." || a.job == "..") {
     return Fail(fmt::format("--job '{}' is not a job id (no '/', not empty)", a.job));
   }
-  const std::string job_dir = a.dir + "/" + a.job;
+  const std::string job_dir = snap::JobStoreDir(a.dir, a.job);
   if (!snap::Env::Posix()->FileExists(job_dir)) {
     return Fail(fmt::format("no snapshots for job '{}' under {} (check --job and "
                             "--snapshot-dir / EFDL_SNAPSHOT_DIR)", a.job, a.dir));

@@ -23,6 +23,7 @@
 #include "python/fast_commit.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/persist_settings.h"
+#include "snapshot/scope.h"
 
 namespace py = pybind11;
 namespace snap = efdl::snapshot;
@@ -221,6 +222,17 @@ PYBIND11_MODULE(_efdl, m) {
   m.def("holder_name", &snap::HolderName, py::arg("host"), py::arg("index"),
         "The arena holder '<host>.<index>' (what an agent passes its workers as "
         "EFDL_ARENA_HOLDER).");
+
+  // Whose snapshot goes where (snapshot/scope.h): one owner, used by state.py and the agent.
+  py::class_<snap::SnapshotRole>(m, "SnapshotRole")
+      .def_readonly("scope", &snap::SnapshotRole::scope)
+      .def_readonly("writes_arena", &snap::SnapshotRole::writes_arena)
+      .def_readonly("stored", &snap::SnapshotRole::stored);
+  m.def("snapshot_role", &snap::RoleOf, py::arg("per_rank"), py::arg("rank"), py::arg("local_rank"),
+        "The arena scope of this process ('node' or 'rank<N>'), whether it writes that arena, and "
+        "whether that arena's snapshots go to storage.");
+  m.def("store_dir", &snap::StoreDir, py::arg("snapshot_dir"), py::arg("job"), py::arg("per_rank"),
+        py::arg("rank"), "<snapshot_dir>/<job>, or <snapshot_dir>/<job>/rank-<rank> per rank.");
   py::class_<snap::HolderLock>(m, "HolderLock",
                                "A held arena holder lock (flock); released when dropped.")
       .def_static(

@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "efdl/snapshot.h"
 #include "snapshot/arena.h"
+#include "snapshot/scope.h"
 #include "snapshot/snapshot_file.h"
 
 namespace efdl::snapshot {
@@ -30,12 +31,6 @@ namespace {
 constexpr int kMaxHolders = 64;
 constexpr std::string_view kPrefix = "efdl-";
 constexpr std::string_view kArenaSuffix = ".arena";
-
-bool ValidScope(std::string_view s) {
-  if (s == "node") return true;
-  if (!s.starts_with("rank") || s.size() == 4) return false;
-  return std::all_of(s.begin() + 4, s.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
 
 std::string ReadSmall(int fd) {
   char buf[256];

@@ -6,6 +6,7 @@
 
 #include "efdl/snapshot.h"
 #include "snapshot/layout.h"
+#include "snapshot/scope.h"
 
 namespace efdl::snapshot {
 
@@ -76,7 +77,7 @@ Result<Manifest> Manifest::Parse(std::string_view text) {
     m.seq = U64(j.at("seq"), "seq");
     m.step = I64(j.at("step"), "step");
     m.wall_time = j.at("wall_time").get<double>();
-    m.scope = j.value("scope", "node");
+    m.scope = j.value("scope", std::string(kNodeScope));
     m.data_bytes = U64(j.at("data_bytes"), "data_bytes");
     for (const auto& t : j.at("tensors")) {
       TensorEntry e;
