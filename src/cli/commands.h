@@ -34,5 +34,6 @@ void RegisterSimCommand(CLI::App& app, CommandRunner& runner);        // src/cli
 void RegisterSuspendCommand(CLI::App& app, CommandRunner& runner);    // src/cli/suspend_command.cc
 void RegisterResumeCommand(CLI::App& app, CommandRunner& runner);     // src/cli/suspend_command.cc
 void RegisterResetCommand(CLI::App& app, CommandRunner& runner);      // src/cli/reset_command.cc
+void RegisterDashboardCommand(CLI::App& app, CommandRunner& runner);  // src/cli/dashboard_command.cc
 
 }  // namespace efdl::cli

@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   efdl::cli::RegisterSuspendCommand(app, runner);
   efdl::cli::RegisterResumeCommand(app, runner);
   efdl::cli::RegisterResetCommand(app, runner);
+  efdl::cli::RegisterDashboardCommand(app, runner);
 
   // Name a mistyped option or command as the user wrote it (CLI11 would list every word it
   // could not place, the training command's included), and take torchrun's spellings.
