@@ -3,6 +3,8 @@
 // drawn over it, recent events, and nodes that gave up or were excluded. Runs until SIGINT or
 // SIGTERM. Exit codes: 0 stopped on request, 1 etcd unreachable or the port cannot be bound,
 // 2 bad input.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 
 #include <cerrno>
@@ -53,6 +55,20 @@ int RunDashboard(const DashboardArgs& args) {
   if (args.port < 0 || args.port > 65535) {
     return Fail(2, fmt::format("--port {} is not a port: give 1-65535, or 0 for any free port",
                                args.port));
+  }
+  {
+    in_addr v4{};
+    in6_addr v6{};
+    const bool is_v6 = ::inet_pton(AF_INET6, args.bind.c_str(), &v6) == 1;
+    if (::inet_pton(AF_INET, args.bind.c_str(), &v4) != 1 &&
+        !(is_v6 && dashboard::HttpServerSupportsIpv6())) {
+      return Fail(2, fmt::format("--bind '{}' is not {}: give 127.0.0.1 (this host only, the "
+                                 "default), 0.0.0.0 (every interface) or one of this host's "
+                                 "addresses",
+                                 args.bind,
+                                 is_v6 ? "usable: this build's HTTP server (civetweb) has no IPv6"
+                                       : "a numeric IPv4 address"));
+    }
   }
   if (!(args.poll >= 0.2 && args.poll <= 60)) {
     return Fail(2, "--poll must be from 0.2 to 60 seconds");
@@ -133,7 +149,7 @@ void RegisterDashboardCommand(CLI::App& app, CommandRunner& runner) {
   cmd->add_option("--port", args->port, "HTTP port of the page (0: any free port)")
       ->capture_default_str();
   cmd->add_option("--bind", args->bind,
-                  "address to listen on; the default serves this host only (the page has no "
+                  "IPv4 address to listen on; the default serves this host only (the page has no "
                   "authentication): 0.0.0.0 opens it to the network")
       ->capture_default_str();
   cmd->add_option("--poll", args->poll,

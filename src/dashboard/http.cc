@@ -35,6 +35,11 @@ void Reply(mg_connection* conn, const HttpResponse& r, bool head) {
 
 }  // namespace
 
+bool HttpServerSupportsIpv6() {
+  LibraryUse library;
+  return mg_check_feature(8) != 0;   // 8: IPv6 (civetweb.h, mg_check_feature)
+}
+
 int HttpServer::Serve(mg_connection* conn, void* self) {
   const mg_request_info* info = mg_get_request_info(conn);
   const bool head = std::strcmp(info->request_method, "HEAD") == 0;

@@ -26,8 +26,8 @@ class HttpServer {
   // thread-safe and must not block for long.
   using Handler = std::function<HttpResponse(const std::string& path)>;
 
-  // Listens on bind:port (port 0: any free port). Error (one line) when the address cannot be
-  // bound (taken port, address not of this host).
+  // Listens on bind:port (bind: a numeric address; port 0: any free port). Error (one line)
+  // when the address cannot be bound (taken port, address not of this host).
   static Result<std::unique_ptr<HttpServer>> Start(const std::string& bind, int port,
                                                    Handler handler);
   ~HttpServer();   // stops listening and waits for the requests in progress
@@ -44,6 +44,9 @@ class HttpServer {
   int port_ = 0;
   mg_context* ctx_ = nullptr;
 };
+
+// Whether HttpServer can listen on IPv6 addresses (civetweb as Debian 12 builds it cannot).
+bool HttpServerSupportsIpv6();
 
 // GET http://host_port/path (host_port: HOST:PORT or [V6]:PORT). The body of a 200 answer, or
 // one line saying why not (connection refused, timeout after timeout_ms, another status, a body

@@ -1,6 +1,11 @@
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <nlohmann/json.hpp>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <string>
 
@@ -272,6 +277,29 @@ TEST(HttpServerTest, ServesTheHandlerAndTheClientReadsIt) {
   ASSERT_FALSE(gone.ok());
   EXPECT_NE(gone.status().message().find("cannot connect to 127.0.0.1:" + std::to_string(port) + ": "), std::string::npos)
       << gone.status().message();
+}
+
+// A node whose endpoint accepts connections but never answers (a stopped process): the scrape
+// fails after its timeout instead of holding the poll.
+TEST(HttpGetTest, AnEndpointThatNeverAnswersFailsWithinTheTimeout) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);   // the kernel completes the handshake; nobody reads
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = HttpGet("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), "/metrics", 500, 1024);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::close(fd);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("no answer from"), std::string::npos)
+      << r.status().message();
+  EXPECT_GE(took, 0.4);
+  EXPECT_LT(took, 3.0);
 }
 
 TEST(HttpGetTest, RefusesATargetThatIsNotHostPort) {

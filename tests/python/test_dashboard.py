@@ -198,6 +198,8 @@ def test_bad_input_is_one_line(job):
     assert r.returncode == 2 and "--etcd HOST:PORT is required" in r.stderr, r.stderr
     r = run("--etcd", job.endpoint, "--job", "x", "--port", "70000")
     assert r.returncode == 2 and "--port 70000 is not a port" in r.stderr, r.stderr
+    r = run("--etcd", job.endpoint, "--job", "x", "--bind", "localhost")
+    assert r.returncode == 2 and "--bind 'localhost' is not a numeric IPv4 address" in r.stderr
     r = run("--etcd", "127.0.0.1:%d" % cluster.free_port(), "--job", "x")
     assert r.returncode == 1 and "cannot reach etcd" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
