@@ -69,7 +69,7 @@ Result<std::unique_ptr<Dashboard>> Dashboard::Start(const DashboardOptions& opti
 Dashboard::~Dashboard() {
   server_.reset();   // no request reads the document any more
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
   wake_.notify_all();
@@ -77,7 +77,7 @@ Dashboard::~Dashboard() {
 }
 
 std::string Dashboard::StateJson() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return json_;
 }
 
@@ -125,7 +125,7 @@ void Dashboard::PollOnce() {
   }
   state_.Update(now, status, scrapes);
   std::string json = state_.ToJson();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   json_ = std::move(json);
 }
 
@@ -133,8 +133,10 @@ void Dashboard::Loop() {
   const auto interval = std::chrono::duration<double>(options_.poll_interval_s);
   while (true) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (wake_.wait_for(lock, interval, [this] { return stopping_; })) return;
+      MutexLock lock(mu_);
+      if (wake_.wait_for(lock, interval, [this]() EFDL_REQUIRES(mu_) { return stopping_; })) {
+        return;
+      }
     }
     PollOnce();
   }

@@ -8,7 +8,6 @@
 #include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -46,7 +45,7 @@ class Dashboard {
 
   int port() const { return server_->port(); }
   // The latest document (GET /api/state).
-  std::string StateJson() const;
+  std::string StateJson() const EFDL_EXCLUDES(mu_);
 
  private:
   Dashboard(DashboardOptions options, std::unique_ptr<etcd::Client> client);
@@ -59,10 +58,10 @@ class Dashboard {
   DashboardState state_;            // the poller's own (the poller thread, or Start before it)
   // Targets whose last scrape failed: not tried again before this wall time, and why it failed.
   std::map<std::string, std::pair<double, std::string>> retry_at_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::string json_ EFDL_GUARDED_BY(mu_);
   bool stopping_ EFDL_GUARDED_BY(mu_) = false;
-  std::condition_variable wake_;
+  std::condition_variable_any wake_;
   std::thread poller_;
   // Declared last: destroyed first, so no request runs once the rest goes.
   std::unique_ptr<HttpServer> server_;
