@@ -12,8 +12,10 @@ state, "scheduler": the scheduler's non-tensor state}, read back through the all
 efdl/_unpickle.py. "program": the program that wrote it (absent when it has no file name).
 Snapshots of older versions have no "kwargs_exact" and pickle every keyword argument.
 
-The compiled commit path (src/python/fast_commit.h) writes the same text from C++ while nothing
-it depends on changed: MetaWriter.cache is its pickle, MetaWriter.program_field its tail.
+The text has one writer, src/python/meta_text.h (efdl._efdl.meta_kwargs, meta_text,
+program_field), for MetaWriter here and for the compiled commit path (src/python/fast_commit.h),
+which repeats it while nothing it depends on changed: MetaWriter.cache is its pickle,
+MetaWriter.program_field its tail. What is pickled, and how it is read back, is decided here.
 """
 
 import base64
@@ -32,9 +34,7 @@ SnapshotError = _efdl.SnapshotError
 
 RESTORE_OTHER_PROGRAM_ENV = Env.RESTORE_OTHER_PROGRAM
 
-# Keyword arguments of these types are written as JSON in the manifest and read back from it
-# exactly (ints only in the range a JSON parser keeps exact); others are pickled.
-_INT_LIMIT = 1 << 63
+# Hyper-parameters of these types let a commit reuse the previous pickle (MetaWriter.cache).
 _IMMUTABLE = frozenset((int, float, bool, str, bytes, type(None), complex))
 
 
@@ -44,16 +44,6 @@ def program_name():
     shares the job id is not silently restored into (docs/snapshots.md)."""
     arg = sys.argv[0] if sys.argv else ""
     return "" if arg in ("", "-c", "-m") else os.path.basename(arg)
-
-
-def _utf8_encodable(text):
-    # False for a str holding a lone surrogate: its JSON escape (\ud800) is not valid JSON text
-    # for the manifest's parser, so such a value is pickled like any other JSON cannot carry.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _display_json(value):
@@ -81,48 +71,23 @@ class MetaWriter:
     hyper-parameter immutable. fingerprint: (id(optimizer), [(len(params), *values) per group]),
     None without an optimizer. The compiled commit path compares the groups against it."""
 
-    __slots__ = ("program_field", "cache", "_heads")
+    __slots__ = ("program_field", "cache")
 
     def __init__(self, program):
         # appended to the meta object's members: the program that wrote the snapshot
-        self.program_field = ',"program":%s' % json.dumps(program) if program else ""
+        self.program_field = _efdl.program_field(program)
         self.cache = None
-        self._heads = {}   # keyword argument name: its JSON key text
 
     def text(self, values, optimizer, scalars, sched_sd):
         """The meta text of a commit: `values` the keyword arguments, `optimizer` the optimizer
         or None, `scalars` its non-tensor state by parameter index, `sched_sd` the scheduler's
         state_dict() or None.
 
-        The plain keyword arguments (ints, floats, strings, ...: epoch, step) are formatted here
-        rather than pickled, and the pickle is reused while the optimizer's hyper-parameters are
+        The plain keyword arguments (ints in int64's range, finite floats, bools, None, strings:
+        epoch, step) are written as JSON, exactly, by meta_text.h rather than pickled (tensors
+        are left out), and the pickle is reused while the optimizer's hyper-parameters are
         unchanged - this runs on every commit (docs/snapshots.md, "Measured")."""
-        parts, rest = [], None
-        heads = self._heads
-        for k, v in values.items():
-            t = type(v)
-            if t is int and -_INT_LIMIT <= v < _INT_LIMIT:
-                text = str(v)
-            elif t is float and v - v == 0.0:  # finite
-                text = repr(v)
-            elif t is bool:
-                text = "true" if v else "false"
-            elif v is None:
-                text = "null"
-            elif t is str and (v.isascii() or _utf8_encodable(v)):
-                text = json.dumps(v)
-            elif isinstance(v, torch.Tensor):
-                continue
-            else:
-                if rest is None:
-                    rest = {}
-                rest[k] = v
-                text = _display_json(v)
-            head = heads.get(k)
-            if head is None:
-                head = heads[k] = json.dumps(str(k)) + ":"
-            parts.append(head + text)
-        kwargs_json = "{" + ",".join(parts) + "}"
+        kwargs_json, rest = _efdl.meta_kwargs(values, torch.Tensor, _display_json)
         fingerprint = None
         if rest is None and sched_sd is None and not scalars:
             fingerprint = (id(optimizer), None if optimizer is None else [
@@ -130,8 +95,7 @@ class MetaWriter:
             cached = self.cache
             try:
                 if cached is not None and cached[0] == fingerprint:
-                    return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"%s}' % (
-                        kwargs_json, cached[1], self.program_field)
+                    return _efdl.meta_text(kwargs_json, cached[1], self.program_field)
             except Exception:  # noqa: BLE001 - a hyper-parameter without a plain ==: re-pickle
                 pass
         meta = {"kwargs": rest or {}}
@@ -159,8 +123,7 @@ class MetaWriter:
         if not all(_immutable(v) for g in groups for v in g.values()):
             fingerprint = None
         self.cache = None if fingerprint is None else (fingerprint, blob)
-        return '{"kwargs":%s,"kwargs_exact":true,"pickle":"%s"%s}' % (kwargs_json, blob,
-                                                                       self.program_field)
+        return _efdl.meta_text(kwargs_json, blob, self.program_field)
 
 
 def read(ref, program, job):

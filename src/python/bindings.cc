@@ -21,6 +21,7 @@
 #include "efdl/snapshot.h"
 #include "health/progress_board.h"
 #include "python/fast_commit.h"
+#include "python/meta_text.h"
 #include "snapshot/arena_dir.h"
 #include "snapshot/persist_settings.h"
 #include "snapshot/scope.h"
@@ -261,6 +262,53 @@ PYBIND11_MODULE(_efdl, m) {
 
   m.def("remove_orphan_locks", &snap::RemoveOrphanLocks, py::arg("dir"),
         "Removes lock files nobody holds and no arena belongs to; returns how many.");
+
+  // The meta text of State's snapshots (python/meta_text.h): one writer for both commit paths.
+  m.def(
+      "meta_kwargs",
+      [](const py::dict& values, const py::object& tensor_type,
+         const py::object& display) -> py::tuple {
+        namespace ep = efdl::python;
+        std::string out = "{";
+        py::object rest = py::none();
+        bool first = true;
+        std::string text;
+        // A copy of the items: display() runs Python code.
+        for (const py::handle item : py::list(values.attr("items")())) {
+          const py::object key = item[py::int_(0)], value = item[py::int_(1)];
+          text.clear();
+          const ep::KwargKind kind = ep::FormatKwarg(value.ptr(), tensor_type.ptr(), text);
+          if (kind == ep::KwargKind::kTensor) continue;
+          if (kind == ep::KwargKind::kOther) {
+            if (rest.is_none()) rest = py::dict();
+            rest[key] = value;
+            text = py::str(display(value)).cast<std::string>();
+          }
+          if (!first) out += ',';
+          first = false;
+          ep::AppendJsonString(out, py::str(key).ptr());
+          out += ':';
+          out += text;
+        }
+        out += '}';
+        return py::make_tuple(py::str(out), rest);
+      },
+      py::arg("values"), py::arg("tensor_type"), py::arg("display"),
+      "(the \"kwargs\" object's JSON text, a dict of the values only the pickle carries or "
+      "None): values of the tensor type are left out, the others written exactly as JSON "
+      "where it carries them exactly, else as display(value) (a JSON text).");
+  m.def(
+      "meta_text",
+      [](const std::string& kwargs_json, const std::string& pickle_b64,
+         const std::string& program_field) {
+        return py::str(efdl::python::MetaText(kwargs_json, pickle_b64, program_field));
+      },
+      py::arg("kwargs_json"), py::arg("pickle_b64"), py::arg("program_field"),
+      "{\"kwargs\":K,\"kwargs_exact\":true,\"pickle\":\"P\"<program_field>}");
+  m.def(
+      "program_field",
+      [](const py::str& program) { return py::str(efdl::python::ProgramField(program.ptr())); },
+      py::arg("program"), "',\"program\":\"<program>\"', or '' for an empty name.");
 
   using efdl::python::FastCommit;
   py::class_<FastCommit>(m, "FastCommit",

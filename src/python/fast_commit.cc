@@ -1,10 +1,8 @@
 #include "python/fast_commit.h"
 
-#include <charconv>
-#include <cmath>
 #include <string_view>
 
-#include <fmt/format.h>
+#include "python/meta_text.h"
 
 namespace py = pybind11;
 
@@ -21,40 +19,6 @@ PyObject* Item(PyObject* dict, const py::object& key) {
   PyObject* v = PyDict_GetItemWithError(dict, key.ptr());
   if (v == nullptr) PyErr_Clear();
   return v;
-}
-
-// Appends `s` (UTF-8) as a JSON string. Non-ASCII stays UTF-8, which JSON allows.
-void AppendJsonString(std::string& out, std::string_view s) {
-  out += '"';
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          out += fmt::format("\\u{:04x}", c);
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += '"';
-}
-
-// Appends a str object as a JSON string; false when it has no UTF-8 form (lone surrogates).
-bool AppendPyString(std::string& out, PyObject* s) {
-  Py_ssize_t n = 0;
-  const char* utf8 = PyUnicode_AsUTF8AndSize(s, &n);
-  if (utf8 == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  AppendJsonString(out, std::string_view(utf8, static_cast<size_t>(n)));
-  return true;
 }
 
 }  // namespace
@@ -234,48 +198,29 @@ bool FastCommit::AppendKwargs(PyObject* state_dict, std::string& out) const {
   size_t tensor_at = 0;
   Py_ssize_t pos = 0;
   PyObject *k, *v;
-  char num[32];
+  std::string text;
   while (PyDict_Next(values, &pos, &k, &v)) {
     if (!PyUnicode_CheckExact(k)) return false;
-    std::string text;
-    if (PyBool_Check(v)) {
-      text = v == Py_True ? "true" : "false";
-    } else if (PyLong_CheckExact(v)) {
-      int overflow = 0;
-      const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-      if (overflow != 0) return false;  // beyond int64: pickled by the Python path
-      text.assign(num, std::to_chars(num, num + sizeof num, x).ptr);
-    } else if (PyFloat_CheckExact(v)) {
-      const double x = PyFloat_AS_DOUBLE(v);
-      if (!std::isfinite(x)) return false;
-      // repr(float), as the Python path writes it: shortest round trip, "1.0" not "1".
-      char* r = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, nullptr);
-      if (r == nullptr) {
-        PyErr_Clear();
-        return false;
+    text.clear();
+    switch (FormatKwarg(v, in_.tensor_type.ptr(), text)) {  // meta_text.h: the Python path's too
+      case KwargKind::kJson:
+        break;
+      case KwargKind::kTensor: {
+        // Not in the meta text; the same object under the same name as when built.
+        if (tensor_at >= kw_tensors_.size()) return false;
+        const auto& [name, tensor] = kw_tensors_[tensor_at++];
+        if (tensor.ptr() != v || PyUnicode_Compare(name.ptr(), k) != 0) {
+          PyErr_Clear();
+          return false;
+        }
+        continue;
       }
-      text = r;
-      PyMem_Free(r);
-    } else if (v == Py_None) {
-      text = "null";
-    } else if (PyUnicode_CheckExact(v)) {
-      if (!AppendPyString(text, v)) return false;
-    } else if (PyObject_IsInstance(v, in_.tensor_type.ptr()) == 1) {
-      // Not in the meta text; the same object under the same name as when built.
-      if (tensor_at >= kw_tensors_.size()) return false;
-      const auto& [name, tensor] = kw_tensors_[tensor_at++];
-      if (tensor.ptr() != v || PyUnicode_Compare(name.ptr(), k) != 0) {
-        PyErr_Clear();
-        return false;
-      }
-      continue;
-    } else {
-      PyErr_Clear();
-      return false;  // a value only pickle carries exactly
+      case KwargKind::kOther:
+        return false;  // a value only the pickle carries exactly: the Python path's commit
     }
     if (!first) out += ',';
     first = false;
-    if (!AppendPyString(out, k)) return false;
+    AppendJsonString(out, k);
     out += ':';
     out += text;
   }
@@ -284,14 +229,9 @@ bool FastCommit::AppendKwargs(PyObject* state_dict, std::string& out) const {
 }
 
 std::optional<std::string> FastCommit::MetaText(const py::dict& state_dict) {
-  std::string meta = "{\"kwargs\":";
-  if (!AppendKwargs(state_dict.ptr(), meta)) return std::nullopt;
-  meta += ",\"kwargs_exact\":true,\"pickle\":\"";
-  meta += in_.pickle_blob;
-  meta += '"';
-  meta += in_.meta_tail;
-  meta += '}';
-  return meta;
+  std::string kwargs;
+  if (!AppendKwargs(state_dict.ptr(), kwargs)) return std::nullopt;
+  return python::MetaText(kwargs, in_.pickle_blob, in_.meta_tail);
 }
 
 Result<std::optional<uint64_t>> FastCommit::Commit(int64_t step, const py::dict& state_dict) {

@@ -16,7 +16,8 @@
 //    group's values equal to the fingerprint of the cached meta (hyper-parameters, e.g. lr);
 //  - the optimizer's state: the same parameters with the same state objects (all tensors);
 //  - keyword arguments: tensors are the same objects under the same names, every other value
-//    is an int, float, bool, None or str (formatted as JSON here), nothing else;
+//    is an int, float, bool, None or str (formatted as JSON by meta_text.h, the meta text's one
+//    writer, which the Python path uses too), nothing else;
 //  - every tensor's data_ptr() is the address the plan copies from.
 // Every object compared by identity is held by a reference, so an address cannot be reused.
 // The State's parts come as a "view" dict (efdl._commit.fast_view: the keys model, optimizer,

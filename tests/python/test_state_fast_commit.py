@@ -84,6 +84,60 @@ def test_meta_text_equals_the_python_path_for_every_plain_value(job):  # noqa: F
     for k, v in theirs["kwargs"].items():
         assert type(ours["kwargs"][k]) is type(v), k  # 1.0 stays a float, True a bool
     assert '"one":1.0' in fast.meta_text(state.__dict__)
+    # Both paths write the text through one writer (src/python/meta_text.h): the same bytes.
+    assert fast.meta_text(state.__dict__) == python_text
+
+
+def reference_kwargs_json(values, pickled=()):
+    """The "kwargs" text as the snapshots of earlier versions wrote it (Python's json.dumps for
+    strings, repr for floats; the display form of the keys in `pickled`): the format the one
+    writer must keep."""
+    parts = []
+    for k, v in values.items():
+        if k in pickled:
+            text = "<display>"
+        elif type(v) is int:
+            text = str(v)
+        elif type(v) is float:
+            text = repr(v)
+        elif type(v) is bool:
+            text = "true" if v else "false"
+        elif v is None:
+            text = "null"
+        elif type(v) is str:
+            text = json.dumps(v)
+        elif isinstance(v, torch.Tensor):
+            continue
+        else:
+            raise AssertionError("not a plain value: %r" % (v,))
+        parts.append(json.dumps(str(k)) + ":" + text)
+    return "{" + ",".join(parts) + "}"
+
+
+def test_the_meta_writer_keeps_the_format_of_python_s_json_dumps():
+    from efdl import _efdl
+
+    class Sub(int):
+        pass
+
+    exact = {"step": 3, "neg": -(2 ** 63), "top": 2 ** 63 - 1, "ratio": 0.1, "big": 1e300,
+             "one": 1.0, "flag": False, "none": None, "ascii": "plain",
+             "controls": "\x00\x07\b\f\n\r\t\x1f\x7f \\ \"",
+             "latin": "caf\u00e9", "cjk": "\u4e2d\u6587", "astral": "\U0001f600",
+             "k\u00e9y \"quoted\"": 1, "buf": torch.arange(2.0)}
+    text, rest = _efdl.meta_kwargs(exact, torch.Tensor, lambda v: "<display>")
+    assert rest is None
+    assert text == reference_kwargs_json(exact)
+    pickled = {"huge": 2 ** 63, "nan": float("nan"), "inf": float("inf"), "tuple": (1, 2),
+               "lone": "\ud800", "sub": Sub(1), "list": [1]}
+    text, rest = _efdl.meta_kwargs(dict(exact, **pickled), torch.Tensor, lambda v: "<display>")
+    assert rest == pickled or set(rest) == set(pickled)   # nan != nan
+    assert text == reference_kwargs_json(dict(exact, **pickled), pickled)
+    assert _efdl.program_field("") == ""
+    assert _efdl.program_field("tr\u00e4in \udcff.py") == ',"program":%s' % json.dumps(
+        "tr\u00e4in \udcff.py")
+    assert _efdl.meta_text('{"a":1}', "UElDS0xF", ',"program":"p.py"') == (
+        '{"kwargs":{"a":1},"kwargs_exact":true,"pickle":"UElDS0xF","program":"p.py"}')
 
 
 @pytest.mark.parametrize("value", [2 ** 63, float("nan"), float("inf"), (1, 2), [1], {"k": 1},
