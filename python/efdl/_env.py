@@ -10,7 +10,16 @@ torch, so every module may use it (the control client too).
 
 import os
 
-from efdl._names import Env
+try:
+    from efdl._names import Env
+except ModuleNotFoundError as e:
+    if e.name != "efdl._names":
+        raise
+    # The first efdl module every import of the package loads: say once what is missing.
+    raise ImportError("efdl/_names.py is missing: the build writes it (from src/common/"
+                      "env_names.h) next to the compiled module; build the source tree "
+                      "(make, or cmake --build build) or install efdl with `make install`"
+                      ) from None
 
 # How a value that is not an integer is reported (a %-format of the dict with "name", "value"
 # and "minimum"). Each caller keeps the words it always had.
