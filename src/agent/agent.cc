@@ -283,6 +283,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
   switch (event.type) {
     case Type::kRoundStarted:
       saw_round_ = true;
+      round_why_ = event.message;
       return StartRound(event.assignment);
     case Type::kRoundClosing:
       EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
@@ -290,6 +291,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                     event.message.empty() ? "" : ": ", event.message);
       if (options_.metrics) options_.metrics->CountRoundChange(event.graceful);
       BeginPause(std::chrono::steady_clock::now());
+      round_graceful_ = event.graceful;
       // A worker that already failed on its own is this node's failure too, even when a peer's
       // failure closed the round first: reap it before stopping the rest, or a program that
       // fails on every node is counted only on the node whose failure happened to be seen first.
@@ -316,6 +318,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       }
       return std::nullopt;
     case Type::kJobComplete:
+      if (rounds_started_ > 0) EndLedger("complete");
       spares_.reset();
       StopWorkers(/*graceful=*/false, "the job is complete");
       PersistNewestSnapshot("the job's end");
@@ -355,6 +358,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       StopWorkers(/*graceful=*/false, event.message);
       PersistNewestSnapshot("leaving the failed job");
       EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
+      if (rounds_started_ > 0) EndLedger("failed");
       rdzv_.Leave();
       return 1;
   }
@@ -367,20 +371,23 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   }
   if (auto code = CountPendingFailure(a)) return code;
   assignment_ = a;
-  if (options_.metrics) {
-    options_.metrics->SetRound(a.round, a.world_size, a.nnodes, a.nproc, a.standby);
+  {
     const auto now = std::chrono::steady_clock::now();
-    if (pause_began_) {
-      options_.metrics->ObservePause(
-          "rendezvous", std::chrono::duration<double>(now - *pause_began_).count());
-      pause_began_.reset();
+    if (options_.metrics) {
+      options_.metrics->SetRound(a.round, a.world_size, a.nnodes, a.nproc, a.standby);
+      if (pause_began_) {
+        options_.metrics->ObservePause(
+            "rendezvous", std::chrono::duration<double>(now - *pause_began_).count());
+      }
     }
+    pause_began_.reset();
     // The resume phase ends at every local rank's first progress report (UpdateMetrics); this
     // node's first workers are its start-up instead.
     resume_began_.reset();
     if (!a.standby) resume_began_ = now;
     resume_phase_ = rounds_started_ == 0 ? "startup" : "resume";
   }
+  if (!a.standby) BeginLedgerPart(a);
   control_->SetRound(a.round);
   if (persister_) {
     persister_->SetTargets(
@@ -678,6 +685,7 @@ int Agent::Suspend(const rdzv::Event& event) {
   // Graceful: each worker snapshots at its next commit() and persists before exiting; one that
   // does not answer gets SIGTERM, whose State hook persists the newest snapshot too.
   StopWorkers(/*graceful=*/true, fmt::format("job '{}' is being suspended", options_.job_id));
+  if (rounds_started_ > 0) EndLedger("suspended");
   // Their final commit — or the newest one when they were already gone (crashed, between
   // rounds) — goes to storage, which is read next.
   PersistNewestSnapshot("the suspend report");
@@ -720,6 +728,7 @@ std::string Agent::WorkerLogPath(int64_t round, int rank) const {
 
 int Agent::Shutdown(int signal) {
   left_on_signal_ = signal;
+  if (rounds_started_ > 0) EndLedger("signal");
   EFDL_LOG_INFO("received {}: leaving job '{}' and stopping workers", SignalName(signal),
                 options_.job_id);
   // Leave first so the other nodes re-round at once, while our workers take their snapshot.

@@ -181,8 +181,15 @@ class Agent {
   // This node's rank caused the hang: SIGKILL of its workers, a failure of this node.
   void EndHungWorkers(int64_t round, const std::string& detail);
   int Shutdown(int signal);
-  // The node's metrics (agent_observe.cc; options_.metrics): called on every loop turn, cheap.
+  // The node's metrics (options_.metrics) and its part of the goodput ledger (agent_observe.cc):
+  // called on every loop turn, cheap.
   void UpdateMetrics();
+  // This node's newest progress (step, when) from the board, for the ledger.
+  void SampleProgress();
+  // The ledger part of the round whose workers just started (or continue in-process).
+  void BeginLedgerPart(const rdzv::Assignment& a);
+  // This node leaves the job (`how`: complete, suspended, signal, failed): its ledger end.
+  void EndLedger(const char* how);
   // A round change's pause begins here (the earliest sign wins: a failure seen, a hang's last
   // progress, the round's close), unless one already began.
   void BeginPause(std::chrono::steady_clock::time_point at);
@@ -292,6 +299,18 @@ class Agent {
   std::optional<std::chrono::steady_clock::time_point> resume_began_;
   const char* resume_phase_ = "resume";   // or "startup": this node's first workers
   int restarts_in_metrics_ = 0;
+  // The goodput ledger (rendezvous/ledger.h): the part of the newest round, written once every
+  // local rank reported progress; the wall time of the change's first sign here and a hang's
+  // silence; this node's newest progress; the round's reason and whether its change was orderly.
+  std::optional<rdzv::LedgerPart> ledger_part_;
+  double ledger_sign_ = 0;
+  double ledger_detection_ = 0;
+  int64_t last_step_ = -1;
+  double last_step_at_ = 0;
+  double last_step_s_ = 0;
+  std::string round_why_;
+  bool round_graceful_ = false;
+  bool ledger_warned_ = false;
   std::chrono::steady_clock::time_point next_metrics_update_{};
   bool peer_connect_explained_ = false;
   std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last

@@ -108,9 +108,10 @@ void Agent::CheckHang() {
     }
     if (s.culprit) culprits.push_back(&s);
   }
-  hang_->Disarm();
   // The pause began at the last progress; its detection took the silence until now.
   BeginPause(now - std::chrono::milliseconds(static_cast<int64_t>(hung.front().silent_s * 1000)));
+  ledger_detection_ = hung.front().silent_s;
+  hang_->Disarm();
   if (options_.metrics) {
     options_.metrics->ObservePause("detection", hung.front().silent_s);
     options_.metrics->CountHang(/*own=*/!culprits.empty());

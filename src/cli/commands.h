@@ -30,6 +30,7 @@ void RegisterSnapshotsCommand(CLI::App& app, CommandRunner& runner);  // src/cli
 void RegisterPlanCommand(CLI::App& app, CommandRunner& runner);       // src/cli/plan_command.cc
 void RegisterRunCommand(CLI::App& app, CommandRunner& runner);        // src/cli/run_command.cc
 void RegisterStatusCommand(CLI::App& app, CommandRunner& runner);     // src/cli/status_command.cc
+void RegisterEventsCommand(CLI::App& app, CommandRunner& runner);     // src/cli/status_command.cc
 void RegisterSimCommand(CLI::App& app, CommandRunner& runner);        // src/cli/sim_command.cc
 void RegisterSuspendCommand(CLI::App& app, CommandRunner& runner);    // src/cli/suspend_command.cc
 void RegisterResumeCommand(CLI::App& app, CommandRunner& runner);     // src/cli/suspend_command.cc

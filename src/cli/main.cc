@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   efdl::cli::RegisterPlanCommand(app, runner);
   efdl::cli::RegisterRunCommand(app, runner);
   efdl::cli::RegisterStatusCommand(app, runner);
+  efdl::cli::RegisterEventsCommand(app, runner);
   efdl::cli::RegisterSimCommand(app, runner);
   efdl::cli::RegisterSuspendCommand(app, runner);
   efdl::cli::RegisterResumeCommand(app, runner);

@@ -297,6 +297,28 @@ Status EtcdRendezvous::RecordGiveUp(const std::string& reason,
   return Status::OK();
 }
 
+Status EtcdRendezvous::RecordLedger(const LedgerPart& part) {
+  auto put = client_.Put(LedgerPartKey(opt_.job_id, opt_.node_id, part.round), part.Encode());
+  if (!put.ok()) return put.status().WithContext("cannot write this node's ledger part");
+  // Bounded: this node's parts of rounds more than kKeepRounds before this one go.
+  if (part.round <= kKeepRounds) return Status::OK();
+  const std::string mine = LedgerPrefix(opt_.job_id) + opt_.node_id + "/";
+  const std::string oldest_kept = LedgerPartKey(opt_.job_id, opt_.node_id,
+                                                part.round - kKeepRounds);
+  auto keys = client_.Range(mine, {.prefix = true, .keys_only = true});
+  if (!keys.ok()) return Status::OK();   // pruned at a later round
+  for (const auto& kv : keys->kvs) {
+    if (kv.key < oldest_kept && !kv.key.ends_with("/end")) (void)client_.Delete(kv.key);
+  }
+  return Status::OK();
+}
+
+Status EtcdRendezvous::RecordLedgerEnd(const LedgerEnd& end) {
+  auto put = client_.Put(LedgerEndKey(opt_.job_id, opt_.node_id), end.Encode());
+  if (!put.ok()) return put.status().WithContext("cannot write this node's ledger end");
+  return Status::OK();
+}
+
 void EtcdRendezvous::Handle(Input& in) {
   // Watch inputs from an older registration (before a fence or resync) are stale.
   if (in.type == Input::Type::kResync && in.coordinator_watch) {

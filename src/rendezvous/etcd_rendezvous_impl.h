@@ -81,6 +81,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   }
   void OfferAgentStore(uint16_t port) override { agent_store_port_.store(port); }
   void ReportRestarts(int restarts) override { counted_restarts_.store(restarts); }
+  Status RecordLedger(const LedgerPart& part) override;
+  Status RecordLedgerEnd(const LedgerEnd& end) override;
   void NoteNoPrestart(const std::string& why) override {
     MutexLock lock(note_mu_);
     no_prestart_ = why;

@@ -16,6 +16,7 @@
 
 #include "common/job_spec.h"
 #include "efdl/status.h"
+#include "rendezvous/ledger.h"
 
 namespace efdl::rdzv {
 
@@ -133,6 +134,17 @@ class Rendezvous {
   // bug broke this node's collectives - is reported but not counted). Until the first call,
   // every reported failure counts. Thread-safe. Doubles need not override it.
   virtual void ReportRestarts(int restarts) { (void)restarts; }
+  // The goodput ledger (ledger.h): this node's part of a round, and its end (leaving the job).
+  // Blocking (an etcd write or two); a failure is the caller's to log. Doubles need not
+  // override them.
+  virtual Status RecordLedger(const LedgerPart& part) {
+    (void)part;
+    return Status::OK();
+  }
+  virtual Status RecordLedgerEnd(const LedgerEnd& end) {
+    (void)end;
+    return Status::OK();
+  }
   // This node leaves the job for good because its workers kept failing: records `reason` and
   // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
   // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.

@@ -1,0 +1,154 @@
+// The goodput ledger's arithmetic (rendezvous/ledger.h) on made-up parts of three nodes, and its
+// records through the in-memory etcd.
+#include "rendezvous/ledger.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "support/memory_etcd.h"
+
+namespace efdl::rdzv {
+namespace {
+
+LedgerPart Part(const std::string& node, int64_t round, double start, double progress,
+                int64_t step, int world, int nodes) {
+  LedgerPart p;
+  p.node = node;
+  p.round = round;
+  p.start = start;
+  p.progress = progress;
+  p.step = step;
+  p.world = world;
+  p.nnodes = nodes;
+  p.step_s = 0.5;
+  return p;
+}
+
+double Sum(const LedgerTotals& t) {
+  double s = 0;
+  for (const auto& [_, v] : t.seconds) s += v;
+  return s;
+}
+
+// Round 1 (a, b, c) trains from 102 to 200, when c crashes; a sees it at 200.5 (its last step
+// 40 at 200.4), b at 201; round 2 (a, b) starts at 203 and resumes after step 36 at 204.
+// Round 3 adds d (a join, graceful: nothing trained again); the job completes at 300.
+std::vector<LedgerPart> Parts() {
+  std::vector<LedgerPart> v;
+  for (const char* n : {"a", "b", "c"}) v.push_back(Part(n, 1, 100, 102, 1, 3, 3));
+  v[0].why = v[1].why = v[2].why = "job started";
+  for (const char* n : {"a", "b"}) {
+    LedgerPart p = Part(n, 2, n[0] == 'a' ? 202.5 : 203, 204, 37, 2, 2);
+    p.prev_world = 3;
+    p.prev_nnodes = 3;
+    p.sign = n[0] == 'a' ? 200.5 : 201;
+    p.prev_step = n[0] == 'a' ? 40 : 39;
+    p.prev_at = 200.4;
+    p.why = "node c is gone";
+    v.push_back(p);
+  }
+  for (const char* n : {"a", "b", "d"}) {
+    LedgerPart p = Part(n, 3, 250, 251, 101, 3, 3);
+    if (n[0] != 'd') {
+      p.prev_world = 2;
+      p.prev_nnodes = 2;
+      p.sign = 249;
+      p.prev_step = 100;
+      p.graceful = true;
+    }
+    p.why = "node d joined";
+    v.push_back(p);
+  }
+  return v;
+}
+
+TEST(LedgerTest, EventsCarryTheirPhasesAndTheStepsTrainedAgain) {
+  std::vector<LedgerEnd> ends = {{"a", 3, 300, "complete"}, {"b", 3, 300.2, "complete"}};
+  const LedgerReport r = Summarize(Parts(), ends, /*now=*/999);
+  ASSERT_EQ(r.events.size(), 2u);
+  const LedgerEvent& crash = r.events[0];
+  EXPECT_EQ(crash.round, 2);
+  EXPECT_EQ(crash.kind, "crash");
+  EXPECT_EQ(crash.world_before, 3);
+  EXPECT_EQ(crash.world_after, 2);
+  EXPECT_DOUBLE_EQ(crash.at, 200.5);            // the earliest sign
+  EXPECT_DOUBLE_EQ(crash.rendezvous_s, 2.5);    // to the latest start, 203
+  EXPECT_DOUBLE_EQ(crash.restore_s, 1.0);       // to every rank's progress, 204
+  EXPECT_DOUBLE_EQ(crash.pause_s, crash.detection_s + crash.rendezvous_s + crash.restore_s);
+  EXPECT_EQ(crash.steps_lost, 4);               // steps 37..40 trained again
+  const LedgerEvent& join = r.events[1];
+  EXPECT_EQ(join.kind, "join");
+  EXPECT_EQ(join.steps_lost, 0);
+  EXPECT_EQ(join.nodes, (std::vector<std::string>{"a", "b", "d"}));
+  EXPECT_TRUE(r.complete);
+}
+
+TEST(LedgerTest, TheCategoriesAddUpToTheWallTime) {
+  std::vector<LedgerEnd> ends = {{"a", 3, 300, "complete"}};
+  const LedgerReport r = Summarize(Parts(), ends, 999);
+  EXPECT_DOUBLE_EQ(r.totals.wall_s, 200);       // 100 .. 300
+  EXPECT_NEAR(Sum(r.totals), r.totals.wall_s, 1e-9);
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("startup"), 2);
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("lost"), 2);            // 4 steps of 0.5 s
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("rendezvous"), 2.5 + 1);   // 200.5-203, 249-250
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("restore"), 1 + 1);
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("training"), 200 - 2 - 2 - 3.5 - 2);
+  EXPECT_NEAR(r.totals.goodput(), 190.5 / 200, 1e-12);
+}
+
+TEST(LedgerTest, AHangsSilenceIsHungTimeAndAResumeAfterASuspendIsSuspendedTime) {
+  std::vector<LedgerPart> v = {Part("a", 1, 0, 1, 1, 1, 1)};
+  LedgerPart hang = Part("a", 2, 30, 31, 11, 1, 1);
+  hang.sign = 20;            // the last progress
+  hang.detection_s = 8;      // declared at 28
+  hang.prev_step = 10;
+  hang.why = "workers of node a failed: rank 0 made no progress";
+  v.push_back(hang);
+  LedgerPart resumed = Part("a", 3, 100, 101, 21, 1, 1);   // new agent after a suspend: no sign
+  resumed.why = "resumed (suspended at step 20)";
+  v.push_back(resumed);
+  std::vector<LedgerEnd> ends = {{"a", 2, 40, "suspended"}, {"a", 3, 110, "complete"}};
+  const LedgerReport r = Summarize(v, ends, 999);
+  ASSERT_EQ(r.events.size(), 2u);
+  EXPECT_EQ(r.events[0].kind, "hang");
+  EXPECT_DOUBLE_EQ(r.events[0].detection_s, 8);
+  EXPECT_DOUBLE_EQ(r.events[0].rendezvous_s, 2);
+  EXPECT_EQ(r.events[1].kind, "resume");
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("hung"), 8);
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("suspended"), 60);    // 40 .. 100
+  EXPECT_NEAR(Sum(r.totals), r.totals.wall_s, 1e-9);
+  EXPECT_DOUBLE_EQ(r.totals.wall_s, 110);
+}
+
+TEST(LedgerTest, ARunningJobEndsNowAndPartsSurviveTheirEncoding) {
+  std::vector<LedgerPart> v = {Part("a", 1, 0, 1, 1, 1, 1)};
+  auto decoded = LedgerPart::Decode(v[0].Encode());
+  ASSERT_TRUE(decoded.ok());
+  EXPECT_EQ(decoded->Encode(), v[0].Encode());
+  EXPECT_FALSE(LedgerPart::Decode("{\"r\": \"x\"}").ok());
+  EXPECT_FALSE(LedgerPart::Decode("not json").ok());
+  const LedgerReport r = Summarize({*decoded}, {}, 50);
+  EXPECT_FALSE(r.complete);
+  EXPECT_DOUBLE_EQ(r.totals.wall_s, 50);
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("training"), 49);
+  EXPECT_NE(r.ToText(3).find("goodput 98.0% of 50 s (running)"), std::string::npos)
+      << r.ToText(3);
+}
+
+TEST(LedgerTest, ReadLedgerReadsWhatNodesWroteAndSkipsDamagedRecords) {
+  testing::MemoryEtcd etcd;
+  for (const auto& p : Parts()) {
+    ASSERT_TRUE(etcd.Put(LedgerPartKey("j", p.node, p.round), p.Encode()).ok());
+  }
+  const LedgerEnd end{"a", 3, 300, "complete"};
+  ASSERT_TRUE(etcd.Put(LedgerEndKey("j", "a"), end.Encode()).ok());
+  ASSERT_TRUE(etcd.Put(LedgerPrefix("j") + "x/r000000000009", "garbage").ok());
+  auto r = ReadLedger(etcd, "j", 999);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->events.size(), 2u);
+  EXPECT_TRUE(r->complete);
+}
+
+}  // namespace
+}  // namespace efdl::rdzv
