@@ -268,6 +268,22 @@ class Demo:
                 self.endpoint = m.group(1)
                 self.cond.notify_all()
 
+    def on_dashboard_line(self, p, t, line):
+        m = re.search(r"efdl dashboard: job \S+ at (http://\S+)", line)
+        if m:
+            self.say("live page of the job: %s (open it in a browser while the demo runs)"
+                     % m.group(1))
+
+    def ledger(self):
+        """The job's goodput ledger as the product keeps it (`efdl events --json`), or None."""
+        try:
+            out = subprocess.run([self.efdl, "events", "--etcd", self.endpoint, "--job",
+                                  self.job, "--json"], capture_output=True, text=True,
+                                 timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
     def wait_for(self, what, predicate, timeout):
         """Waits (bounded) until predicate() holds; predicate runs under self.cond."""
         return wait_under(self.cond, what, predicate, timeout,
@@ -362,6 +378,9 @@ class Demo:
                             "--data-dir", os.path.join(self.tmp, "etcd")], self.on_etcd_line)
         self.wait_for("`efdl etcd` to print its endpoint", lambda: self.endpoint, 30)
         self.say("etcd serving on %s" % self.endpoint)
+        # The job's live page (efdl dashboard, docs/operations.md "Dashboard"), while it runs.
+        self.start("dashboard", [self.efdl, "dashboard", "--etcd", self.endpoint, "--job",
+                                 self.job, "--port", "0"], self.on_dashboard_line)
 
         ref_dir = os.path.join(self.tmp, "reference-snapshots")
         ref = [PYTHON, SCRIPT, "--epochs", str(a.epochs), "--batch-size",
@@ -401,27 +420,43 @@ class Demo:
 
     # ---------------------------------------------------------------- results
 
-    def summary(self, codes):
+    def summary(self, codes, ledger):
+        """The events and goodput as the product's ledger has them (`efdl events`), with what
+        the demo saw of each event (when it acted, whose processes were kept)."""
         a = self.args
         print("\n" + "=" * 96)
-        print("%-6s %-7s %7s %6s %6s %8s %7s %8s %6s %8s %6s %6s" % (
-            "event", "node", "at s", "world", "round", "pause s", "=rdzv", "+resume", "gap s",
-            "samples", "steps", "nodes"))
-        print("%-6s %-7s %7s %6s %6s %8s %7s %8s %6s %8s %6s %6s" % (
-            "", "", "", "", "", "", "", "", "", "lost", "lost", "kept"))
-        for e in self.events:
-            print("%-6s %-7s %7.1f %6s %6s %8.1f %7.1f %8.1f %6.1f %8d %6.2f %6d" % (
-                e["kind"], e["node"], e["t"], "%s->%s" % (e["world_before"], e["world_after"]),
-                e["round"], e["pause_s"], e["rendezvous_s"], e["worker_start_s"],
-                e["gap_s"] or 0, e["samples_lost"], e["steps_lost"], e["kept"]))
-        print("(pause = event -> first step of the new round = rendezvous until the new round "
-              "starts + resume: the nodes kept rebuild the process group in-process and agree "
-              "on the state, a new node's worker starts and receives it; gap = last step "
-              "before -> first step after; nodes kept = nodes whose workers kept their "
-              "processes)")
-        print("(steps lost = samples lost / global batch before the event; commit interval %d "
-              "steps; graceful changes should lose 0, a crash at most %d)"
-              % (a.commit_interval, a.commit_interval))
+        if ledger is None:
+            print("(no goodput ledger: `efdl events` did not answer; see the agents' logs)")
+        else:
+            s = ledger["seconds"]
+            print("goodput %.1f%% of %.1f s: training %.1f s, trained again %.1f s, start-up %.1f "
+                  "s, restore %.1f s, rendezvous %.1f s (efdl events --etcd %s --job %s)" % (
+                      100 * ledger["goodput"], ledger["wall_s"], s["training"], s["lost"],
+                      s["startup"], s["restore"], s["rendezvous"], self.endpoint, self.job))
+            print("%-6s %-7s %7s %6s %6s %8s %7s %8s %8s %6s %6s" % (
+                "event", "node", "at s", "world", "round", "pause s", "=rdzv", "+restore",
+                "samples", "steps", "nodes"))
+            print("%-6s %-7s %7s %6s %6s %8s %7s %8s %8s %6s %6s" % (
+                "", "", "", "", "", "", "", "", "lost", "lost", "kept"))
+            seen_in_round = {int(e["round"]): e for e in self.events}
+            for e in ledger["events"]:
+                seen = seen_in_round.get(e["round"])
+                node = seen["node"] if seen else "-"
+                at = seen["t"] if seen else float("nan")
+                kept = seen["kept"] if seen else 0
+                print("%-6s %-7s %7.1f %6s %6s %8.2f %7.2f %8.2f %8d %6d %6d" % (
+                    e["kind"], node, at, "%s->%s" % (e["world_before"], e["world_after"]),
+                    e["round"], e["pause_s"], e["rendezvous_s"], e["restore_s"],
+                    e["steps_lost"] * a.batch_size * (e["world_before"] or 1), e["steps_lost"],
+                    kept))
+            print("(from the job's goodput ledger: pause = the first sign of the event on a node "
+                  "-> every rank's first step of the new round = rendezvous until the new round's "
+                  "workers run + restore: the nodes kept rebuild the process group in-process "
+                  "and agree on the state, a new node's worker starts and receives it; nodes kept "
+                  "= nodes whose workers kept their processes, as the demo saw)")
+            print("(steps lost = steps trained again; samples lost = steps x global batch before "
+                  "the event; commit interval %d steps: graceful changes lose 0, a crash at most "
+                  "%d)" % (a.commit_interval, a.commit_interval))
         print("final test accuracy, elastic job (3 -> 2 -> 3 -> 2 nodes): %.4f (%d samples)"
               % (self.complete[2], self.complete[1]))
         print("final test accuracy, uninterrupted reference (1 process, batch %d, same seeds and "
@@ -530,6 +565,9 @@ def main(argv=None):
     def on_term(signum, frame):
         raise KeyboardInterrupt()
     signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C stops the demo even when it was started with SIGINT ignored (from a background job
+    # of a script: `cmd &` in sh ignores SIGINT, and Python then installs no handler of its own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     demo = None
     try:
@@ -537,9 +575,10 @@ def main(argv=None):
         codes = demo.run()
         png = os.path.join(demo.out, "demo.png")
         demo.plot(png)
-        demo.summary(codes)
+        ledger = demo.ledger()
+        demo.summary(codes, ledger)
         with open(os.path.join(demo.out, "summary.json"), "w") as f:
-            json.dump({"job": demo.job, "events": demo.events,
+            json.dump({"job": demo.job, "events": demo.events, "ledger": ledger,
                        "final_accuracy": demo.complete[2], "final_samples": demo.complete[1],
                        "reference_accuracy": demo.baseline[2],
                        "reference_samples": demo.baseline[1],

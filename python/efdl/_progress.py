@@ -34,11 +34,19 @@ def _slot():
     return _board["slot"]
 
 
-def beat(step=None):
-    """One progress report (State.commit() calls this at every call)."""
+def beat(step=None, uncommitted=-1):
+    """One progress report (State.commit() calls this at every call, with the calls since its
+    newest snapshot: what a crash now would have the job train again, for the goodput ledger)."""
     s = _slot()
     if s is not None:
-        s.beat(-1 if step is None or not isinstance(step, int) else step)
+        s.beat(-1 if step is None or not isinstance(step, int) else step, uncommitted)
+
+
+def committed():
+    """State took a snapshot: nothing is uncommitted now (not a progress report)."""
+    s = _slot()
+    if s is not None:
+        s.committed()
 
 
 def progress(step=None, expect_pause=None):

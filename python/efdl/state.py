@@ -111,6 +111,7 @@ class State(_rounds.InProcessRounds):
         d["_values"] = d["_kwargs"].obj   # the keyword arguments: the same dict, read per step
         d["_interval"] = 1
         d["_commits"] = 0
+        d["_since_snapshot"] = 0   # commit() calls since the newest snapshot (progress board)
         # A State without a "step" value numbers its snapshots by commit() calls: this process'
         # count plus this offset, which continues the count of the snapshot it restored (_adopt),
         # so that every rank's "step" is the job's one counter, not each process' own.
@@ -291,7 +292,9 @@ class State(_rounds.InProcessRounds):
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
         step = d["_values"].get("step", d["_commits"] + d["_commit_offset"])
-        _progress.beat(step)   # hang detection: this rank made progress (a few stores)
+        d["_since_snapshot"] += 1
+        # Hang detection and the goodput ledger: this rank made progress (a few stores).
+        _progress.beat(step, d["_since_snapshot"])
         stop = self._stop_agreed()
         d["_commits"] += 1
         if not stop and d["_interval"] > 1:
@@ -304,6 +307,9 @@ class State(_rounds.InProcessRounds):
         if self._writer:
             self._snapshot(step)
             took = True
+        # The job's snapshot of this step exists (this rank's, or its writer's).
+        d["_since_snapshot"] = 0
+        _progress.committed()
         if stop:
             self._stop_now(step)
         return took
@@ -485,6 +491,7 @@ class State(_rounds.InProcessRounds):
         finish()
         if "step" not in self._values and isinstance(ref.step, int):
             self.__dict__["_commit_offset"] = ref.step + 1 - self._commits
+        self.__dict__["_since_snapshot"] = 0   # what it restored is a snapshot
 
     def _announce_restore(self):
         """One line on stderr (global rank 0): the snapshot this run continues from, its age and

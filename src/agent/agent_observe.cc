@@ -71,6 +71,9 @@ void Agent::BeginLedgerPart(const rdzv::Assignment& a) {
   p.prev_step = last_step_;
   p.prev_at = last_step_at_;
   p.step_s = last_step_s_;
+  // What the previous round's ranks did after their newest snapshot: read before this round's
+  // workers start (a fresh start clears their slots). Not for this node's first round.
+  if (hang_ && rounds_started_ > 0) p.uncommitted = hang_->Uncommitted();
   ledger_sign_ = 0;
   ledger_detection_ = 0;
   round_graceful_ = false;

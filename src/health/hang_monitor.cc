@@ -91,6 +91,14 @@ void HangMonitor::Sample() {
   }
 }
 
+int64_t HangMonitor::Uncommitted() const {
+  int64_t most = -1;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    most = std::max(most, board_->Read(static_cast<int>(i)).uncommitted);
+  }
+  return most;
+}
+
 std::vector<HangMonitor::RankSample> HangMonitor::Progress() {
   std::vector<RankSample> out;
   if (!armed_) return out;

@@ -83,6 +83,9 @@ class HangMonitor {
     double silent_s = 0;       // since its last report, or since armed
   };
   std::vector<RankSample> Progress();
+  // The most progress reports any rank of the last armed round made after its newest snapshot,
+  // as the board holds them now (armed or not; -1: no rank said).
+  int64_t Uncommitted() const;
 
  private:
   HangMonitor(std::string dir, std::unique_ptr<ProgressBoard> board, HangConfig config)

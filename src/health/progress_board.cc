@@ -120,6 +120,7 @@ SlotView ProgressBoard::Read(int slot) const {
   v.step = s->step.load(std::memory_order_relaxed);
   v.pause_until_ns = s->pause_until_ns.load(std::memory_order_relaxed);
   v.pid = s->pid.load(std::memory_order_relaxed);
+  v.uncommitted = s->uncommitted.load(std::memory_order_relaxed);
   return v;
 }
 
@@ -131,16 +132,23 @@ void ProgressBoard::Reset(int slot) {
   s->step.store(-1, std::memory_order_relaxed);
   s->pause_until_ns.store(0, std::memory_order_relaxed);
   s->pid.store(0, std::memory_order_relaxed);
+  s->uncommitted.store(-1, std::memory_order_relaxed);
   s->generation.fetch_add(1, std::memory_order_release);
 }
 
-void ProgressBoard::Beat(int slot, int64_t step, int32_t pid) {
+void ProgressBoard::Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted) {
   if (slot < 0 || slot >= slots_) return;
   ProgressSlot* s = Slot(slot);
   s->pid.store(pid, std::memory_order_relaxed);
   s->step.store(step, std::memory_order_relaxed);
+  s->uncommitted.store(uncommitted, std::memory_order_relaxed);
   s->last_ns.store(MonotonicNanos(), std::memory_order_relaxed);
   s->beats.fetch_add(1, std::memory_order_release);
+}
+
+void ProgressBoard::Committed(int slot) {
+  if (slot < 0 || slot >= slots_) return;
+  Slot(slot)->uncommitted.store(0, std::memory_order_relaxed);
 }
 
 void ProgressBoard::ExpectPause(int slot, double seconds, int32_t pid) {

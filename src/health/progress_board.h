@@ -37,6 +37,9 @@ struct alignas(64) ProgressSlot {
   std::atomic<int64_t> pause_until_ns;  // a long stretch without progress was announced until
   std::atomic<int32_t> pid;             // the writer
   std::atomic<int32_t> generation;      // bumped by the agent at each reset
+  // Progress calls since the rank's newest snapshot (State.commit(): 0 right after one); what a
+  // crash now would have it train again (the goodput ledger). -1: unknown (efdl.progress()).
+  std::atomic<int64_t> uncommitted;
 };
 static_assert(sizeof(ProgressSlot) == 64);
 
@@ -54,6 +57,7 @@ struct SlotView {
   int64_t step = -1;
   int64_t pause_until_ns = 0;
   int32_t pid = 0;
+  int64_t uncommitted = -1;
 };
 
 // A mapped board. The agent Create()s it (size for `slots` local ranks); workers Open() it.
@@ -69,8 +73,12 @@ class ProgressBoard {
   const std::string& path() const { return path_; }
   SlotView Read(int slot) const;
   void Reset(int slot);
-  // The worker's side: one progress call of `pid` (step -1: unknown).
-  void Beat(int slot, int64_t step, int32_t pid);
+  // The worker's side: one progress call of `pid` (step -1: unknown; uncommitted: calls since
+  // its newest snapshot, -1: unknown).
+  void Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted = -1);
+  // The worker took a snapshot: nothing of its work is uncommitted now (does not count as a
+  // progress report).
+  void Committed(int slot);
   // The worker announces no progress until now + seconds (0: the announcement ends).
   void ExpectPause(int slot, double seconds, int32_t pid);
 

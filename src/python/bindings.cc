@@ -362,10 +362,11 @@ PYBIND11_MODULE(_efdl, m) {
            py::arg("path"), py::arg("slot"))
       .def(
           "beat",
-          [](Slot& s, int64_t step) {
-            s.board->Beat(s.slot, step, static_cast<int32_t>(::getpid()));
+          [](Slot& s, int64_t step, int64_t uncommitted) {
+            s.board->Beat(s.slot, step, static_cast<int32_t>(::getpid()), uncommitted);
           },
-          py::arg("step") = -1)
+          py::arg("step") = -1, py::arg("uncommitted") = -1)
+      .def("committed", [](Slot& s) { s.board->Committed(s.slot); })
       .def(
           "expect_pause",
           [](Slot& s, double seconds) {

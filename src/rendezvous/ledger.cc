@@ -45,7 +45,7 @@ std::string LedgerPart::Encode() const {
             {"why", why},         {"graceful", graceful},  {"sign", sign},
             {"detect", detection_s}, {"start", start},   {"progress", progress},
             {"step", step},       {"prev_step", prev_step}, {"prev_at", prev_at},
-            {"step_s", step_s}};
+            {"step_s", step_s},    {"uncommitted", uncommitted}};
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
@@ -59,7 +59,7 @@ Result<LedgerPart> LedgerPart::Decode(const std::string& text) {
       !Get(j, "detect", p.detection_s) || !Get(j, "start", p.start) ||
       !Get(j, "progress", p.progress) || !Get(j, "step", p.step) ||
       !Get(j, "prev_step", p.prev_step) || !Get(j, "prev_at", p.prev_at) ||
-      !Get(j, "step_s", p.step_s) || p.round <= 0) {
+      !Get(j, "step_s", p.step_s) || !Get(j, "uncommitted", p.uncommitted) || p.round <= 0) {
     return Status::Corruption("not a ledger part: " + text.substr(0, 200));
   }
   return p;
@@ -138,7 +138,7 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     Round r{};
     r.round = round;
     std::vector<double> step_times;
-    int64_t prev_step = -1, step = -1;
+    int64_t prev_step = -1, step = -1, uncommitted = -1;
     double sign = 0, detection = 0;
     for (const LedgerPart* p : ps) {
       r.start = std::max(r.start, p->start);
@@ -149,6 +149,7 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
       if (p->sign > 0) sign = sign > 0 ? std::min(sign, p->sign) : p->sign;
       detection = std::max(detection, p->detection_s);
       prev_step = std::max(prev_step, p->prev_step);
+      uncommitted = std::max(uncommitted, p->uncommitted);
       if (p->step >= 0) step = step < 0 ? p->step : std::min(step, p->step);
       step_times.push_back(p->step_s);
       LedgerEvent& e = r.event;
@@ -170,7 +171,9 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     // A report's step is the step just completed: the first one of this round says it resumed
     // after step - 1.
     r.event.steps_lost =
-        prev_step >= 0 && step >= 0 ? std::max<int64_t>(0, prev_step - (step - 1)) : 0;
+        uncommitted >= 0                ? uncommitted
+        : prev_step >= 0 && step >= 0 ? std::max<int64_t>(0, prev_step - (step - 1))
+                                        : 0;
     timeline.push_back(r);
   }
   // Ends: the earliest end of a node of the last round closes the job (complete, suspended).
@@ -234,7 +237,9 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     add("training", train_end);
     if (i + 1 < timeline.size()) {
       const Round& next = timeline[i + 1];
-      const double lost = std::min(t - train_from, next.event.steps_lost * r.step_s);
+      // (the next round's parts carry this round's step time: they saw it end)
+      const double step_s = next.step_s > 0 ? next.step_s : r.step_s;
+      const double lost = std::min(t - train_from, next.event.steps_lost * step_s);
       out.totals.seconds["training"] -= lost;
       out.totals.seconds["lost"] += lost;
     }

@@ -47,6 +47,9 @@ struct LedgerPart {
   int64_t prev_step = -1;          // the last step reported in the previous round
   double prev_at = 0;              // wall s of that report
   double step_s = 0;               // seconds per step recently (0: unknown)
+  // The previous round's progress reports after its newest snapshot (State.commit() counts
+  // them; the most over this node's ranks): what this round trains again. -1: unknown.
+  int64_t uncommitted = -1;
 
   std::string Encode() const;
   static Result<LedgerPart> Decode(const std::string& text);
@@ -79,8 +82,9 @@ struct LedgerEvent {
   double rendezvous_s = 0;
   double restore_s = 0;
   double pause_s = 0;              // the first sign to every rank's first progress
-  // Trained again: the last step reported before the change minus the one the round resumed
-  // after (its first report's step - 1: a report's step is the step just completed).
+  // Trained again: the previous round's steps after its newest snapshot (the most any node
+  // saw); without that count (programs that report with efdl.progress()), the last step
+  // reported before the change minus the one the round resumed after.
   int64_t steps_lost = 0;
 };
 

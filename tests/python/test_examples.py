@@ -140,6 +140,17 @@ def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
     assert (out_dir / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"^crash\s+node-c\s", out, re.M), out[-3000:]
     assert "plot: " in out
+    # The summary is the product's ledger (efdl events): the same events, their phases adding
+    # up to each pause, and the goodput printed.
+    ledger = summary["ledger"]
+    assert [e["kind"] for e in ledger["events"]] == ["crash", "join", "leave"], ledger
+    for e in ledger["events"]:
+        assert abs(e["detection_s"] + e["rendezvous_s"] + e["restore_s"] - e["pause_s"]) < 1e-6
+    assert ledger["events"][0]["steps_lost"] <= summary["commit_interval"], ledger
+    assert [e["steps_lost"] for e in ledger["events"][1:]] == [0, 0], ledger
+    assert 0 < ledger["goodput"] < 1, ledger
+    assert re.search(r"^goodput \d+\.\d% of ", out, re.M), out[-3000:]
+    assert re.search(r"live page of the job: http://127\.0\.0\.1:\d+/", out), out[-6000:]
     assert not processes_naming(summary["job"])
     # Its directories, and those of its agents (the crashed node's included), are gone.
     assert not demo_leftovers() - before, demo_leftovers() - before
@@ -171,7 +182,8 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
         # Each agent forks a group reaper (efdl-reaper) that keeps the agent's command line,
         # starts a zygote (efdl-zygote) its spares are forked from, and runs its agent store
         # (efdl-store, torch's TCPStore server) in one of those spares.
-        named = [pid for pid, _ in processes_naming(job)]
+        # (the demo's dashboard names the job too: it is neither an agent nor a reaper)
+        named = [pid for pid, cmd in processes_naming(job) if " dashboard " not in cmd]
         reapers = [pid for pid in named if comm(pid) == "efdl-reaper"]
         agents = [pid for pid in named if pid not in reapers]
         children = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))

@@ -14,6 +14,7 @@ namespace {
 LedgerPart Part(const std::string& node, int64_t round, double start, double progress,
                 int64_t step, int world, int nodes) {
   LedgerPart p;
+  p.step_s = round == 1 ? 0 : 0.5;   // what a node saw of the previous round's steps
   p.node = node;
   p.round = round;
   p.start = start;
@@ -21,7 +22,6 @@ LedgerPart Part(const std::string& node, int64_t round, double start, double pro
   p.step = step;
   p.world = world;
   p.nnodes = nodes;
-  p.step_s = 0.5;
   return p;
 }
 
@@ -82,6 +82,23 @@ TEST(LedgerTest, EventsCarryTheirPhasesAndTheStepsTrainedAgain) {
   EXPECT_EQ(join.steps_lost, 0);
   EXPECT_EQ(join.nodes, (std::vector<std::string>{"a", "b", "d"}));
   EXPECT_TRUE(r.complete);
+}
+
+TEST(LedgerTest, StepsTrainedAgainAreTheUncommittedStepsWhenTheProgramCountsThem) {
+  // A program whose step restarts at each epoch: the step difference means nothing across an
+  // epoch's end, the count of reports after the newest snapshot does.
+  std::vector<LedgerPart> v = Parts();
+  for (auto& p : v) {
+    if (p.round == 2) p.uncommitted = p.node == "a" ? 3 : 2;
+    if (p.round == 3) {
+      p.uncommitted = 0;     // a graceful change: the final snapshot
+      p.step = 1;            // the new epoch's first step
+    }
+  }
+  const LedgerReport r = Summarize(v, {}, 999);
+  ASSERT_EQ(r.events.size(), 2u);
+  EXPECT_EQ(r.events[0].steps_lost, 3);
+  EXPECT_EQ(r.events[1].steps_lost, 0);
 }
 
 TEST(LedgerTest, TheCategoriesAddUpToTheWallTime) {
