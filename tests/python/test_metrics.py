@@ -7,7 +7,8 @@ The targets come from etcd (`efdl status --prometheus-targets`) into a file_sd f
 config in deploy/prometheus, which the test runs as written but for a 1 s scrape interval and
 the file's place. One host dies as a whole; the test asks Prometheus' HTTP API (PromQL) and
 finds the world size drop from 3 to 2, the crash counted by both survivors, the pause they
-observed, and the dead target down.
+observed, and the dead target down; then runs every query of the Grafana dashboard in
+deploy/grafana (Prometheus accepts each; the panels that need no event show data).
 """
 
 import json
@@ -31,6 +32,7 @@ import hosts  # noqa: E402
 STATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
                             "state_worker.py")
 DEPLOY_CONFIG = os.path.join(cluster.REPO, "deploy", "prometheus", "prometheus.yml")
+GRAFANA = os.path.join(cluster.REPO, "deploy", "grafana", "efdl-dashboard.json")
 
 _why = (hosts.HostWorld.unavailable()
         or (None if cluster.efdl_bin() else "efdl is not built")
@@ -190,6 +192,28 @@ def test_a_real_prometheus_scrapes_three_hosts_through_a_crash(world):
         # The survivors' restart counters: a crash of another node is nobody's restart here.
         restarts = by_node(prom.query('efdl_restarts_total{efdl_job="%s"}' % job))
         assert all(restarts[node_of[n]] == 0 for n in survivors), restarts
+        # Every query of the Grafana dashboard in deploy/ runs on this Prometheus, and the
+        # panels that need no event of their own show data.
+        panels = json.load(open(GRAFANA))["panels"]
+        must_show = {"World size and nodes", "Round", "Training throughput (steps/s per rank)",
+                     "Seconds per step by rank", "Snapshot age", "Scrape targets up",
+                     "Restarts counted and fencing", "Progress age by rank"}
+        assert must_show <= {p["title"] for p in panels}, [p["title"] for p in panels]
+
+        def empty_panels():
+            empty = []
+            for panel in panels:
+                for target in panel["targets"]:
+                    expr = target["expr"].replace("$job", job)
+                    if not prom.query(expr):   # (query() asserts Prometheus accepted it)
+                        empty.append("%s: %s" % (panel["title"], expr))
+            return empty
+
+        # (the new round's ranks report again within a few scrapes)
+        cluster.wait_for(lambda: not [e for e in empty_panels()
+                                      if e.split(":")[0] in must_show], 30,
+                         "the dashboard's panels to show data", output=lambda: "\n".join(
+                             empty_panels()), interval=1)
         # The targets follow the job: the dead node is gone from the list.
         cluster.wait_for(lambda: "%s:9441" % lost.addr not in status_targets(etcd, job), 60,
                          "the dead node's target to leave efdl status --prometheus-targets", interval=0.5)
