@@ -124,6 +124,9 @@ void Dashboard::PollOnce() {
     }
   }
   state_.Update(now, status, scrapes);
+  // The goodput ledger: one range read of the job's ledger/ prefix (a few keys per node and
+  // round kept). Not tried when etcd just failed (that failure is shown already).
+  if (status.ok()) state_.UpdateLedger(rdzv::ReadLedger(*client_, options_.job_id, now));
   std::string json = state_.ToJson();
   MutexLock lock(mu_);
   json_ = std::move(json);

@@ -1,8 +1,8 @@
 // `efdl dashboard`: one self-contained page (inline HTML, CSS, JS and SVG; nothing fetched from
 // elsewhere) showing a job live, and the JSON document it polls (docs/operations.md
-// "Dashboard"). The Dashboard owns a poller thread, which reads the job's status from etcd and
-// scrapes its nodes' metrics endpoints every poll into a DashboardState, and an HttpServer whose
-// threads only copy the latest document out. The destructor stops both.
+// "Dashboard"). The Dashboard owns a poller thread, which reads the job's status and its goodput
+// ledger from etcd and scrapes its nodes' metrics endpoints every poll into a DashboardState,
+// and an HttpServer whose threads only copy the latest document out. The destructor stops both.
 #pragma once
 
 #include <condition_variable>

@@ -96,6 +96,15 @@ void DashboardState::Update(double now, const Result<rdzv::JobStatus>& status,
                       live ? status_->world_size : 0);
 }
 
+void DashboardState::UpdateLedger(const Result<rdzv::LedgerReport>& ledger) {
+  if (!ledger.ok()) {
+    ledger_error_ = ledger.status().message();
+    return;
+  }
+  ledger_error_.clear();
+  ledger_ = *ledger;
+}
+
 std::string DashboardState::ToJson() const {
   json j = {{"job", job_id_}, {"etcd", etcd_}, {"now", now_}, {"polls", polls_},
             {"etcd_error", etcd_error_}};
@@ -124,6 +133,9 @@ std::string DashboardState::ToJson() const {
     events.push_back({{"t", e.t}, {"time", e.time}, {"kind", e.kind}, {"message", e.message}});
   }
   j["events"] = events;
+  // The ledger object is `efdl events --json`'s own (one owner of its fields).
+  j["ledger"] = ledger_ ? json::parse(ledger_->ToJson(), nullptr, false) : json(nullptr);
+  j["ledger_error"] = ledger_error_;
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "dashboard/dashboard.h"
 #include "dashboard/dashboard_state.h"
@@ -15,6 +17,8 @@
 #include "dashboard/metrics_text.h"
 #include "dashboard/throughput.h"
 #include "metrics/agent_metrics.h"
+#include "rendezvous/ledger.h"
+#include "support/memory_etcd.h"
 
 namespace efdl::dashboard {
 namespace {
@@ -245,6 +249,111 @@ TEST(DashboardStateTest, AJobThatEndedHasWorldSizeZeroAndItsEndOnTheTimeline) {
   ASSERT_EQ(j["events"].size(), 1u) << j["events"].dump();
   EXPECT_EQ(j["events"][0]["message"], "round 2: complete");
   EXPECT_EQ(j["events"][0]["kind"], "round");
+}
+
+// The ledger parts of a 3-node job (rounds 1 and 2) that lost node c at 200.5 and trained again
+// from 204; c wrote nothing for round 2.
+std::vector<rdzv::LedgerPart> LedgerParts() {
+  std::vector<rdzv::LedgerPart> v;
+  for (const char* n : {"a", "b", "c"}) {
+    rdzv::LedgerPart p;
+    p.node = n;
+    p.round = 1;
+    p.world = p.nnodes = 3;
+    p.why = "job started";
+    p.start = 100;
+    p.progress = 102;
+    p.step = 1;
+    p.step_s = 0.5;
+    v.push_back(p);
+  }
+  for (const char* n : {"a", "b"}) {
+    rdzv::LedgerPart p;
+    p.node = n;
+    p.round = 2;
+    p.world = p.nnodes = 2;
+    p.prev_world = p.prev_nnodes = 3;
+    p.why = "node c is gone";
+    p.sign = 200.5;
+    p.start = 203;
+    p.progress = 204;
+    p.step = 37;
+    p.prev_step = 40;
+    p.prev_at = 200.4;
+    p.step_s = 0.5;
+    v.push_back(p);
+  }
+  return v;
+}
+
+TEST(DashboardStateTest, TheDocumentCarriesTheLedgerAndKeepsItWhenAReadFails) {
+  DashboardState st("j1", "e:1");
+  st.Update(210, Job(2, 2, {}), {});
+  json j = json::parse(st.ToJson());
+  EXPECT_TRUE(j["ledger"].is_null()) << "no ledger read yet";
+  const rdzv::LedgerReport report = rdzv::Summarize(LedgerParts(), {}, /*now=*/210);
+  st.UpdateLedger(report);
+  j = json::parse(st.ToJson());
+  // The ledger object is efdl events --json's.
+  EXPECT_EQ(j["ledger"], json::parse(report.ToJson()));
+  EXPECT_EQ(j["ledger_error"], "");
+  EXPECT_DOUBLE_EQ(j["ledger"]["wall_s"].get<double>(), 110);
+  EXPECT_NEAR(j["ledger"]["goodput"].get<double>(), report.totals.goodput(), 1e-12);
+  EXPECT_GT(j["ledger"]["goodput"].get<double>(), 0);
+  EXPECT_LT(j["ledger"]["goodput"].get<double>(), 1);
+  double sum = 0;
+  for (const char* c : {"startup", "training", "lost", "hung", "rendezvous", "restore",
+                        "suspended"}) {
+    ASSERT_TRUE(j["ledger"]["seconds"].contains(c)) << c;
+    sum += j["ledger"]["seconds"][c].get<double>();
+  }
+  EXPECT_NEAR(sum, 110, 1e-9);
+  ASSERT_EQ(j["ledger"]["events"].size(), 1u);
+  const json& e = j["ledger"]["events"][0];
+  EXPECT_EQ(e["kind"], "crash");
+  EXPECT_EQ(e["round"], 2);
+  EXPECT_EQ(e["world_before"], 3);
+  EXPECT_EQ(e["world_after"], 2);
+  EXPECT_DOUBLE_EQ(e["rendezvous_s"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(e["restore_s"].get<double>(), 1);
+  EXPECT_EQ(e["steps_lost"], 4);
+  // A failed read says why and keeps the last report.
+  st.UpdateLedger(Status::Unavailable("etcd is down"));
+  j = json::parse(st.ToJson());
+  EXPECT_EQ(j["ledger_error"], "etcd is down");
+  EXPECT_EQ(j["ledger"]["events"][0]["kind"], "crash");
+}
+
+// The real Dashboard reads the ledger from etcd (the in-memory one) at its first poll and each
+// poll after; a job that ended keeps its ledger there, so the page shows it then too.
+TEST(DashboardTest, ThePollerReadsTheLedgerFromEtcd) {
+  auto etcd = std::make_unique<testing::MemoryEtcd>();
+  for (const rdzv::LedgerPart& p : LedgerParts()) {
+    ASSERT_TRUE(etcd->Put(rdzv::LedgerPartKey("j1", p.node, p.round), p.Encode()).ok());
+  }
+  testing::MemoryEtcd* raw = etcd.get();
+  DashboardOptions o;
+  o.job_id = "j1";
+  o.etcd = "memory";
+  o.port = 0;
+  o.poll_interval_s = 0.05;
+  auto d = Dashboard::Start(o, std::move(etcd));
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  json j = json::parse((*d)->StateJson());
+  ASSERT_FALSE(j["ledger"].is_null()) << j.dump();
+  ASSERT_EQ(j["ledger"]["events"].size(), 1u) << j["ledger"].dump();
+  EXPECT_EQ(j["ledger"]["events"][0]["kind"], "crash");
+  EXPECT_FALSE(j["ledger"]["complete"]);
+  // The nodes end the job: a later poll reads the end records.
+  const rdzv::LedgerEnd end{"a", 2, 300, "complete"};
+  ASSERT_TRUE(raw->Put(rdzv::LedgerEndKey("j1", "a"), end.Encode()).ok());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!json::parse((*d)->StateJson())["ledger"]["complete"].get<bool>()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << (*d)->StateJson();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  j = json::parse((*d)->StateJson());
+  EXPECT_DOUBLE_EQ(j["ledger"]["wall_s"].get<double>(), 200);
 }
 
 TEST(HttpServerTest, ServesTheHandlerAndTheClientReadsIt) {

@@ -6,7 +6,10 @@ train; `efdl dashboard` serves the page on a free loopback port. Chromium loads 
 it poll the dashboard's JSON document, and dumps the DOM: it shows the three nodes as members,
 world size 3, and a throughput read from the nodes' metrics. One agent is SIGKILLed with its
 workers; once the survivors train in the new round, the DOM shows world size 2 and the round
-change among the events and on the chart. A screenshot is taken too (kept in docs/images when
+change among the events and on the chart, and - once both survivors wrote their part of the
+goodput ledger (`efdl events --json` shows the crash) - the goodput as a percentage, its
+categories, and the ledger's crash row with the same phases; still so after every agent is gone
+(the ledger stays in etcd). A screenshot is taken too (kept in docs/images when
 EFDL_DASHBOARD_SCREENSHOT names the file). The dashboard stops on SIGTERM with exit 0, after it
 showed the job's last state once every agent was gone.
 """
@@ -52,8 +55,8 @@ class Browser:
                 "--user-data-dir=" + os.path.join(self.dir, "profile"),
                 "--virtual-time-budget=%d" % budget_ms] + list(extra) + [url]
         proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace",
-                                start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, encoding="utf-8",
+                                errors="replace", start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         finally:
@@ -96,6 +99,47 @@ def wait_training(url, ranks, polls=6):
         return len(last) == polls and all(p[3] == ranks and p[1] > 0 for p in last)
     cluster.wait_for(training, 40, "the dashboard to read %d ranks training" % ranks,
                      output=lambda: json.dumps(state_doc(url))[-3000:], interval=0.25)
+
+
+def efdl_events(job):
+    r = subprocess.run([cluster.efdl_bin(), "events", "--etcd", job.endpoint, "--job", job.job,
+                        "--json"], capture_output=True, text=True, timeout=30)
+    return r.stdout + r.stderr if r.returncode else r.stdout
+
+
+def ledger_crash(job, nodes):
+    """The crash event of `efdl events --json` once `nodes` all wrote their part of it."""
+    try:
+        report = json.loads(efdl_events(job))
+    except ValueError:
+        return None
+    crashes = [e for e in report["events"] if e["kind"] == "crash" and e["nodes"] == nodes]
+    return crashes[-1] if crashes else None
+
+
+def check_ledger(dom, crash):
+    """The page shows the ledger: goodput as a percentage, its categories as a bar and a legend,
+    and the crash `efdl events` reported as a row of the events table with the same phases."""
+    gp = text_of(dom, "goodput")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", gp or "")
+    assert m and 0 < float(m.group(1)) < 100, "goodput %r\n%s" % (gp, page(dom))
+    assert "wall time since" in (text_of(dom, "goodput-wall") or ""), page(dom)
+    bar = dom.split('id="gp-bar"', 1)[1].split("</section>", 1)[0]
+    segments = dict(re.findall(r'<div data-category="(\w+)" data-seconds="([\d.e+-]+)"', bar))
+    assert float(segments.get("training", 0)) > 0, bar
+    legend = dom.split('id="gp-legend"', 1)[1].split("</section>", 1)[0]
+    assert set(re.findall(r'<div data-category="(\w+)"', legend)) == {
+        "training", "lost", "startup", "rendezvous", "restore", "hung", "suspended"}, legend
+    row = re.search(r'<tr data-ledger-kind="crash" data-round="%d">(.*?)</tr>' % crash["round"],
+                    dom)
+    assert row, page(dom)
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", row.group(1))
+    assert cells[1:4] == [str(crash["round"]), "crash", "%d → %d" % (
+        crash["world_before"], crash["world_after"])], cells
+    # Seconds with two decimals (JavaScript's toFixed may round a tie the other way).
+    for cell, key in zip(cells[4:8], ("pause_s", "detection_s", "rendezvous_s", "restore_s")):
+        assert abs(float(cell) - crash[key]) <= 0.006, (key, cells, crash)
+    assert cells[8] == str(crash["steps_lost"]), (cells, crash)
 
 
 @pytest.fixture
@@ -145,9 +189,22 @@ def test_the_page_shows_a_job_live_through_a_kill(job, tmp_path):
         cluster.wait_for(lambda: (lambda s: s["world_size"] == 2 and s["phase"] == "active")(
             state_doc(url)["status"]), 30, "the dashboard to read world size 2",
             output=lambda: json.dumps(state_doc(url)["status"])[-3000:], interval=0.25)
+        # The goodput ledger records the crash once every local rank of each survivor reported
+        # progress in the new round (`efdl events` reads it from etcd); the dashboard reads the
+        # same ledger each poll.
+        crash = cluster.wait_for(lambda: ledger_crash(job, ["node-0", "node-1"]), 60,
+                                 "the ledger's crash event written by both survivors",
+                                 output=lambda: efdl_events(job)[-3000:], interval=0.25)
+        assert (crash["world_before"], crash["world_after"]) == (3, 2), crash
+        cluster.wait_for(lambda: any(
+            e["round"] == crash["round"] and e["nodes"] == crash["nodes"]
+            for e in (state_doc(url)["ledger"] or {"events": []})["events"]), 20,
+            "the dashboard to read the ledger's crash event",
+            output=lambda: json.dumps(state_doc(url)["ledger"])[-3000:], interval=0.25)
         dom = browser.dom(url)
         assert text_of(dom, "world-size") == "2", page(dom)
         assert int(text_of(dom, "round")) > round_before, page(dom)
+        check_ledger(dom, crash)
         states = node_states(dom)
         assert states.get("node-0") == "member" and states.get("node-1") == "member", states
         assert states.get(victim.name) in (None, "gone", "waiting"), states
@@ -174,6 +231,8 @@ def test_the_page_shows_a_job_live_through_a_kill(job, tmp_path):
         assert doc["status"]["exists"] and doc["status"]["round"] >= round_before + 1, doc
         dom = browser.dom(url)
         assert text_of(dom, "round") == str(doc["status"]["round"]), page(dom)
+        # The ledger stays in etcd: goodput and the crash are still shown.
+        check_ledger(dom, crash)
 
         dash.send_signal(signal.SIGTERM)
         assert dash.wait(timeout=20) == 0, dash.stderr.read()
