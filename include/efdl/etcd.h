@@ -214,6 +214,15 @@ struct TlsOptions {
   bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
 };
 
+// Told of every request's outcome, after its retries (metrics: src/metrics/agent_metrics.h):
+// the operation ("range", "put", "transaction", "lease keep-alive", ...), the seconds it took
+// and whether it succeeded. Called on the caller's thread: cheap and thread-safe.
+class CallObserver {
+ public:
+  virtual ~CallObserver() = default;
+  virtual void OnCall(std::string_view operation, double seconds, bool ok) = 0;
+};
+
 struct ClientOptions {
   std::vector<std::string> endpoints;            // "host:port"
   Duration call_timeout = std::chrono::seconds(5);
@@ -224,6 +233,8 @@ struct ClientOptions {
   // is invalid or expired. The password stays in this struct only; it is never logged.
   std::string user;
   std::string password;
+  // Null: none. Must outlive the client.
+  CallObserver* observer = nullptr;
 };
 
 // Parses "host:port[,host:port...]" (an optional http:// prefix is accepted). Rejects empty

@@ -85,7 +85,30 @@ int RunAgent(const RunArgs& args) {
     EFDL_LOG_INFO("no --etcd given: started a private etcd at {} for a single-node job",
                   embedded->endpoint());
   }
+  // The metrics endpoint, announced in this node's record (started before the join) and told
+  // of every etcd request.
+  std::unique_ptr<metrics::AgentMetrics> node_metrics;
+  {
+    auto started = metrics::AgentMetrics::Start(plan->metrics, plan->agent.job_id,
+                                                plan->agent.node_id);
+    if (!started.ok()) {
+      // A port the user chose is theirs to fix; the default range being full costs only metrics.
+      if (plan->metrics.mode == metrics::Listen::Mode::kPort) {
+        return Fail(2, started.status().message());
+      }
+      EFDL_LOG_WARN("running without metrics: {}", started.status().message());
+    } else if (*started) {
+      node_metrics = std::move(started).value();
+      const bool v6 = plan->network.address.find(':') != std::string::npos;
+      plan->rendezvous.metrics_addr =
+          v6 ? fmt::format("[{}]:{}", plan->network.address, node_metrics->port())
+             : fmt::format("{}:{}", plan->network.address, node_metrics->port());
+      plan->agent.metrics = node_metrics.get();
+      EFDL_LOG_INFO("metrics at http://{}/metrics", plan->rendezvous.metrics_addr);
+    }
+  }
   etcd::ClientOptions client_options;
+  client_options.observer = node_metrics.get();
   client_options.endpoints = endpoints;
   if (!embedded) {  // our private etcd is plaintext and has no users
     if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &client_options); !st.ok()) {
@@ -108,27 +131,6 @@ int RunAgent(const RunArgs& args) {
   auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
   if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
   plan->agent.job_secret = std::move(secret).value();
-  // The metrics endpoint, announced in this node's record: started before the join.
-  std::unique_ptr<metrics::AgentMetrics> node_metrics;
-  {
-    auto started = metrics::AgentMetrics::Start(plan->metrics, plan->agent.job_id,
-                                                plan->agent.node_id);
-    if (!started.ok()) {
-      // A port the user chose is theirs to fix; the default range being full costs only metrics.
-      if (plan->metrics.mode == metrics::Listen::Mode::kPort) {
-        return Fail(2, started.status().message());
-      }
-      EFDL_LOG_WARN("running without metrics: {}", started.status().message());
-    } else if (*started) {
-      node_metrics = std::move(started).value();
-      const bool v6 = net.address.find(':') != std::string::npos;
-      plan->rendezvous.metrics_addr =
-          v6 ? fmt::format("[{}]:{}", net.address, node_metrics->port())
-             : fmt::format("{}:{}", net.address, node_metrics->port());
-      plan->agent.metrics = node_metrics.get();
-      EFDL_LOG_INFO("metrics at http://{}/metrics", plan->rendezvous.metrics_addr);
-    }
-  }
   auto rendezvous = rdzv::NewEtcdRendezvous(**client, plan->rendezvous);
   plan->agent.poll_signal = TakePendingShutdownSignal;
   // A suspended job is refused, and a complete one starts no spares, before any worker is

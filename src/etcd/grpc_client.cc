@@ -204,6 +204,19 @@ std::shared_ptr<KeepAliveEngine> GrpcClient::keepalive_engine() {
 template <class Call>
 Status GrpcClient::Unary(std::string_view operation, bool idempotent, Duration timeout,
                          Call&& call) {
+  if (options_.observer == nullptr) {
+    return UnaryUnobserved(operation, idempotent, timeout, std::forward<Call>(call));
+  }
+  const TimePoint began = SteadyClock::now();
+  Status st = UnaryUnobserved(operation, idempotent, timeout, std::forward<Call>(call));
+  options_.observer->OnCall(
+      operation, std::chrono::duration<double>(SteadyClock::now() - began).count(), st.ok());
+  return st;
+}
+
+template <class Call>
+Status GrpcClient::UnaryUnobserved(std::string_view operation, bool idempotent,
+                                   Duration timeout, Call&& call) {
   const TimePoint deadline = SteadyClock::now() + timeout;
   const size_t n = channels_->size();
   size_t i = channels_->preferred();

@@ -51,6 +51,10 @@ class GrpcClient final : public Client {
   // `idempotent` is repeated only when its channel had no connection when it was sent.
   template <class Call>
   Status Unary(std::string_view operation, bool idempotent, Duration timeout, Call&& call);
+  // Unary without telling options_.observer.
+  template <class Call>
+  Status UnaryUnobserved(std::string_view operation, bool idempotent, Duration timeout,
+                         Call&& call);
 
   std::shared_ptr<WatchEngine> watch_engine();
   std::shared_ptr<KeepAliveEngine> keepalive_engine();

@@ -204,8 +204,26 @@ void AgentMetrics::Build(const std::string& job_id, const std::string& node_id) 
                    .Help("Snapshot writes to storage by result (ok, error)")
                    .Labels(ids)
                    .Register(r);
+  etcd_seconds_ = &BuildHistogram()
+                       .Name("efdl_etcd_request_seconds")
+                       .Help("This agent's etcd requests by operation, retries included")
+                       .Labels(ids)
+                       .Register(r);
+  etcd_errors_ = &BuildCounter()
+                      .Name("efdl_etcd_request_errors_total")
+                      .Help("This agent's etcd requests that failed (after their retries)")
+                      .Labels(ids)
+                      .Register(r);
   snapshot_age_ = &gauge("efdl_snapshot_age_seconds",
                          "Age of the newest snapshot this node persisted (since its commit)");
+}
+
+void AgentMetrics::OnCall(std::string_view operation, double seconds, bool ok) {
+  static const prometheus::Histogram::BucketBoundaries kEtcdBuckets = {
+      0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5};
+  const prometheus::Labels op = {{"operation", std::string(operation)}};
+  etcd_seconds_->Add(op, kEtcdBuckets).Observe(seconds);
+  if (!ok) etcd_errors_->Add(op).Increment();
 }
 
 void AgentMetrics::SetRound(int64_t round, int world_size, int nnodes, int local_workers,

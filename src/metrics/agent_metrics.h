@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "efdl/etcd.h"
 #include "efdl/status.h"
 
 namespace prometheus {
@@ -54,7 +55,7 @@ struct RankProgress {
   double age_s = 0;            // seconds since the last report (or since the round started)
 };
 
-class AgentMetrics {
+class AgentMetrics : public etcd::CallObserver {
  public:
   // Starts the HTTP endpoint on all interfaces. Error (one line) when the port is taken (a
   // fixed port, or the whole auto range); kOff is not an error: nullptr.
@@ -90,6 +91,8 @@ class AgentMetrics {
   void CountPersistFailure();
   // Called on the agent's loop: the age of the newest persisted snapshot.
   void UpdateSnapshotAge(double now_wall);
+  // The node's etcd requests (etcd::ClientOptions::observer): any thread.
+  void OnCall(std::string_view operation, double seconds, bool ok) override;
 
  private:
   AgentMetrics() = default;
@@ -122,6 +125,8 @@ class AgentMetrics {
   prometheus::Counter* persisted_bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* persists_ = nullptr;
   prometheus::Gauge* snapshot_age_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* etcd_seconds_ = nullptr;
+  prometheus::Family<prometheus::Counter>* etcd_errors_ = nullptr;
   // Wall seconds of the newest snapshot persisted (0: none yet); written by persister threads.
   std::atomic<double> newest_committed_at_{0};
   // Declared last: destroyed first, so its threads stop before the metrics they read go.

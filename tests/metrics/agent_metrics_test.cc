@@ -70,6 +70,8 @@ TEST(AgentMetricsTest, ServesTheJobsSeriesWithItsLabelsOverHttp) {
   m.SetRankProgress({{2, 17, 0.25, 0.1}, {3, 17, 0.3, 0.2}});
   m.ObservePersist(0.02, 4096, 1000.0);
   m.UpdateSnapshotAge(1003.5);
+  m.OnCall("put", 0.003, true);
+  m.OnCall("put", 0.2, false);
   const std::string text = Scrape(m.port());
   ASSERT_NE(text.find("200 OK"), std::string::npos) << text;
   const std::string ids = "efdl_job=\"job-a\",efdl_node=\"node-1\"";
@@ -89,6 +91,8 @@ TEST(AgentMetricsTest, ServesTheJobsSeriesWithItsLabelsOverHttp) {
            "efdl_rank_step_seconds{" + ids + ",rank=\"2\"} 0.25",
            "efdl_persisted_bytes_total{" + ids + "} 4096",
            "efdl_snapshot_age_seconds{" + ids + "} 3.5",
+           "efdl_etcd_request_seconds_count{" + ids + ",operation=\"put\"} 2",
+           "efdl_etcd_request_errors_total{" + ids + ",operation=\"put\"} 1",
        }) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << "missing: " << line << "\n" << text;
   }
