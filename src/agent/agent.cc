@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <thread>
 
@@ -91,8 +92,35 @@ std::optional<rdzv::PersistedPoint> NewestStoredPoint(const std::string& snapsho
 
 }  // namespace
 
+namespace {
+health::ExclusionPolicy ExclusionPolicyOf(const AgentOptions& o) {
+  health::ExclusionPolicy p;
+  p.after = o.exclude_after;
+  p.window = o.exclude_window;
+  p.cooldown = o.exclude_cooldown;
+  p.max_restarts = o.max_restarts;
+  return p;
+}
+
+// Wall-clock time `after` from now, ISO-8601 UTC to the second (as the give-up records).
+std::string WallTimeIn(std::chrono::milliseconds after) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(
+      std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::seconds>(after));
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  return fmt::format("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z", tm.tm_year + 1900, tm.tm_mon + 1,
+                     tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
+}
+
+// "300", "0.4": seconds as the flags take them.
+std::string Seconds(std::chrono::milliseconds d) {
+  return fmt::format("{:g}", std::chrono::duration<double>(d).count());
+}
+}  // namespace
+
 Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
-    : options_(std::move(options)), rdzv_(rendezvous) {}
+    : options_(std::move(options)), rdzv_(rendezvous),
+      own_failures_(ExclusionPolicyOf(options_)) {}
 
 Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
@@ -202,6 +230,9 @@ int Agent::RunUntilDone() {
     NoteNoPrestart();
   }
 
+  // `efdl status` shows this agent's count of its own failures from the first ack on (a node
+  // hit only by collateral failures shows 0).
+  rdzv_.ReportRestarts(restarts_);
   if (Status st = rdzv_.Join(); !st.ok()) {
     if (st.IsFailedPrecondition()) {
       EFDL_LOG_ERROR("{}", st.message());  // e.g. the job is suspended: the line says what to do
@@ -369,7 +400,21 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
   if (group_ && !group_paused_) {
     StopWorkers(/*graceful=*/false, fmt::format("round {} started", a.round));
   }
+  if (!a.standby && a.nnodes != streak_nnodes_) {
+    // The job's node count changed: a streak of collateral failures ends here - the node whose
+    // failures they were may be the one that left (excluded for them, issue #32) or joined.
+    collateral_streak_ = 0;
+    streak_nnodes_ = a.nnodes;
+  }
   if (auto code = CountPendingFailure(a)) return code;
+  if (excluded_until_) {
+    // The round it withdrew from, or one announced before the withdrawal took effect: the node
+    // registers again only once the cool-down is over.
+    if (std::chrono::steady_clock::now() < *excluded_until_) return std::nullopt;
+    excluded_until_.reset();
+    EFDL_LOG_INFO("node {} is back in job '{}' after its cool-down, with fresh workers",
+                  options_.node_id, options_.job_id);
+  }
   assignment_ = a;
   {
     const auto now = std::chrono::steady_clock::now();
@@ -466,7 +511,8 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
     // node's doing after all (its peers finished, or it breaks what it connects to): from
     // kCollateralStreak on, they count, so the node cannot loop for ever.
     const auto now = std::chrono::steady_clock::now();
-    // (round_started_ is still the failed round's: the next one starts after this count.)
+    // (round_started_ is still the failed round's: the next one starts after this count.) A
+    // change of the job's node count starts a new streak (StartRound).
     collateral_streak_ = now - round_started_ >= kStreakReset ? 1 : collateral_streak_ + 1;
     if (collateral_streak_ <= std::max(kCollateralStreak, 2 * options_.max_restarts)) {
       EFDL_LOG_INFO("round {} failure ({}) came from {}: not counted as a restart", f.round,
@@ -487,7 +533,18 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
     return std::nullopt;
   }
   ExplainPeerConnectError(f.round, f.connect_error);
-  if (++restarts_ > options_.max_restarts) {
+  // The job can go on without this node when the round holds MIN other nodes (a standby's
+  // round holds only others); then the node is excluded for a while instead of giving up.
+  const int others = a.standby ? a.nnodes : a.nnodes - 1;
+  const bool can_exclude = others >= std::max(1, options_.min_nodes);
+  const health::FailureVerdict verdict =
+      own_failures_.Count(std::chrono::steady_clock::now(), can_exclude);
+  restarts_ = verdict.total;
+  if (verdict.action == health::FailureVerdict::Action::kExclude) {
+    Exclude(f, verdict);
+    return std::nullopt;
+  }
+  if (verdict.action == health::FailureVerdict::Action::kGiveUp) {
     const std::string reason =
         fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
                     f.detail, f.round, restarts_, options_.max_restarts);
@@ -499,10 +556,45 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
     rdzv_.Leave();
     return 1;
   }
-  EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
-                f.detail, f.round);
+  if (own_failures_.policy().enabled() && can_exclude) {
+    EFDL_LOG_INFO("restart {} after {} in round {}: this node's own failure {} of {} within {} s "
+                  "before it is excluded for a cool-down (--exclude-after, --exclude-window)",
+                  restarts_, f.detail, f.round, verdict.in_window, options_.exclude_after,
+                  Seconds(options_.exclude_window));
+  } else {
+    EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
+                  f.detail, f.round);
+  }
   rdzv_.ReportRestarts(restarts_);   // efdl status shows the counted failures only
   return std::nullopt;
+}
+
+void Agent::Exclude(const PendingFailure& f, const health::FailureVerdict& v) {
+  const std::string until = WallTimeIn(v.cooldown);
+  rdzv::ExclusionRecord rec;
+  rec.reason = fmt::format("{} in round {}; {} of this node's own worker failures within {} s "
+                           "(--exclude-after {})",
+                           f.detail, f.round, v.in_window, Seconds(options_.exclude_window),
+                           options_.exclude_after);
+  rec.time = WallTimeIn(std::chrono::milliseconds(0));
+  rec.until = until;
+  rec.failures = v.in_window;
+  rec.exclusion = v.exclusion;
+  rec.stderr_tail = f.stderr_tail;
+  EFDL_LOG_WARN("node {} is excluded from job '{}' for {} s (exclusion {}): {}; the job goes on "
+                "without it, and it rejoins with fresh workers at {}",
+                options_.node_id, options_.job_id, Seconds(v.cooldown), v.exclusion, rec.reason,
+                until);
+  rdzv_.ReportRestarts(restarts_);
+  // `efdl status` shows it until the node registers again.
+  if (Status st = rdzv_.RecordExclusion(rec); !st.ok()) EFDL_LOG_WARN("{}", st.message());
+  // Workers paused in-process at the last round's close end now; so do the spares, which the
+  // pool refills when the node takes part in a round again.
+  StopWorkers(/*graceful=*/false, fmt::format("node {} is excluded", options_.node_id));
+  if (persister_) persister_->Clear();   // no longer a member: storage is not ours to write
+  if (spares_) spares_->Clear();
+  rdzv_.Withdraw(v.cooldown);
+  excluded_until_ = v.until;
 }
 
 void Agent::StartSparePool() {

@@ -25,6 +25,7 @@
 #include "common/group_reaper.h"
 #include "common/job_spec.h"
 #include "common/net.h"
+#include "health/exclusion_rules.h"
 #include "health/hang_monitor.h"
 #include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
@@ -41,7 +42,15 @@ namespace efdl::agent {
 // rank 0, for messages) plus how this agent runs its workers.
 struct AgentOptions : JobSpec {
   std::vector<std::string> command;        // the worker program and its arguments
-  int max_restarts = 3;                    // worker failures this agent tolerates
+  // Worker failures of this node's own (not collateral) after which it gives up for good, where
+  // exclusion does not apply (exclude_after 0, or the job cannot go on without this node).
+  int max_restarts = 3;
+  // Nodes that keep failing (issue #32, src/health/exclusion_rules.h): the exclude_after-th own
+  // failure within exclude_window excludes the node from the job's rounds for exclude_cooldown
+  // (doubling with each exclusion); 0: never excluded.
+  int exclude_after = 3;
+  std::chrono::milliseconds exclude_window{std::chrono::seconds(600)};
+  std::chrono::milliseconds exclude_cooldown{std::chrono::seconds(300)};
   std::chrono::milliseconds stop_grace{std::chrono::seconds(10)};
   std::string log_dir;                     // empty: worker output only to our stdout/stderr
   std::string snapshot_dir;                // passed to workers as EFDL_SNAPSHOT_DIR
@@ -127,8 +136,10 @@ class Agent {
   // Thread-safe: makes Run() stop its workers, leave the job and return.
   void RequestShutdown(int signal) { shutdown_signal_.store(signal); }
 
-  // Worker failures counted against max_restarts so far.
+  // This node's own worker failures counted so far (RESTARTS in `efdl status`).
   int restarts() const { return restarts_; }
+  // Times this node was excluded for a cool-down so far.
+  int exclusions() const { return own_failures_.exclusions(); }
   // The control socket's path while Run() is running (empty before).
   const std::string& control_socket() const { return socket_path_; }
 
@@ -153,9 +164,13 @@ class Agent {
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
-  // A failure of the round that closed (pending_failure_), counted against --max-restarts
-  // unless it came with a node leaving; an exit code when that gives up.
+  // A failure of the round that closed (pending_failure_), counted as this node's own unless it
+  // was collateral or came with a node leaving; the exclusion rule (exclusion_rules.h) then
+  // restarts the workers, excludes the node (Exclude) or gives up: an exit code then.
   std::optional<int> CountPendingFailure(const rdzv::Assignment& next);
+  // Records the exclusion in etcd, stops what runs of this round on this node and withdraws from
+  // the job for the cool-down (Rendezvous::Withdraw); the node registers again after it.
+  void Exclude(const PendingFailure& failure, const health::FailureVerdict& verdict);
 
   // In-process round changes (agent_in_process.cc; docs/control-protocol.md): workers under
   // efdl.elastic.run are paused at a round's close and given the next round's place instead of
@@ -277,11 +292,13 @@ class Agent {
   // A worker failure after every local rank was silent this long (a fraction of the hang
   // timeout) is collateral of a hang another node ended.
   static constexpr double kCollateralStall = 0.8;
-  // Collateral failures in a row (each within kStreakReset of its round's start) that are not
-  // counted; from the next one on they are (at least 2x --max-restarts).
+  // Collateral failures in a row (each within kStreakReset of its round's start, with no change
+  // of the job's node count between them) that are not counted; from the next one on they are
+  // (at least 2x --max-restarts).
   static constexpr int kCollateralStreak = 6;
   static constexpr std::chrono::seconds kStreakReset{60};
   int collateral_streak_ = 0;
+  int streak_nnodes_ = 0;   // the node count of the rounds of the current streak
   // When this node's workers of the newest round started (or continued in-process).
   std::chrono::steady_clock::time_point round_started_{};
   std::optional<std::chrono::steady_clock::time_point> hang_fallback_at_;
@@ -291,6 +308,9 @@ class Agent {
   int left_on_signal_ = 0;  // the SIGTERM/SIGINT this node left the job on (Shutdown), or 0
   bool no_prestart_noted_ = false;   // NoteNoPrestart told the rendezvous
   int restarts_ = 0;
+  health::OwnFailures own_failures_;
+  // Excluded (Exclude) until then: no round is expected before it; reset at the next round.
+  std::optional<std::chrono::steady_clock::time_point> excluded_until_;
   std::optional<PendingFailure> pending_failure_;
   // Metrics: when the pause of the round change under way began; when this node's workers of
   // the new round started (their first progress report ends the pause); the restarts the

@@ -304,6 +304,14 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
     return Status::InvalidArgument(
         fmt::format("--max-restarts {} is negative; give 0 or more", f.max_restarts));
   }
+  if (f.exclude_after < 0) {
+    return Status::InvalidArgument(fmt::format(
+        "--exclude-after {} is negative; give the number of this node's own worker failures "
+        "within --exclude-window that exclude it for a cool-down, or 0 to never exclude it",
+        f.exclude_after));
+  }
+  EFDL_RETURN_IF_ERROR(positive(f.exclude_window_s, "--exclude-window"));
+  EFDL_RETURN_IF_ERROR(positive(f.exclude_cooldown_s, "--exclude-cooldown"));
 
   std::error_code ec;
   auto absolute = [&](const std::string& p) {
@@ -332,6 +340,9 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.min_nodes = nodes.min;
   a.max_nodes = nodes.max;
   a.max_restarts = f.max_restarts;
+  a.exclude_after = f.exclude_after;
+  a.exclude_window = Millis(f.exclude_window_s);
+  a.exclude_cooldown = Millis(f.exclude_cooldown_s);
   a.stop_grace = Millis(f.stop_grace_s);
   if (f.hang_timeout == "auto" || f.hang_timeout.empty()) {
     a.hang_timeout_s = -1;

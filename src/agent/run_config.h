@@ -38,6 +38,9 @@ struct RunFlags {
   double last_call_s = 3;
   double join_timeout_s = 600;
   int max_restarts = 3;
+  int exclude_after = 3;                     // --exclude-after K (0: never excluded)
+  double exclude_window_s = 600;             // --exclude-window
+  double exclude_cooldown_s = 300;           // --exclude-cooldown
   double stop_grace_s = 10;
   std::string hang_timeout = "auto";         // --hang-timeout: "auto", 0 (off) or seconds
   std::string metrics_port = "auto";         // --metrics-port: "auto", "off" or a port (0: any)

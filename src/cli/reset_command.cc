@@ -71,6 +71,7 @@ int ResetEtcd(const ResetArgs& args) {
            etcd::TxnOp::Delete(keys.complete), etcd::TxnOp::Delete(keys.assign, true),
            etcd::TxnOp::Delete(keys.ack, true), etcd::TxnOp::Delete(keys.suspended, true),
            etcd::TxnOp::Delete(keys.gaveup, true),
+           etcd::TxnOp::Delete(keys.excluded, true),
            etcd::TxnOp::Delete(keys.status + "/", true)});   // the status pages (status_pages.h)
   if (!txn.ok()) return Fail(1, txn.status().message());
   std::printf("removed job '%s' from etcd at %s (its round, completion and reports)\n",

@@ -203,8 +203,23 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   OptionWithEnv(run, "--join-timeout", f.join_timeout_s,
                 "seconds to wait below MIN nodes before giving up", "EFDL_JOIN_TIMEOUT");
   OptionWithEnv(run, "--max-restarts", f.max_restarts,
-                "worker failures this node tolerates before leaving the job",
+                "this node's own worker failures after which it leaves the job for good, where "
+                "it cannot be excluded instead (--exclude-after 0, or the job cannot go on "
+                "without it: fewer than MIN other nodes)",
                 "EFDL_MAX_RESTARTS");
+  OptionWithEnv(run, "--exclude-after", f.exclude_after,
+                "a node whose own workers failed this many times within --exclude-window "
+                "(failures another node caused are not counted) is excluded from the job's "
+                "rounds for --exclude-cooldown while the job can go on without it (MIN other "
+                "nodes), then rejoins with fresh workers; 0: never excluded",
+                "EFDL_EXCLUDE_AFTER");
+  OptionWithEnv(run, "--exclude-window", f.exclude_window_s,
+                "seconds over which --exclude-after counts a node's own failures",
+                "EFDL_EXCLUDE_WINDOW");
+  OptionWithEnv(run, "--exclude-cooldown", f.exclude_cooldown_s,
+                "seconds an excluded node stays out of the job; doubles with each further "
+                "exclusion of the same agent, up to 8x",
+                "EFDL_EXCLUDE_COOLDOWN");
   OptionWithEnv(run, "--stop-grace", f.stop_grace_s,
                 "seconds a stopping worker gets before SIGTERM, and again before SIGKILL",
                 "EFDL_STOP_GRACE");
@@ -257,6 +272,7 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   // The defaults as the flags hold them, shown in --help as [VALUE] (docs/agent.md lists them;
   // tests/python/test_e2e_cli.py checks that the two agree).
   for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",
+                           "--exclude-after", "--exclude-window", "--exclude-cooldown",
                            "--stop-grace", "--hang-timeout", "--metrics-port", "--snapshot-dir"}) {
     run->get_option(name)->capture_default_str();
   }

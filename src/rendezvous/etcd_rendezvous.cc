@@ -136,6 +136,13 @@ void EtcdRendezvous::ReportWorkerFailure(int64_t round, const std::string& detai
   Push(std::move(in));
 }
 
+void EtcdRendezvous::Withdraw(std::chrono::milliseconds cooldown) {
+  Input in;
+  in.type = Input::Type::kWithdraw;
+  in.delay = cooldown;
+  Push(std::move(in));
+}
+
 void EtcdRendezvous::ReportWorkersSucceeded(int64_t round) {
   Input in;
   in.type = Input::Type::kWorkersSucceeded;
@@ -193,6 +200,7 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
   if (finished_) return d;
   take(takeover_at_);
   take(rejoin_at_);
+  if (withdrawn_until_) take(next_withdrawn_check_);
   if (unplaced_since_) {
     take(*unplaced_since_ + opt_.join_timeout);
     take(std::max(*unplaced_since_, last_wait_notice_) + kWaitNoticeInterval);
@@ -218,12 +226,24 @@ void EtcdRendezvous::OnTimers() {
     takeover_at_.reset();
     TakeOver();
   }
+  if (withdrawn_until_) CheckWithdrawn(now);
   if (rejoin_at_ && now >= *rejoin_at_) {
     rejoin_at_.reset();
     Status s = Register();
     if (s.ok()) {
       fenced_since_.reset();
-      EFDL_LOG_INFO("rdzv {}: rejoined job {} as a new member", opt_.node_id, opt_.job_id);
+      if (withdrawn_until_) {
+        withdrawn_until_.reset();
+        // The cool-down is over: `efdl status` no longer shows the node as excluded.
+        if (auto del = client_.Delete(keys_.Excluded(opt_.node_id)); !del.ok()) {
+          EFDL_LOG_WARN("rdzv {}: cannot remove this node's exclusion record: {}", opt_.node_id,
+                        del.status().message());
+        }
+        EFDL_LOG_INFO("rdzv {}: cool-down over: registered in job {} again as a new member",
+                      opt_.node_id, opt_.job_id);
+      } else {
+        EFDL_LOG_INFO("rdzv {}: rejoined job {} as a new member", opt_.node_id, opt_.job_id);
+      }
     } else if (s.IsFailedPrecondition()) {
       Fail(s.message());  // the job was suspended meanwhile: retrying cannot help
       return;
@@ -294,6 +314,12 @@ Status EtcdRendezvous::RecordGiveUp(const std::string& reason,
   GaveUpRecord rec{reason, WallClockTimestamp(), stderr_tail};
   auto put = client_.Put(keys_.GaveUp(opt_.node_id), rec.Encode());
   if (!put.ok()) return put.status().WithContext("cannot record in etcd why this node gave up");
+  return Status::OK();
+}
+
+Status EtcdRendezvous::RecordExclusion(const ExclusionRecord& record) {
+  auto put = client_.Put(keys_.Excluded(opt_.node_id), record.Encode());
+  if (!put.ok()) return put.status().WithContext("cannot record this node's exclusion in etcd");
   return Status::OK();
 }
 
@@ -414,6 +440,9 @@ void EtcdRendezvous::Handle(Input& in) {
       break;
     case Input::Type::kResync:
       Resync();
+      break;
+    case Input::Type::kWithdraw:
+      WithdrawFor(in.delay);
       break;
   }
 }

@@ -32,7 +32,7 @@ using TimePoint = Clock::time_point;
 struct Input {
   enum class Type {
     kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
-    kResync, kGaveUp
+    kResync, kGaveUp, kWithdraw
   };
   Type type = Type::kRound;
   uint64_t generation = 0;              // watch inputs: the registration/watch set they belong to
@@ -41,6 +41,7 @@ struct Input {
   int64_t lease = 0;
   std::string detail;
   bool coordinator_watch = false;       // kResync from a coordinator watch (nodes/ or ack/)
+  std::chrono::milliseconds delay{0};   // kWithdraw: the cool-down
 };
 
 inline Event MakeEvent(Event::Type type, int64_t round, bool graceful, std::string message) {
@@ -76,6 +77,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
   Status RecordGiveUp(const std::string& reason,
                       const std::vector<std::string>& stderr_tail) override;
+  Status RecordExclusion(const ExclusionRecord& record) override;
+  void Withdraw(std::chrono::milliseconds cooldown) override;
   bool MayPublish(double committed_at) const override {
     return registration_.MayPublish(committed_at);
   }
@@ -137,6 +140,11 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void TakeOver();
   void Fence(const std::string& why);
   void Fail(const std::string& message);
+  // kWithdraw (Rendezvous::Withdraw): out of the job, announced, until the cool-down ends.
+  void WithdrawFor(std::chrono::milliseconds cooldown);
+  // While withdrawn: registers again once the cool-down is over, or at once when the job
+  // completed or was suspended meanwhile (read every kWithdrawnCheck).
+  void CheckWithdrawn(TimePoint now);
   void ReleaseRegistration(bool announce_leaving);
   // A coordinator that leaves names its successor and proposes the next round itself (graceful).
   void HandOverCoordination();
@@ -195,6 +203,9 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   std::optional<TimePoint> unplaced_since_;
   std::optional<TimePoint> rejoin_at_;
   std::optional<TimePoint> fenced_since_;
+  // Withdrawn for a cool-down (WithdrawFor) until then; reset once registered again.
+  std::optional<TimePoint> withdrawn_until_;
+  TimePoint next_withdrawn_check_{};
   // Overload (node_rules.h JoinBackoff, TakeoverBackoff; issue #37).
   std::chrono::milliseconds last_join_latency_{0};   // how long the last Register took
   int rejoin_attempt_ = 0;                            // failed rejoins since the fence

@@ -18,6 +18,10 @@
 namespace efdl::rdzv::internal {
 namespace {
 
+// While a node is withdrawn for a cool-down, how often it reads whether the job completed or was
+// suspended meanwhile (one small read per excluded node).
+constexpr std::chrono::seconds kWithdrawnCheck{2};
+
 using nlohmann::json;
 
 // --- Horovod (docs/horovod.md): a second port offered in each ack, the rank-0 node's offer in
@@ -387,6 +391,51 @@ void EtcdRendezvous::Fence(const std::string& why) {
   // overloaded etcd must not register again all at once: node_rules.h JoinBackoff).
   rejoin_attempt_ = 0;
   rejoin_at_ = Clock::now() + JoinBackoff(0, last_join_latency_, UnitRandom());
+}
+
+void EtcdRendezvous::WithdrawFor(std::chrono::milliseconds cooldown) {
+  if (finished_) return;
+  const auto now = Clock::now();
+  EFDL_LOG_INFO("rdzv {}: withdrawing from job {} for {} s (excluded): leaving round {}",
+                opt_.node_id, opt_.job_id,
+                std::chrono::duration_cast<std::chrono::seconds>(cooldown).count(),
+                CurrentRoundForEvents());
+  // As Leave() does, on the driver thread: out of the round first (no watch of the round any
+  // more, so the hand-over below is not applied to this node), then announce the leaving, hand
+  // coordination over, and revoke the lease (the node key and the ack go with it).
+  StopTakingPart();
+  rejoin_at_.reset();
+  if (registration_.lease() != 0) {
+    SendAck(AckState::kLeaving, round_.round);
+    HandOverCoordination();
+    registration_.Release();
+  }
+  {
+    // Events of the registration just released are stale: the agent hears of rounds again once
+    // the node has registered anew.
+    MutexLock lock(ev_mu_);
+    events_.clear();
+  }
+  withdrawn_until_ = now + cooldown;
+  next_withdrawn_check_ = now;
+  rejoin_attempt_ = 0;
+  rejoin_at_ = *withdrawn_until_;
+  fenced_since_ = *withdrawn_until_;   // the join timeout of a failing rejoin counts from here
+}
+
+void EtcdRendezvous::CheckWithdrawn(TimePoint now) {
+  if (now < next_withdrawn_check_) return;
+  next_withdrawn_check_ = now + kWithdrawnCheck;
+  if (!rejoin_at_ || *rejoin_at_ <= now) return;
+  auto rd = client_.Get(keys_.round);
+  if (!rd.ok() || !rd->has_value()) return;
+  auto rec = RoundRecord::Decode((*rd)->value);
+  if (rec.ok() && (rec->phase == Phase::kComplete || rec->phase == Phase::kSuspended)) {
+    // Registering reads it and says so (kJobComplete; a suspended job refuses the node).
+    EFDL_LOG_INFO("rdzv {}: job {} is {} while this node is excluded: registering now to "
+                  "learn it", opt_.node_id, opt_.job_id, PhaseName(rec->phase));
+    rejoin_at_ = now;
+  }
 }
 
 void EtcdRendezvous::Fail(const std::string& message) {

@@ -22,9 +22,10 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
                               etcd::TxnOp::Get(keys.complete),
                               etcd::TxnOp::Get(keys.suspended, true),
                               etcd::TxnOp::Get(keys.gaveup, true),
-                              etcd::TxnOp::Get(StatusPagePrefix(keys), true)});
+                              etcd::TxnOp::Get(StatusPagePrefix(keys), true),
+                              etcd::TxnOp::Get(keys.excluded, true)});
   if (!snap.ok()) return snap.status().WithContext(fmt::format("cannot read job {}", job_id));
-  if (snap->gets.size() != 8) return Status::Internal("etcd answered a short transaction");
+  if (snap->gets.size() != 9) return Status::Internal("etcd answered a short transaction");
   JobStatus out;
   out.job_id = job_id;
   out.complete = !snap->gets[4].kvs.empty();
@@ -44,6 +45,12 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
     auto rec = GaveUpRecord::Decode(kv.value);
     out.gave_up[kv.key.substr(keys.gaveup.size())] =
         rec.ok() ? *rec : GaveUpRecord{"(unreadable record)", "", {}};
+  }
+  for (const auto& kv : snap->gets[8].kvs) {
+    auto rec = ExclusionRecord::Decode(kv.value);
+    ExclusionRecord unreadable;
+    unreadable.reason = "(unreadable record)";
+    out.excluded[kv.key.substr(keys.excluded.size())] = rec.ok() ? *rec : unreadable;
   }
   out.suspended = round->phase == Phase::kSuspended;
   if (out.suspended) {
@@ -151,6 +158,13 @@ std::string JobStatus::ToJson() const {
     gave[node] = {{"time", g.time}, {"reason", g.reason}, {"stderr", g.stderr_tail}};
   }
   j["gave_up"] = gave;
+  json excl = json::object();
+  for (const auto& [node, e] : excluded) {
+    excl[node] = {{"time", e.time},         {"until", e.until},
+                  {"reason", e.reason},     {"failures", e.failures},
+                  {"exclusion", e.exclusion}, {"stderr", e.stderr_tail}};
+  }
+  j["excluded"] = excl;
   return j.dump(2, ' ', false, json::error_handler_t::replace);  // stderr lines: any bytes
 }
 
@@ -226,6 +240,14 @@ std::string JobStatus::ToText() const {
                        g.reason);
     if (!g.stderr_tail.empty()) out += "    its last stderr lines:\n";
     for (const auto& line : g.stderr_tail) out += fmt::format("      {}\n", line);
+  }
+  for (const auto& [node, e] : excluded) {
+    out += fmt::format("  {} EXCLUDED at {} until {} (its own workers failed {} time(s); "
+                       "exclusion {}); it may rejoin then: {}\n",
+                       node, e.time.empty() ? "?" : e.time, e.until.empty() ? "?" : e.until,
+                       e.failures, e.exclusion, e.reason);
+    if (!e.stderr_tail.empty()) out += "    its last stderr lines:\n";
+    for (const auto& line : e.stderr_tail) out += fmt::format("      {}\n", line);
   }
   if (!events.empty()) out += "recent events:\n";
   for (const auto& e : events) out += fmt::format("  {} {}\n", e.time, e.message);

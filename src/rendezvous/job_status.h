@@ -57,6 +57,9 @@ struct JobStatus {
   std::vector<JobEvent> events;       // recent membership and round events, oldest first
   // Nodes that left for good because their workers kept failing: node -> when and why.
   std::map<std::string, GaveUpRecord> gave_up;   // by node
+  // Nodes excluded from the job's rounds for a cool-down because their own workers kept failing
+  // (issue #32): node -> when, why and until when. A node's record goes once it registers again.
+  std::map<std::string, ExclusionRecord> excluded;   // by node
 
   std::string ToJson() const;         // one JSON object, stable field names
   std::string ToText() const;         // a human-readable multi-line table

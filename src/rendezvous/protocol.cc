@@ -23,7 +23,8 @@ JobKeys::JobKeys(const std::string& job_id)
       status(prefix + "status"),
       complete(prefix + "complete"),
       suspended(prefix + "suspended/"),
-      gaveup(prefix + "gaveup/") {}
+      gaveup(prefix + "gaveup/"),
+      excluded(prefix + "excluded/") {}
 
 namespace {
 constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete", "suspended"};
@@ -174,6 +175,31 @@ Result<GaveUpRecord> GaveUpRecord::Decode(const std::string& text) {
     for (const auto& line : j["stderr"]) {
       if (!line.is_string()) return false;
       g.stderr_tail.push_back(line.get<std::string>());
+    }
+    return true;
+  });
+}
+
+std::string ExclusionRecord::Encode() const {
+  json j = {{"reason", reason}, {"t", time}, {"until", until}, {"failures", failures},
+            {"n", exclusion}};
+  if (!stderr_tail.empty()) j["stderr"] = stderr_tail;
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);  // a worker's bytes: not UTF-8
+}
+
+Result<ExclusionRecord> ExclusionRecord::Decode(const std::string& text) {
+  return ParseWith<ExclusionRecord>("exclusion record", text, [](const json& j,
+                                                                 ExclusionRecord& e) {
+    if (!j.contains("reason") || !Field(j, "reason", e.reason) || !Field(j, "t", e.time) ||
+        !Field(j, "until", e.until) || !Field(j, "failures", e.failures) ||
+        !Field(j, "n", e.exclusion)) {
+      return false;
+    }
+    if (!j.contains("stderr")) return true;
+    if (!j["stderr"].is_array()) return false;
+    for (const auto& line : j["stderr"]) {
+      if (!line.is_string()) return false;
+      e.stderr_tail.push_back(line.get<std::string>());
     }
     return true;
   });

@@ -20,6 +20,11 @@
 //                    written by an agent that spent its
 //                    --max-restarts, before it leaves; watched by every node (they print it, and
 //                    one whose own workers failed too ends once fewer than MIN nodes remain).
+//   P excluded/<node> not lease-bound; {reason, t, until, failures, n, stderr}: written by an agent
+//                    whose own workers failed --exclude-after times within --exclude-window
+//                    (src/health/exclusion_rules.h) before it withdraws from the job for its
+//                    cool-down (no lease, no node key, so no round counts it); deleted by that
+//                    agent when it registers again. Read by `efdl status` only.
 //
 // ROUND LIFE (phases of P round)
 //   gathering(r)  the coordinator waits for >= MIN registered nodes, then for MAX or --last-call.
@@ -106,8 +111,11 @@ struct JobKeys {
   // prefix + "gaveup/": one record per node that left the job for good after its workers kept
   // failing (GaveUpRecord); no lease, so `efdl status` shows it after the node is gone.
   std::string gaveup;
+  // prefix + "excluded/": one record per node in its cool-down (ExclusionRecord).
+  std::string excluded;
   std::string Node(const std::string& id) const { return nodes + id; }
   std::string GaveUp(const std::string& id) const { return gaveup + id; }
+  std::string Excluded(const std::string& id) const { return excluded + id; }
   std::string Suspended(const std::string& id) const { return suspended + id; }
   std::string Assign(const std::string& id) const { return assign + id; }
   std::string Ack(const std::string& id) const { return ack + id; }
@@ -206,6 +214,19 @@ struct GaveUpRecord {
   std::vector<std::string> stderr_tail;
   std::string Encode() const;
   static Result<GaveUpRecord> Decode(const std::string& text);
+};
+
+// P excluded/<node>: a node excluded from the job's rounds for a cool-down because its own
+// workers kept failing (issue #32; src/health/exclusion_rules.h).
+struct ExclusionRecord {
+  std::string reason;            // the last failure and the count, e.g. "rank 1 exited ..."
+  std::string time;              // ISO-8601 UTC, when it was excluded
+  std::string until;             // ISO-8601 UTC, when it may rejoin (the end of its cool-down)
+  int failures = 0;              // its own failures within the window that excluded it
+  int exclusion = 0;             // which exclusion of this node's agent (1: the first)
+  std::vector<std::string> stderr_tail;   // the failing rank's last stderr lines, oldest first
+  std::string Encode() const;
+  static Result<ExclusionRecord> Decode(const std::string& text);
 };
 
 // P status: what the coordinator wrote for `efdl status` (members, standbys, recent events).

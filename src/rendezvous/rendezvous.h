@@ -17,6 +17,7 @@
 #include "common/job_spec.h"
 #include "efdl/status.h"
 #include "rendezvous/ledger.h"
+#include "rendezvous/protocol.h"
 
 namespace efdl::rdzv {
 
@@ -154,6 +155,22 @@ class Rendezvous {
     (void)stderr_tail;
     return Status::OK();
   }
+  // This node's own workers kept failing (src/health/exclusion_rules.h): records `record` in
+  // etcd (P excluded/<node>) for `efdl status`. Blocking (one etcd write); call before
+  // Withdraw(). Doubles need not override it.
+  virtual Status RecordExclusion(const ExclusionRecord& record) {
+    (void)record;
+    return Status::OK();
+  }
+  // Takes this node out of the job for `cooldown` without leaving for good: it announces that
+  // it leaves (as Leave() does: the others re-round at once, a coordinator hands over), gives up
+  // its lease and node key, so no round counts it, and drops the events not yet taken; once the
+  // cool-down is over it registers again as a new member (as after a fence), and rounds follow
+  // as for a node that just joined. Sooner when the job completes or is suspended meanwhile
+  // (checked every few seconds): the next event then says so. Its exclusion record is deleted
+  // when it registers again. Thread-safe (queued to the rendezvous' thread). Doubles need not
+  // override it.
+  virtual void Withdraw(std::chrono::milliseconds cooldown) { (void)cooldown; }
   // After kSuspended, once this node's workers stopped: records the newest snapshot step this
   // node found persisted (nullopt: none) for `efdl suspend` / `efdl status`. Blocking (one etcd
   // write); call before Leave(). Doubles that never emit kSuspended need not override it.

@@ -57,6 +57,28 @@ class ScriptedRendezvous : public QueuedRendezvous {
     return Status::OK();
   }
 
+  Status RecordExclusion(const rdzv::ExclusionRecord& record) override {
+    std::lock_guard lock(mu_);
+    exclusions_.push_back(record);
+    return Status::OK();
+  }
+  void Withdraw(std::chrono::milliseconds cooldown) override {
+    {
+      std::lock_guard lock(mu_);
+      withdrawals_.push_back(cooldown);
+    }
+    if (on_withdraw) on_withdraw(cooldown);
+  }
+  std::function<void(std::chrono::milliseconds cooldown)> on_withdraw;
+
+  std::vector<rdzv::ExclusionRecord> exclusions() const {
+    std::lock_guard l(mu_);
+    return exclusions_;
+  }
+  std::vector<std::chrono::milliseconds> withdrawals() const {
+    std::lock_guard l(mu_);
+    return withdrawals_;
+  }
   std::vector<std::string> failures() const { std::lock_guard l(mu_); return failures_; }
   std::vector<int64_t> successes() const { std::lock_guard l(mu_); return successes_; }
   int leaves() const { std::lock_guard l(mu_); return leaves_; }
@@ -70,6 +92,8 @@ class ScriptedRendezvous : public QueuedRendezvous {
   int leaves_ = 0;
   std::string gave_up_;
   std::vector<std::string> gave_up_tail_;
+  std::vector<rdzv::ExclusionRecord> exclusions_;
+  std::vector<std::chrono::milliseconds> withdrawals_;
 };
 
 inline Assignment MakeAssignment(int64_t round, int node_rank, int nnodes, int rank_offset, int nproc,

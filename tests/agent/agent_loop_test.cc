@@ -116,6 +116,7 @@ TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
 TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
   opts_.nproc = 1;
   opts_.max_restarts = 2;
+  opts_.exclude_after = 0;   // today's give-up rule (the exclusion tests are below)
   opts_.command = {"sh", "-c",
                    "echo 'RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] "
                    "Connection closed by peer [127.0.0.1]:4242' >&2; exit 1"};
@@ -136,11 +137,114 @@ TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
   EXPECT_NE(text.find("giving up"), std::string::npos) << text;
 }
 
+// Issue #32, nodes that keep failing: the --exclude-after-th own failure within the window, in
+// a job that can go on without the node (3 nodes, MIN 1), records the exclusion and withdraws
+// for the cool-down instead of giving up; a round announced before the cool-down is over is
+// not started; the first round after it gets fresh workers.
+TEST_F(AgentLoopTest, ANodeWhoseOwnWorkersKeepFailingIsExcludedThenRejoins) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 0;    // would give up at the first failure: exclusion replaces that
+  opts_.exclude_after = 2;
+  opts_.exclude_cooldown = 400ms;
+  const std::string ran = dir_.path() + "/ran";
+  opts_.command = {"sh", "-c",
+                   "echo $EFDL_ROUND >> " + ran + "; if [ $EFDL_ROUND -lt 3 ]; then "
+                   "echo 'ValueError: bad host' >&2; exit 7; fi; exit 0"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 3, 0, 1, 3)));
+  };
+  std::thread later;
+  rdzv_.on_withdraw = [&](std::chrono::milliseconds) {
+    // Announced before the withdrawal took effect: stale, never started.
+    rdzv_.Push(Started(MakeAssignment(4, 0, 2, 0, 1, 2)));
+    later = std::thread([&] {
+      std::this_thread::sleep_for(600ms);
+      rdzv_.Push(Started(MakeAssignment(9, 2, 3, 2, 1, 3)));
+    });
+  };
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  const int code = agent.Run();
+  if (later.joinable()) later.join();
+  const std::string text = log.Text();
+  EXPECT_EQ(code, 0) << text;
+  EXPECT_EQ(agent.exclusions(), 1);
+  EXPECT_EQ(agent.restarts(), 2);
+  EXPECT_EQ(rdzv_.leaves(), 0) << text;   // excluded, not gone
+  EXPECT_TRUE(rdzv_.gave_up().empty());
+  ASSERT_EQ(rdzv_.withdrawals().size(), 1u) << text;
+  EXPECT_EQ(rdzv_.withdrawals()[0], 400ms);
+  ASSERT_EQ(rdzv_.exclusions().size(), 1u);
+  const rdzv::ExclusionRecord rec = rdzv_.exclusions()[0];
+  EXPECT_EQ(rec.failures, 2);
+  EXPECT_EQ(rec.exclusion, 1);
+  EXPECT_FALSE(rec.until.empty());
+  EXPECT_NE(rec.reason.find("rank 0 exited with status 7 in round 2"), std::string::npos)
+      << rec.reason;
+  EXPECT_EQ(rec.stderr_tail, std::vector<std::string>{"ValueError: bad host"});
+  // Rounds 1 and 2 failed; round 3 (it withdrew from) and 4 (stale) never ran; 9 did.
+  EXPECT_EQ(ReadFile(ran), "1\n2\n9\n") << text;
+  EXPECT_NE(text.find("is excluded from job 'job-1' for 0.4 s (exclusion 1)"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("is back in job 'job-1' after its cool-down"), std::string::npos) << text;
+}
+
+// Failures another node caused are never this node's: however many, no exclusion (fewer than
+// the streak that counts them, kCollateralStreak).
+TEST_F(AgentLoopTest, CollateralFailuresNeverExcludeTheNode) {
+  opts_.nproc = 1;
+  opts_.exclude_after = 1;
+  opts_.command = {"sh", "-c",
+                   "if [ $EFDL_ROUND -lt 6 ]; then echo 'RuntimeError: [../third_party/gloo/"
+                   "gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                   "[127.0.0.1]:4242' >&2; exit 1; fi; exit 0"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 3, 0, 1, 3)));
+  };
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0);
+  EXPECT_EQ(rdzv_.failures().size(), 5u);
+  EXPECT_EQ(agent.restarts(), 0);
+  EXPECT_EQ(agent.exclusions(), 0);
+  EXPECT_TRUE(rdzv_.withdrawals().empty());
+  EXPECT_TRUE(rdzv_.exclusions().empty());
+}
+
+// A streak of collateral failures ends when the job's node count changes (the node whose
+// failures they were was excluded for them, or a node joined): 5 in 3-node rounds, then 5 in
+// 2-node rounds are never counted, where 10 in a row would be from the 7th on.
+TEST_F(AgentLoopTest, ACollateralStreakEndsWhenTheJobsNodeCountChanges) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 0;
+  opts_.exclude_after = 0;
+  opts_.command = {"sh", "-c",
+                   "if [ $EFDL_ROUND -le 10 ]; then echo 'RuntimeError: [../third_party/gloo/"
+                   "gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                   "[127.0.0.1]:4242' >&2; exit 1; fi; exit 0"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    const int nodes = round < 5 ? 3 : 2;
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, nodes, 0, 1, nodes)));
+  };
+  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0) << log.Text();
+  EXPECT_EQ(rdzv_.failures().size(), 10u);
+  EXPECT_EQ(agent.restarts(), 0);
+}
+
 // Workers that fail at every round as gloo does when a peer's address is wrong: the agent says
 // once which address was tried and what to set, however many rounds fail.
 TEST_F(AgentLoopTest, PeerConnectFailuresAreExplainedOnceAcrossRestarts) {
   opts_.nproc = 1;
   opts_.max_restarts = 2;
+  opts_.exclude_after = 0;   // gives up (the job could go on without it: it would be excluded)
   opts_.advertise_addr = "10.0.0.7";
   opts_.gloo_iface = "eth0";
   opts_.command = {"sh", "-c",

@@ -150,6 +150,78 @@ TEST_F(RealEtcdTest, CoordinatorLeavingGracefullyHandsOverAndTheChangeStaysGrace
   EXPECT_EQ(st->members.size(), 2u);
 }
 
+// Issue #32, nodes that keep failing: the coordinator's agent excludes its node (Withdraw). The
+// others go on without it at once (it said it leaves and handed coordination over), `efdl
+// status` shows the exclusion and not the node; no event reaches it during the cool-down; then
+// it registers again, is taken in as a new member, and its record goes. Withdrawn a second
+// time, it learns within seconds (not at the end of its cool-down) that the job completed.
+TEST_F(RealEtcdTest, AnExcludedNodeWithdrawsForItsCooldownThenRegistersAgain) {
+  std::vector<std::unique_ptr<Rendezvous>> nodes;
+  for (auto id : {"a", "b", "c"}) {
+    nodes.push_back(NewEtcdRendezvous(*client_, Opts(id, 2, 3)));
+    ASSERT_TRUE(nodes.back()->Join().ok());
+  }
+  for (auto& n : nodes) ASSERT_TRUE(Next(*n, Event::Type::kRoundStarted));
+  auto st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->coordinator, "a");
+
+  ExclusionRecord rec;
+  rec.reason = "rank 0 exited with status 1 in round 1; 3 of this node's own worker failures";
+  rec.time = "2026-12-06T06:00:00Z";
+  rec.until = "2026-12-06T06:00:02Z";
+  rec.failures = 3;
+  rec.exclusion = 1;
+  rec.stderr_tail = {"RuntimeError: bad host"};
+  ASSERT_TRUE(nodes[0]->RecordExclusion(rec).ok());
+  const auto t0 = Clock::now();
+  nodes[0]->Withdraw(2s);
+  for (int i = 1; i < 3; ++i) {
+    auto e = Next(*nodes[i], Event::Type::kRoundStarted);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->assignment.world_size, 2);
+  }
+  EXPECT_LT(Clock::now() - t0, 2s) << "the others must not wait for a's lease";
+  st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->members.size(), 2u);
+  EXPECT_TRUE(st->waiting.empty() && st->standbys.empty());
+  for (const auto& m : st->members) EXPECT_NE(m.id, "a");
+  ASSERT_EQ(st->excluded.count("a"), 1u);
+  EXPECT_EQ(st->excluded["a"].until, rec.until);
+  EXPECT_EQ(st->excluded["a"].failures, 3);
+  EXPECT_EQ(st->excluded["a"].stderr_tail, rec.stderr_tail);
+  EXPECT_NE(st->ToText().find("a EXCLUDED at 2026-12-06T06:00:00Z until 2026-12-06T06:00:02Z"),
+            std::string::npos) << st->ToText();
+  EXPECT_NE(st->ToJson().find("\"excluded\""), std::string::npos);
+
+  // Nothing for a until its cool-down is over; then a round that takes it in again.
+  auto during = nodes[0]->WaitEvent(1500ms);
+  EXPECT_FALSE(during) << "event " << static_cast<int>(during->type) << " during the cool-down";
+  auto back = Next(*nodes[0], Event::Type::kRoundStarted);
+  ASSERT_TRUE(back);
+  EXPECT_GE(Clock::now() - t0, 2s);
+  EXPECT_EQ(back->assignment.world_size, 3);
+  EXPECT_EQ(back->assignment.node_rank, 2);   // a new member goes after the others
+  st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  EXPECT_TRUE(st->excluded.empty());
+  for (int i = 1; i < 3; ++i) ASSERT_TRUE(Next(*nodes[i], Event::Type::kRoundStarted));
+
+  // Withdrawn for 60 s, it hears of the job's completion within seconds.
+  nodes[0]->Withdraw(60s);
+  std::optional<Event> two;
+  for (int i = 1; i < 3; ++i) {
+    two = Next(*nodes[i], Event::Type::kRoundStarted);
+    ASSERT_TRUE(two);
+  }
+  for (int i = 1; i < 3; ++i) nodes[i]->ReportWorkersSucceeded(two->round);
+  for (int i = 1; i < 3; ++i) ASSERT_TRUE(Next(*nodes[i], Event::Type::kJobComplete));
+  const auto completed = Clock::now();
+  ASSERT_TRUE(Next(*nodes[0], Event::Type::kJobComplete));
+  EXPECT_LT(Clock::now() - completed, 5s);
+}
+
 TEST_F(RealEtcdTest, LeaseExpiryFencesAndRerounds) {
   auto oa = Opts("a", 1, 3);
   auto ob = Opts("b", 1, 3);

@@ -12,6 +12,8 @@ Options (environment, so the command line stays the same on every node):
                       from the step after it, so a new round continues instead of restarting
   WORKER_USE_CONTROL  1: poll the agent's control socket (efdl.control) and leave on "stop"
   WORKER_FAIL_RANK    this rank exits 3 when it reaches WORKER_FAIL_STEP (default 0)
+  WORKER_FAIL_AFTER   K: this process raises RuntimeError after K steps of its own, in every
+                      round (given to one agent only: a host whose program always fails)
   WORKER_IMPORT       a module to import at start; the START line says whether the process
                       already had it (preloaded=1: a spare forked from a zygote that imported it)
 """
@@ -39,6 +41,7 @@ def main():
     progress = os.environ.get("WORKER_PROGRESS")
     fail_rank = env_int("WORKER_FAIL_RANK", -1)
     fail_step = env_int("WORKER_FAIL_STEP", 0)
+    fail_after = env_int("WORKER_FAIL_AFTER", -1)
 
     control = None
     if os.environ.get("WORKER_USE_CONTROL") == "1":
@@ -60,7 +63,11 @@ def main():
           "preloaded=%d" % (round_, rank, world, step, os.getpid(), os.environ.get("MASTER_PORT"),
                             os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), preloaded),
           flush=True)
+    own_steps = 0
     while steps == 0 or step < steps:
+        if own_steps == fail_after:
+            raise RuntimeError("this host is bad (WORKER_FAIL_AFTER=%d)" % fail_after)
+        own_steps += 1
         if rank == fail_rank and step >= fail_step:
             print("FAILING on purpose at step %d" % step, flush=True)
             sys.exit(3)
