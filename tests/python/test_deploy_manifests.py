@@ -205,6 +205,22 @@ def test_rendered_manifests_hold_together(params):
     assert any(all(pod_labels.get(k) == v for k, v in sel.items()) for sel in client_labels)
 
 
+def test_the_pods_announce_the_agents_metrics_port():
+    """Prometheus finds each pod's agent: the port `efdl run` serves metrics on by default (its
+    --help says it, from src/metrics), named in the container and the pod's annotations."""
+    help_text = subprocess.run([cluster.efdl_bin(), "run", "--help"], capture_output=True,
+                               text=True, timeout=30).stdout
+    default = re.search(r"auto: (\d+), or the next free port", help_text)
+    assert default, help_text
+    job, trainer = trainer_of(render.render())
+    (port,) = [p for p in trainer.get("ports", []) if p["name"] == "metrics"]
+    assert port["containerPort"] == int(default.group(1)), port
+    annotations = job["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == default.group(1)
+    assert "EFDL_METRICS_PORT" not in env_values(trainer)   # the default: auto
+
+
 def test_etcd_members_and_header():
     docs = render.render()
     (sts,) = of_kind(docs, "StatefulSet")
