@@ -32,6 +32,7 @@ import torch
 
 from efdl import _agreement, _dist
 from efdl._rounds import RoundChangeInterrupt
+from efdl.backend.horovod.torch import _group
 from efdl.backend.torch import elastic as _elastic
 from efdl.state import State
 
@@ -55,19 +56,13 @@ class HostsUpdatedInterrupt(RoundChangeInterrupt):
         self.skip_sync = skip_sync
 
 
-def _layer():
-    from efdl.backend.horovod.torch import _layer as layer
-    return layer
-
-
 def run(func):
     """Horovod's hvd.elastic.run: calls func(state) again after every round change, in the same
     process (efdl.backend.torch.elastic.run, with this layer's init and shutdown)."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        layer = _layer()
-        return _elastic.run_rounds(func, state, args, kwargs, start_group=layer.start,
-                                   stop_group=layer.shutdown)
+        return _elastic.run_rounds(func, state, args, kwargs, start_group=_group.start,
+                                   stop_group=_group.shutdown)
     return wrapper
 
 
