@@ -204,6 +204,10 @@ TEST_F(AgentLoopTest, CollateralFailuresNeverExcludeTheNode) {
     rdzv_.Push(Started(MakeAssignment(round + 1, 0, 3, 0, 1, 3)));
   };
   rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  // Were it excluded, the script would have nothing more for it: end the run then.
+  rdzv_.on_withdraw = [&](std::chrono::milliseconds) {
+    rdzv_.Push(Simple(Event::Type::kFailed, 0, false, "excluded"));
+  };
   rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
