@@ -241,6 +241,8 @@ int Agent::RunUntilDone() {
     }
     return 1;
   }
+  joined_at_ = std::chrono::duration<double>(
+                   std::chrono::system_clock::now().time_since_epoch()).count();
   EFDL_LOG_INFO("node {} joined job '{}' with {} worker(s) per node, nodes {}:{}",
                 options_.node_id, options_.job_id, options_.nproc, options_.min_nodes,
                 options_.max_nodes);

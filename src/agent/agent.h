@@ -331,6 +331,7 @@ class Agent {
   std::string round_why_;
   bool round_graceful_ = false;
   bool ledger_warned_ = false;
+  double joined_at_ = 0;   // wall s of this node's join (Run)
   std::chrono::steady_clock::time_point next_metrics_update_{};
   bool peer_connect_explained_ = false;
   std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last

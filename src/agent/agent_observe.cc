@@ -74,6 +74,8 @@ void Agent::BeginLedgerPart(const rdzv::Assignment& a) {
   // What the previous round's ranks did after their newest snapshot: read before this round's
   // workers start (a fresh start clears their slots). Not for this node's first round.
   if (hang_ && rounds_started_ > 0) p.uncommitted = hang_->Uncommitted();
+  p.min_nodes = options_.min_nodes;
+  if (rounds_started_ == 0) p.joined = joined_at_;
   ledger_sign_ = 0;
   ledger_detection_ = 0;
   round_graceful_ = false;

@@ -45,7 +45,8 @@ std::string LedgerPart::Encode() const {
             {"why", why},         {"graceful", graceful},  {"sign", sign},
             {"detect", detection_s}, {"start", start},   {"progress", progress},
             {"step", step},       {"prev_step", prev_step}, {"prev_at", prev_at},
-            {"step_s", step_s},    {"uncommitted", uncommitted}};
+            {"step_s", step_s},    {"uncommitted", uncommitted},
+            {"min_nodes", min_nodes}, {"joined", joined}};
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
@@ -59,7 +60,8 @@ Result<LedgerPart> LedgerPart::Decode(const std::string& text) {
       !Get(j, "detect", p.detection_s) || !Get(j, "start", p.start) ||
       !Get(j, "progress", p.progress) || !Get(j, "step", p.step) ||
       !Get(j, "prev_step", p.prev_step) || !Get(j, "prev_at", p.prev_at) ||
-      !Get(j, "step_s", p.step_s) || !Get(j, "uncommitted", p.uncommitted) || p.round <= 0) {
+      !Get(j, "step_s", p.step_s) || !Get(j, "uncommitted", p.uncommitted) ||
+      !Get(j, "min_nodes", p.min_nodes) || !Get(j, "joined", p.joined) || p.round <= 0) {
     return Status::Corruption("not a ledger part: " + text.substr(0, 200));
   }
   return p;
@@ -116,8 +118,8 @@ double Median(std::vector<double> v) {
 LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<LedgerEnd>& ends,
                        double now) {
   LedgerReport out;
-  for (const char* c : {"startup", "training", "lost", "hung", "rendezvous", "restore",
-                        "suspended"}) {
+  for (const char* c : {"startup", "training", "lost", "hung", "waiting", "rendezvous",
+                        "restore", "suspended"}) {
     out.totals.seconds[c] = 0;
   }
   std::map<int64_t, std::vector<const LedgerPart*>> rounds;
@@ -129,6 +131,9 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
   struct Round {
     int64_t round = 0;
     double sign = 0, hung_until = 0, start = 0, progress = 0;
+    // Fewer than MIN nodes were left by the change: the round waited until this (the time the
+    // node that made MIN joined); 0: not below MIN.
+    double enough_at = 0;
     bool seen_progress = false;
     LedgerEvent event;
     double step_s = 0;
@@ -163,6 +168,24 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
       e.nodes.push_back(p->node);
     }
     std::sort(r.event.nodes.begin(), r.event.nodes.end());
+    {
+      // The nodes that stayed saw the change (a sign); the others joined for this round.
+      int stayed = 0, min_nodes = 1;
+      std::vector<double> joined;
+      for (const LedgerPart* p : ps) {
+        min_nodes = std::max(min_nodes, p->min_nodes);
+        if (p->sign > 0) {
+          ++stayed;
+        } else if (p->joined > 0) {
+          joined.push_back(p->joined);
+        }
+      }
+      std::sort(joined.begin(), joined.end());
+      const int missing = min_nodes - stayed;
+      if (stayed > 0 && missing > 0 && static_cast<size_t>(missing) <= joined.size()) {
+        r.enough_at = joined[missing - 1];
+      }
+    }
     r.step_s = Median(step_times);
     r.sign = sign;
     r.hung_until = sign > 0 ? sign + detection : 0;
@@ -210,9 +233,12 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
       const bool resumed = e.why.find("resumed") != std::string::npos;
       if (r.sign > 0) add("hung", std::min(r.hung_until, r.start));
       const double hung_until = t;
+      if (!resumed && r.enough_at > 0) add("waiting", std::min(r.enough_at, r.start));
+      const double waited_until = t;
       add(resumed ? "suspended" : "rendezvous", r.start);
       e.detection_s = hung_until - gap_from;
-      e.rendezvous_s = t - hung_until;
+      e.waiting_s = waited_until - hung_until;
+      e.rendezvous_s = t - waited_until;
       e.kind = KindOf(e);
     }
     // Start-up or restore: the workers started until every rank progressed.
@@ -230,7 +256,8 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     add(first ? "startup" : "restore", std::min(progress_at, std::max(train_end, t)));
     if (!first) {
       r.event.restore_s = t - restore_from;
-      r.event.pause_s = r.event.detection_s + r.event.rendezvous_s + r.event.restore_s;
+      r.event.pause_s = r.event.detection_s + r.event.waiting_s + r.event.rendezvous_s +
+                        r.event.restore_s;
     }
     // Training, less what the next round trained again.
     const double train_from = t;
@@ -266,6 +293,7 @@ std::string LedgerReport::ToJson() const {
                            {"nodes_after", e.nodes_after},
                            {"nodes", e.nodes},
                            {"detection_s", e.detection_s},
+                           {"waiting_s", e.waiting_s},
                            {"rendezvous_s", e.rendezvous_s},
                            {"restore_s", e.restore_s},
                            {"pause_s", e.pause_s},
@@ -286,19 +314,20 @@ std::string LedgerReport::ToText(size_t last_events) const {
   if (totals.wall_s <= 0) return "goodput: no round has trained yet\n";
   std::string out = fmt::format(
       "goodput {:.1f}% of {:.0f} s{} since {}: training {:.1f} s, lost (trained again) {:.1f} "
-      "s, start-up {:.1f} s, restore {:.1f} s, rendezvous {:.1f} s, hung {:.1f} s, suspended "
-      "{:.1f} s\n",
+      "s, start-up {:.1f} s, restore {:.1f} s, rendezvous {:.1f} s, waiting below MIN {:.1f} s, "
+      "hung {:.1f} s, suspended {:.1f} s\n",
       100 * totals.goodput(), totals.wall_s, complete ? "" : " (running)", Iso(begin),
       totals.seconds.at("training"), totals.seconds.at("lost"), totals.seconds.at("startup"),
-      totals.seconds.at("restore"), totals.seconds.at("rendezvous"), totals.seconds.at("hung"),
-      totals.seconds.at("suspended"));
+      totals.seconds.at("restore"), totals.seconds.at("rendezvous"),
+      totals.seconds.at("waiting"), totals.seconds.at("hung"), totals.seconds.at("suspended"));
   const size_t from = events.size() > last_events ? events.size() - last_events : 0;
   for (size_t i = from; i < events.size(); ++i) {
     const LedgerEvent& e = events[i];
     out += fmt::format(
-        "  {} round {:<4} {:<8} world {}->{}: pause {:.2f} s (detection {:.2f}, rendezvous "
+        "  {} round {:<4} {:<8} world {}->{}: pause {:.2f} s (detection {:.2f},{} rendezvous "
         "{:.2f}, restore {:.2f}), {} step(s) trained again; {}\n",
         Iso(e.at), e.round, e.kind, e.world_before, e.world_after, e.pause_s, e.detection_s,
+        e.waiting_s > 0 ? fmt::format(" waiting below MIN {:.2f},", e.waiting_s) : "",
         e.rendezvous_s, e.restore_s, e.steps_lost, e.why);
   }
   return out;

@@ -50,6 +50,8 @@ struct LedgerPart {
   // The previous round's progress reports after its newest snapshot (State.commit() counts
   // them; the most over this node's ranks): what this round trains again. -1: unknown.
   int64_t uncommitted = -1;
+  int min_nodes = 1;               // the job's --nnodes MIN
+  double joined = 0;               // wall s this node joined the job (its first round only)
 
   std::string Encode() const;
   static Result<LedgerPart> Decode(const std::string& text);
@@ -79,6 +81,7 @@ struct LedgerEvent {
   int nodes_before = 0, nodes_after = 0;
   std::vector<std::string> nodes;  // the nodes that wrote a part for the new round
   double detection_s = 0;          // phases, in order; they add up to pause_s
+  double waiting_s = 0;            // fewer than --nnodes MIN nodes until enough joined
   double rendezvous_s = 0;
   double restore_s = 0;
   double pause_s = 0;              // the first sign to every rank's first progress
@@ -91,8 +94,8 @@ struct LedgerEvent {
 // The categories of the job's wall time (seconds); they add up to wall_s.
 struct LedgerTotals {
   double wall_s = 0;
-  std::map<std::string, double> seconds;   // startup, training, lost, hung, rendezvous, restore,
-                                           // suspended
+  std::map<std::string, double> seconds;   // startup, training, lost, hung, waiting (below
+                                           // MIN), rendezvous, restore, suspended
   double goodput() const { return wall_s > 0 ? seconds.at("training") / wall_s : 0; }
 };
 

@@ -129,7 +129,7 @@ def check_ledger(dom, crash):
     assert float(segments.get("training", 0)) > 0, bar
     legend = dom.split('id="gp-legend"', 1)[1].split("</section>", 1)[0]
     assert set(re.findall(r'<div data-category="(\w+)"', legend)) == {
-        "training", "lost", "startup", "rendezvous", "restore", "hung", "suspended"}, legend
+        "training", "lost", "startup", "rendezvous", "waiting", "restore", "hung", "suspended"}, legend
     row = re.search(r'<tr data-ledger-kind="crash" data-round="%d">(.*?)</tr>' % crash["round"],
                     dom)
     assert row, page(dom)
@@ -137,9 +137,10 @@ def check_ledger(dom, crash):
     assert cells[1:4] == [str(crash["round"]), "crash", "%d → %d" % (
         crash["world_before"], crash["world_after"])], cells
     # Seconds with two decimals (JavaScript's toFixed may round a tie the other way).
-    for cell, key in zip(cells[4:8], ("pause_s", "detection_s", "rendezvous_s", "restore_s")):
+    for cell, key in zip(cells[4:9], ("pause_s", "detection_s", "waiting_s", "rendezvous_s",
+                                      "restore_s")):
         assert abs(float(cell) - crash[key]) <= 0.006, (key, cells, crash)
-    assert cells[8] == str(crash["steps_lost"]), (cells, crash)
+    assert cells[9] == str(crash["steps_lost"]), (cells, crash)
 
 
 @pytest.fixture

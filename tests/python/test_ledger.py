@@ -106,8 +106,10 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     kinds = [e["kind"] for e in report["events"]]
     assert kinds == ["crash", "join", "leave", "resume"], out
     for e in report["events"]:
-        phases = e["detection_s"] + e["rendezvous_s"] + e["restore_s"]
-        assert all(e[p] >= 0 for p in ("detection_s", "rendezvous_s", "restore_s")), e
+        phase_names = ("detection_s", "waiting_s", "rendezvous_s", "restore_s")
+        phases = sum(e[p] for p in phase_names)
+        assert all(e[p] >= 0 for p in phase_names), e
+        assert e["waiting_s"] == 0, e   # MIN 2: no change left fewer nodes
         assert abs(phases - e["pause_s"]) < 1e-6, e
         assert 0 < e["pause_s"] < 120, e
     crash, join, leave, resume = report["events"]

@@ -101,6 +101,34 @@ TEST(LedgerTest, StepsTrainedAgainAreTheUncommittedStepsWhenTheProgramCountsThem
   EXPECT_EQ(r.events[1].steps_lost, 0);
 }
 
+TEST(LedgerTest, ARoundThatWaitedForNodesBelowMinCountsTheWaitAsWaiting) {
+  // MIN 3: c crashes at 200 (a and b stay), d joins at 230, round 2 starts at 232.
+  std::vector<LedgerPart> v;
+  for (const char* n : {"a", "b", "c"}) {
+    v.push_back(Part(n, 1, 100, 102, 1, 3, 3));
+    v.back().min_nodes = 3;
+    v.back().joined = 99;
+  }
+  for (const char* n : {"a", "b", "d"}) {
+    LedgerPart p = Part(n, 2, 232, 233, 50, 3, 3);
+    p.min_nodes = 3;
+    if (n[0] == 'd') {
+      p.joined = 230;
+    } else {
+      p.sign = 200;
+      p.prev_world = p.prev_nnodes = 3;
+    }
+    v.push_back(p);
+  }
+  const LedgerReport r = Summarize(v, {}, 300);
+  ASSERT_EQ(r.events.size(), 1u);
+  EXPECT_DOUBLE_EQ(r.events[0].waiting_s, 30);
+  EXPECT_DOUBLE_EQ(r.events[0].rendezvous_s, 2);
+  EXPECT_DOUBLE_EQ(r.events[0].pause_s, 33);
+  EXPECT_DOUBLE_EQ(r.totals.seconds.at("waiting"), 30);
+  EXPECT_NEAR(Sum(r.totals), r.totals.wall_s, 1e-9);
+}
+
 TEST(LedgerTest, TheCategoriesAddUpToTheWallTime) {
   std::vector<LedgerEnd> ends = {{"a", 3, 300, "complete"}};
   const LedgerReport r = Summarize(Parts(), ends, 999);
