@@ -1,5 +1,6 @@
-"""The parts of a State, one handler per kind of value: the model, the optimizer, the scheduler
-and the keyword arguments.
+"""The parts of a State, one handler per kind of value: the model, the optimizer, the scheduler,
+the keyword arguments and samplers (SamplerPart, at the end: it keeps its samplers' progress in
+the keyword values).
 
 Each handler holds its object (`obj`, None when not given; the keyword arguments' dict for
 KwargsPart) and what is derived from it, and does for its part what State orchestrates:
@@ -416,3 +417,37 @@ class KwargsPart:
                 values[name[len("kw/"):]] = t
             self.obj.update(values)
         return ptrs, finish
+
+
+class SamplerPart:
+    """Samplers given as keyword arguments (hvd.elastic.ElasticSampler; State takes the types its
+    class lists in `_sampler_kinds`, none for efdl.State): each one's record of the samples
+    trained (`processed`, one bool per sample) and its epoch travel as the keyword values
+    efdl_sampler_<name>_processed and _epoch; after a restore or a round change the samplers take
+    them back and deal what is left of the epoch to the current ranks (their reset())."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, samplers=None):
+        self.obj = dict(samplers or {})   # {keyword: sampler}
+
+    @staticmethod
+    def keys(name):
+        return "efdl_sampler_%s_processed" % name, "efdl_sampler_%s_epoch" % name
+
+    def save(self, values):
+        """Puts every sampler's record and epoch into the keyword values (before a snapshot)."""
+        for name, sampler in self.obj.items():
+            processed, epoch = self.keys(name)
+            values[processed] = sampler.processed
+            values[epoch] = sampler.epoch
+
+    def load(self, values):
+        """The samplers take the record and epoch the keyword values hold (after a restore)."""
+        for name, sampler in self.obj.items():
+            processed, epoch = self.keys(name)
+            record = values.get(processed)
+            if isinstance(record, torch.Tensor) and record.shape == sampler.processed.shape:
+                sampler.processed = record
+            sampler.epoch = int(values.get(epoch, sampler.epoch))
+            sampler.reset()

@@ -1,31 +1,31 @@
-"""State's part in in-process round changes (efdl.backend.torch.elastic.run; docs/user-guide.md,
-"Recovery without restart").
+"""In-process round changes of a State (efdl.backend.torch.elastic.run; docs/user-guide.md,
+"Recovery without restart"): a collaborator of State, which holds one (`State._rounds`) and
+serves it through the explicit interface RoundsHost.
 
-Under elastic.run a worker keeps its process from one round to the next. State then:
+Under elastic.run a worker keeps its process from one round to the next. The rounds then:
 
 - at a pause (the agent's "pause", or a stop that the ranks agreed on because some peer was asked
-  to stop) takes the snapshot of the current step as at a graceful stop and raises
-  RoundChangeInterrupt instead of exiting (_pause_now, from commit());
-- when the round is left (_leave_round) drops what belongs to the old process group: the stop
+  to stop) - once the State took the snapshot of the current step as at a graceful stop - raise
+  the host's round-change exception instead of exiting (pause, from State.commit());
+- when the round is left (leave) drop what belongs to the old process group: the host's stop
   vote and its all-reduce in flight; after a failed collective the state in memory no longer
   counts (a step may be half applied);
-- once the next round's process group exists (_sync_round) makes every rank agree on one
-  snapshot, with the same decision as a State constructed in a new round (the newest some rank
-  holds; ranks lacking it receive it from a holder), and restores it - except on a rank whose
-  memory already is that snapshot (it paused right after taking it, or it is a new process that
-  restored it at construction): there nothing is copied. A new process whose State was built
-  after the round's process group (hvd.init() at the top of a Horovod program) agreed in its
-  constructor already, in step with the other ranks' agreement here: it does not agree twice.
-
-A mixin of State (efdl/state.py), which owns everything it uses.
+- once the next round's process group exists (sync) make every rank agree on one snapshot, with
+  the same decision as a State constructed in a new round (the newest some rank holds; ranks
+  lacking it receive it from a holder), and restore it - except on a rank whose memory already
+  is that snapshot (it paused right after taking it, or it is a new process that restored it at
+  construction): there nothing is copied. A new process whose State was built after the round's
+  process group (hvd.init() at the top of a Horovod program) agreed in its constructor already,
+  in step with the other ranks' agreement here: it does not agree twice;
+- run the reset callbacks the program registered.
 """
 
+import abc
 import os
+import weakref
 
 from efdl import _agreement
 from efdl._names import Env
-
-_PARTS = ("model", "optimizer", "scheduler")
 
 
 class RoundChangeInterrupt(Exception):
@@ -33,81 +33,118 @@ class RoundChangeInterrupt(Exception):
     current step is taken; elastic.run catches it and continues in the next round."""
 
 
-class InProcessRounds:
-    """In-process round changes of State (see the module docstring)."""
+class RoundsHost(abc.ABC):
+    """What InProcessRounds needs from the state it serves: efdl.State implements it. The names
+    are protected (one underscore) because a State's public attribute names are the program's
+    own values. `_round_change` is the hook a subclass may override (hvd.elastic.TorchState
+    raises Horovod's HostsUpdatedInterrupt)."""
 
-    def _init_rounds(self):
-        self._in_process = False   # set by elastic.run
+    @abc.abstractmethod
+    def _held_snapshots(self):
+        """(ref, meta) of every snapshot this node holds that can be restored, newest first."""
+
+    @abc.abstractmethod
+    def _agreed_snapshot(self, world):
+        """(ref, meta, own_newest) the ranks of a round of `world` agree on, or None when no
+        rank has one; ranks that lack it receive it. Collective over the default group."""
+
+    @abc.abstractmethod
+    def _adopt_all(self, ref, meta):
+        """Makes `ref` the state: the keyword values and every part given (model, ...)."""
+
+    @abc.abstractmethod
+    def _restored_step(self):
+        """The step of the snapshot the state was last restored from (None: none)."""
+
+    @abc.abstractmethod
+    def _forget_stop_vote(self):
+        """Drops the stop agreement of the round's process group (it is being destroyed)."""
+
+    def _round_change(self, step):
+        """The exception that ends a round at a pause (commit() raises it at `step`)."""
+        return RoundChangeInterrupt("round change at step %s" % (step,))
+
+    def _on_round_synced(self):
+        """Called once the ranks of a new round agreed on the state (sync)."""
+
+
+class InProcessRounds:
+    """In-process round changes of one State (see the module docstring). Holds its host weakly:
+    the State is freed (and flushes in its __del__) as soon as the program drops it."""
+
+    def __init__(self, host):
+        self._host = weakref.proxy(host)
+        self.in_process = False   # set by elastic.run
         # The state in memory is the newest snapshot this rank can offer (or a fresh start):
         # a process that restored at construction, or that paused right after its snapshot.
-        self._mem_clean = True
-        self._reset_callbacks = []
-        # The round whose process group this State agreed in at construction (a program that
+        self.mem_clean = True
+        self.reset_callbacks = []
+        # The round whose process group the State agreed in at construction (a program that
         # creates the group before the State, as hvd.init() at the top of a Horovod program).
-        self._agreed_round = None
+        self.agreed_round = None
 
-    def register_reset_callbacks(self, callbacks):
-        """Functions called without arguments under efdl.elastic.run after every in-process
-        round change, once the ranks agreed on the state and before the training function runs
-        again (e.g. to scale the learning rate with the new world size); also in a new process
-        whose state was restored from a snapshot (it joined a running job), never at a fresh
-        start."""
+    def add_reset_callbacks(self, callbacks):
+        """State.register_reset_callbacks (its docstring)."""
         if callable(callbacks):
             callbacks = [callbacks]
         callbacks = list(callbacks)
         for cb in callbacks:
             if not callable(cb):
                 raise TypeError("register_reset_callbacks needs callables, got %r" % (cb,))
-        self._reset_callbacks.extend(callbacks)
+        self.reset_callbacks.extend(callbacks)
 
-    def _pause_now(self, step):
-        self._mem_clean = True
-        raise RoundChangeInterrupt("round change at step %s" % (step,))
+    def agreed_at_construction(self):
+        """The State agreed on its snapshot with the ranks of this process group (this round)."""
+        self.agreed_round = os.environ.get(Env.ROUND)
 
-    def _leave_round(self, clean):
+    def pause(self, step):
+        """The round ends at `step`, whose snapshot is taken: raises the host's exception."""
+        self.mem_clean = True
+        raise self._host._round_change(step)
+
+    def leave(self, clean):
         """The worker leaves its round's process group: `clean` when it paused after a snapshot,
         False after a failed collective (the state goes back to the agreed snapshot)."""
-        vote = self._vote
-        if vote is not None:
-            vote.abandon()
-        self._vote = None
-        self._vote_checked = False
+        self._host._forget_stop_vote()
         if not clean:
-            self._mem_clean = False
+            self.mem_clean = False
 
-    def _run_reset_callbacks(self):
-        for cb in self._reset_callbacks:
+    def run_reset_callbacks(self):
+        for cb in self.reset_callbacks:
             cb()
 
-    def _sync_round(self):
+    def sync(self):
         """Every rank of the new round's process group agrees on the state (collective). Returns
         the step the round continues from (None: a fresh start)."""
-        given = [p for p in _PARTS if getattr(self, p) is not None]
+        step = self._agree()
+        self._host._on_round_synced()
+        return step
+
+    def _agree(self):
+        host = self._host
         world = _agreement.group_size()
-        agreed, self._agreed_round = self._agreed_round, None
+        agreed, self.agreed_round = self.agreed_round, None
         if world and agreed is not None and agreed == os.environ.get(Env.ROUND):
             # Constructed in this round's group: its constructor's agreement was this round's
             # (it paired with the other ranks' agreement here); nothing changed since.
-            ref = self._restored
-            return None if ref is None else ref.step
+            return host._restored_step()
         if world:
-            chosen = self._agreed_snapshot(world)
-        elif not self._mem_clean:
-            chosen = next(((ref, meta, False) for ref, meta in self._usable_local()), None)
+            chosen = host._agreed_snapshot(world)
+        elif not self.mem_clean:
+            chosen = next(((ref, meta, False) for ref, meta in host._held_snapshots()), None)
         else:
             chosen = None
         if chosen is not None:
             ref, meta, held = chosen
-            if not (held and self._mem_clean):
-                self._adopt(ref, meta)
-                if given:
-                    self._restore_parts(given)
-        self._mem_clean = True
-        ref = self._restored if chosen is None else chosen[0]
-        return None if ref is None else ref.step
+            if not (held and self.mem_clean):
+                host._adopt_all(ref, meta)
+        self.mem_clean = True
+        if chosen is None:
+            return host._restored_step()
+        return chosen[0].step
 
-    def _usable_local(self):
-        for ref in self._engine.candidates():
-            meta = self._usable_meta(ref)
-            if meta is not None:
-                yield ref, meta
+    def restore_held(self):
+        """Goes back to the newest snapshot this node holds (none: nothing changes)."""
+        for ref, meta in self._host._held_snapshots():
+            self._host._adopt_all(ref, meta)
+            return

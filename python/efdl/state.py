@@ -63,7 +63,8 @@ __all__ = ["State", "SnapshotMismatchError", "SnapshotError"]
 SnapshotError = _efdl.SnapshotError
 RESTORE_OTHER_PROGRAM_ENV = _manifest.RESTORE_OTHER_PROGRAM_ENV  # offered here as before
 
-_RESERVED = frozenset(("model", "optimizer", "scheduler"))
+_RESERVED_ORDER = ("model", "optimizer", "scheduler")
+_RESERVED = frozenset(_RESERVED_ORDER)
 _FLUSH_TIMEOUT_S = 600.0
 
 
@@ -94,8 +95,16 @@ def default_job_id():
     return _efdl.local_job_id(os.path.realpath(script) if script else "")
 
 
-class State(_rounds.InProcessRounds):
+class State(_rounds.RoundsHost):
     """Training state that survives restarts. See the module docstring."""
+
+    # -- what a subclass may use and override (hvd.elastic.TorchState does) ---------------------
+    # The State's public names are its API and the program's own values, so these are protected:
+    #  - _sampler_kinds: keyword values of these types are samplers (efdl/_parts.SamplerPart);
+    #  - _rounds: the in-process rounds (efdl/_rounds.InProcessRounds, its methods public);
+    #  - _save() and _check_stop(): commit()'s snapshot and its stop agreement, apart;
+    #  - the hooks of efdl/_rounds.RoundsHost: _round_change, _on_round_synced.
+    _sampler_kinds = ()
 
     def __init__(self, model=None, optimizer=None, scheduler=None, **kwargs):
         # What State cannot restore across a world-size change (a sharded optimizer, FSDP) is
@@ -107,7 +116,11 @@ class State(_rounds.InProcessRounds):
         d["_model"] = _parts.ModelPart()
         d["_optimizer"] = _parts.OptimizerPart()
         d["_scheduler"] = _parts.SchedulerPart()
-        d["_kwargs"] = _parts.KwargsPart(dict(kwargs))
+        samplers = {k: v for k, v in kwargs.items() if isinstance(v, self._sampler_kinds)}
+        values = {k: v for k, v in kwargs.items() if k not in samplers}
+        d["_samplers"] = _parts.SamplerPart(samplers)
+        d["_samplers"].save(values)   # a snapshot restored below replaces them
+        d["_kwargs"] = _parts.KwargsPart(values)
         d["_values"] = d["_kwargs"].obj   # the keyword arguments: the same dict, read per step
         d["_interval"] = 1
         d["_commits"] = 0
@@ -128,7 +141,7 @@ class State(_rounds.InProcessRounds):
         d["_fast_enabled"] = _env.env_flag(Env.FAST_COMMIT, True)
         d["_fast_strikes"] = 0     # fast paths dropped after < 4 commits, in a row: _make_fast
         d["_fast_retry"] = 0       # no fast path before this many commits
-        self._init_rounds()        # efdl/_rounds.py: in-process round changes
+        d["_rounds"] = _rounds.InProcessRounds(self)   # in-process round changes
 
         rank, local_rank = _env.rank(), _env.local_rank()
         # EFDL_SNAPSHOT_PER_RANK, _KEEP, EFDL_PERSIST_MIN_INTERVAL_MS and EFDL_SNAPSHOT_HMAC: one
@@ -178,7 +191,7 @@ class State(_rounds.InProcessRounds):
         world = _agreement.group_size()
         if world:
             self._restore_agreed(world)
-            self._agreed_round = os.environ.get(Env.ROUND)   # see _rounds._sync_round
+            self._rounds.agreed_at_construction()   # see efdl/_rounds.py, sync
         else:
             self._restore_newest()
         if self._restored is not None and rank == 0:
@@ -186,14 +199,19 @@ class State(_rounds.InProcessRounds):
         self._model.set(model)
         self._optimizer.set(optimizer)
         self._scheduler.set(scheduler)
-        given = [p for p in ("model", "optimizer", "scheduler") if getattr(self, p) is not None]
+        given = [p for p in _RESERVED_ORDER if getattr(self, p) is not None]
         if self._restored is not None and given:
             self._restore_parts(given)  # one pass over the snapshot for all of them
+        if self._restored is None:
+            self._samplers.load(self._values)   # deal the epoch to the ranks (restored: _adopt)
         self._install_exit_hooks()
 
     # -- attributes: keyword arguments are user state -------------------------------------------
 
     def __getattr__(self, name):
+        samplers = self.__dict__.get("_samplers")
+        if samplers is not None and name in samplers.obj:
+            return samplers.obj[name]
         values = self.__dict__.get("_values")
         if values is not None and name in values:
             return values[name]
@@ -259,6 +277,14 @@ class State(_rounds.InProcessRounds):
             raise ValueError("set_commit_interval needs a positive integer, got %r" % (n,))
         self._interval = n
 
+    def register_reset_callbacks(self, callbacks):
+        """Functions called without arguments under efdl.elastic.run after every in-process
+        round change, once the ranks agreed on the state and before the training function runs
+        again (e.g. to scale the learning rate with the new world size); also in a new process
+        whose state was restored from a snapshot (it joined a running job), never at a fresh
+        start."""
+        self._rounds.add_reset_callbacks(callbacks)
+
     @property
     def job_id(self):
         return self._job
@@ -288,9 +314,11 @@ class State(_rounds.InProcessRounds):
         on the stop (efdl._agreement.StopVote): all of them stop at the same call, within about
         0.1 s of calls after the first rank saw the request - so every rank must call commit()
         equally often. Under efdl.elastic.run a round change does not end the process: after
-        the snapshot, commit() raises RoundChangeInterrupt, which run catches (_rounds.py).
+        the snapshot, commit() raises RoundChangeInterrupt, which run catches (efdl/_rounds.py).
         """
         d = self.__dict__  # per-step path: plain dict access, not State.__setattr__
+        if d["_samplers"].obj:
+            d["_samplers"].save(d["_values"])
         step = d["_values"].get("step", d["_commits"] + d["_commit_offset"])
         d["_since_snapshot"] += 1
         # Hang detection and the goodput ledger: this rank made progress (a few stores).
@@ -313,6 +341,23 @@ class State(_rounds.InProcessRounds):
         if stop:
             self._stop_now(step)
         return took
+
+    def _save(self):
+        """For subclasses: snapshots the current step now, whatever the interval, without the
+        stop agreement; returns the step."""
+        d = self.__dict__
+        d["_samplers"].save(d["_values"])
+        step = d["_values"].get("step", d["_commits"] + d["_commit_offset"])
+        if d["_writer"]:
+            self._snapshot(step)
+        return step
+
+    def _check_stop(self):
+        """For subclasses: commit()'s stop agreement alone; when the ranks stop (or pause) here,
+        snapshots the current step and stops as commit() does. Every rank must call it as often
+        as the others."""
+        if self._stop_agreed():
+            self._stop_now(self._save())
 
     def _stop_agreed(self):
         """Whether this worker stops (or, under efdl.elastic.run, pauses) at this call: the
@@ -492,6 +537,7 @@ class State(_rounds.InProcessRounds):
         if "step" not in self._values and isinstance(ref.step, int):
             self.__dict__["_commit_offset"] = ref.step + 1 - self._commits
         self.__dict__["_since_snapshot"] = 0   # what it restored is a snapshot
+        self._samplers.load(self._values)
 
     def _announce_restore(self):
         """One line on stderr (global rank 0): the snapshot this run continues from, its age and
@@ -605,6 +651,34 @@ class State(_rounds.InProcessRounds):
         for finish in finishes:
             finish()
 
+    # -- efdl/_rounds.RoundsHost: what the in-process rounds use -------------------------------
+
+    def _held_snapshots(self):
+        for ref in self._engine.candidates():
+            meta = self._usable_meta(ref)
+            if meta is not None:
+                yield ref, meta
+
+    def _adopt_all(self, ref, meta):
+        given = [p for p in _RESERVED_ORDER if getattr(self, p) is not None]
+        self._adopt(ref, meta)
+        if given:
+            self._restore_parts(given)
+
+    def _restored_step(self):
+        ref = self._restored
+        return None if ref is None else ref.step
+
+    def _on_round_synced(self):
+        self._samplers.load(self._values)   # deal the rest of the epoch to this round's ranks
+
+    def _forget_stop_vote(self):
+        vote = self._vote
+        if vote is not None:
+            vote.abandon()
+        self._vote = None
+        self._vote_checked = False
+
     # -- stopping ------------------------------------------------------------------------------
 
     def _connect_control(self):
@@ -621,8 +695,9 @@ class State(_rounds.InProcessRounds):
         """The agent asked for a graceful stop: persist, tell it, exit 0. Under
         efdl.elastic.run, anything but the agent's "stop" (its "pause", or the agreed stop of a
         peer) is a round change instead: the snapshot just taken is the state (_rounds)."""
-        if self._in_process and (self._control is None or self._control.stop_request() is None):
-            self._pause_now(step)
+        rounds = self._rounds
+        if rounds.in_process and (self._control is None or self._control.stop_request() is None):
+            rounds.pause(step)
         try:
             self._flush_own()
         except SnapshotError as e:

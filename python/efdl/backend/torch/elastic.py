@@ -93,22 +93,23 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
     if control is None:
         # Not under `efdl run` (or its agent is unreachable): one round, no round changes.
         start_group()
-        state._sync_round()
+        state._rounds.sync()
         return func(state, *args, **kwargs)
-    state._in_process = True
+    rounds = state._rounds   # efdl/_rounds.InProcessRounds
+    rounds.in_process = True
     paused_at = None
     world = None
     stale = _StaleSamplerNotice()
     while True:
         start_group()
-        step = state._sync_round()
+        step = rounds.sync()
         if paused_at is not None and _dist.world_size() != world:
             stale.watch(world, control.round, func, state, args, kwargs)
         world = _dist.world_size()
         # After a round change, and in a process whose state came from a snapshot (it joined a
         # running job, or the job continues from storage): the state predates this round.
         if paused_at is not None or state._restored is not None:
-            state._run_reset_callbacks()
+            rounds.run_reset_callbacks()
         if paused_at is not None:
             if _dist.rank() == 0:
                 # The State's step (its "step" value, else the job's commit count), as the
@@ -146,7 +147,7 @@ def _leave_round(state, clean, stop_group):
     """Destroys the round's process group. What the training function built on it (its DDP
     wrapper, buckets and hooks) was released with its frame; collecting cycles now makes sure
     the group's sockets close here, so peers still waiting on this rank fail at once."""
-    state._leave_round(clean)
+    state._rounds.leave(clean)
     gc.collect()
     stop_group()
 

@@ -144,100 +144,45 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
-def _sampler_keys(name):
-    return "efdl_sampler_%s_processed" % name, "efdl_sampler_%s_epoch" % name
-
-
 class TorchState(State):
     """Horovod's TorchState(model, optimizer, **kwargs) as an efdl.State: keyword values are
-    attributes; an ElasticSampler given as one is snapshotted with the rest (see the module
-    docstring for what differs from Horovod)."""
+    attributes; an ElasticSampler given as one is snapshotted with the rest (efdl/_parts.py,
+    SamplerPart; see the module docstring for what differs from Horovod). Built on State's
+    hooks for subclasses (efdl/state.py) and its in-process rounds (efdl/_rounds.py)."""
+
+    _sampler_kinds = (ElasticSampler,)
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
-        values = {k: v for k, v in kwargs.items() if k not in samplers}
-        for name, sampler in samplers.items():
-            processed, epoch = _sampler_keys(name)
-            values[processed] = sampler.processed
-            values[epoch] = sampler.epoch
-        self.__dict__["_samplers"] = {}
-        super().__init__(model, optimizer, None, **values)
-        self.__dict__["_samplers"] = samplers
-        self._load_samplers()
+        super().__init__(model, optimizer, None, **kwargs)
 
-    def __getattr__(self, name):
-        samplers = self.__dict__.get("_samplers") or {}
-        if name in samplers:
-            return samplers[name]
-        return State.__getattr__(self, name)
-
-    def _load_samplers(self):
-        """The samplers take the record and epoch the state holds (after a restore)."""
-        for name, sampler in self.__dict__.get("_samplers", {}).items():
-            processed, epoch = _sampler_keys(name)
-            record = self._values.get(processed)
-            if isinstance(record, torch.Tensor) and record.shape == sampler.processed.shape:
-                sampler.processed = record
-            sampler.epoch = int(self._values.get(epoch, sampler.epoch))
-            sampler.reset()
-
-    def _save_samplers(self):
-        for name, sampler in self._samplers.items():
-            processed, epoch = _sampler_keys(name)
-            self._values[processed] = sampler.processed
-            self._values[epoch] = sampler.epoch
-
-    def _adopt(self, ref, meta):
-        State._adopt(self, ref, meta)
-        self._load_samplers()
-
-    def _sync_round(self):
-        step = State._sync_round(self)
-        self._load_samplers()   # deal the rest of the epoch to this round's ranks
-        return step
-
-    def _pause_now(self, step):
-        self._mem_clean = True
-        raise HostsUpdatedInterrupt(False)
+    def _round_change(self, step):
+        return HostsUpdatedInterrupt(False)
 
     def commit(self):
         """Snapshots the state (every call) and raises HostsUpdatedInterrupt when the job's
         hosts changed (every rank at the same call)."""
-        self._save_samplers()
         return State.commit(self)
 
     def save(self):
         """Snapshots the state without checking for host updates."""
-        self._save_samplers()
-        if self._writer:
-            self._snapshot(self._values.get("step", self._commits + self._commit_offset))
+        self._save()
 
     def check_host_updates(self):
         """Raises HostsUpdatedInterrupt (after a snapshot) when the job's hosts changed; every
         rank must call it as often as the others, as commit()."""
-        if self._stop_agreed():
-            self._save_samplers()
-            step = self._values.get("step", self._commits + self._commit_offset)
-            if self._writer:
-                self._snapshot(step)
-            self._stop_now(step)
+        self._check_stop()
 
     def restore(self):
         """Goes back to the newest snapshot this node holds."""
-        for ref, meta in self._usable_local():
-            self._adopt(ref, meta)
-            given = [p for p in ("model", "optimizer") if getattr(self, p) is not None]
-            if given:
-                self._restore_parts(given)
-            return
+        self._rounds.restore_held()
 
     def sync(self):
         """Every rank takes the same state: the newest snapshot some rank holds (collective)."""
         if _agreement.group_size():
-            self._sync_round()
+            self._rounds.sync()
 
     def on_reset(self):
-        self._run_reset_callbacks()
+        self._rounds.run_reset_callbacks()
 
 
 # Horovod's names for the state classes a program may use.
