@@ -22,7 +22,14 @@ std::string Agent::CollateralCause(bool stalled, const std::vector<std::string>&
   static constexpr std::string_view kPeerLost[] = {
       "Connection closed by peer", "Connection reset by peer", "Broken pipe",
       "NCCL error: remote process exited", "remote process exited or there was a network error"};
-  for (const auto& line : tail) {
+  // Only the error the worker died of: its last traceback (a worker under efdl.elastic.run
+  // outlives rounds whose collectives lost a peer, and their lines stay in its tail when its
+  // own code raises later).
+  size_t from = 0;
+  for (size_t i = 0; i < tail.size(); ++i) {
+    if (tail[i].find("Traceback (most recent call last)") != std::string::npos) from = i;
+  }
+  for (const auto& line : std::vector<std::string>(tail.begin() + from, tail.end())) {
     for (auto mark : kPeerLost) {
       if (line.find(mark) != std::string::npos) {
         return fmt::format("a collective that lost a peer ({})", mark);

@@ -137,6 +137,30 @@ TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
   EXPECT_NE(text.find("giving up"), std::string::npos) << text;
 }
 
+// Issue #32, blame: only the error the worker died of decides. A worker whose tail still holds
+// an earlier round's "Connection closed by peer" (under efdl.elastic.run it outlives such
+// rounds) and then dies of its own exception is this node's failure.
+TEST_F(AgentLoopTest, AWorkersOwnExceptionAfterAnEarlierLostPeerIsItsOwnFailure) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 0;
+  opts_.exclude_after = 0;
+  opts_.command = {"sh", "-c",
+                   "echo 'RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] "
+                   "Connection closed by peer [127.0.0.1]:4242' >&2; "
+                   "echo 'Traceback (most recent call last):' >&2; "
+                   "echo 'ValueError: bad batch' >&2; exit 1"};
+  rdzv_.on_failure = [&](int64_t round, const std::string&) {
+    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 2, 0, 1, 2)));
+  };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 1);
+  const std::string text = log.Text();
+  EXPECT_EQ(rdzv_.failures().size(), 1u) << text;   // counted at once: --max-restarts 0
+  EXPECT_EQ(text.find("because a collective that lost a peer"), std::string::npos) << text;
+}
+
 // Issue #32, nodes that keep failing: the --exclude-after-th own failure within the window, in
 // a job that can go on without the node (3 nodes, MIN 1), records the exclusion and withdraws
 // for the cool-down instead of giving up; a round announced before the cool-down is over is
