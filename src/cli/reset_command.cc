@@ -16,6 +16,7 @@
 #include "cli/etcd_flags.h"
 #include "common/env_names.h"
 #include "efdl/etcd.h"
+#include "rendezvous/ledger.h"
 #include "rendezvous/protocol.h"
 #include "snapshot/arena_dir.h"
 
@@ -72,9 +73,11 @@ int ResetEtcd(const ResetArgs& args) {
            etcd::TxnOp::Delete(keys.ack, true), etcd::TxnOp::Delete(keys.suspended, true),
            etcd::TxnOp::Delete(keys.gaveup, true),
            etcd::TxnOp::Delete(keys.excluded, true),
+           etcd::TxnOp::Delete(rdzv::LedgerPrefix(args.job), true),   // the goodput ledger
            etcd::TxnOp::Delete(keys.status + "/", true)});   // the status pages (status_pages.h)
   if (!txn.ok()) return Fail(1, txn.status().message());
-  std::printf("removed job '%s' from etcd at %s (its round, completion and reports)\n",
+  std::printf("removed job '%s' from etcd at %s (its round, completion, reports and goodput "
+              "ledger)\n",
               args.job.c_str(), args.etcd.c_str());
   return 0;
 }
