@@ -88,6 +88,7 @@ int RunAgent(const RunArgs& args) {
   // The metrics endpoint, announced in this node's record (started before the join) and told
   // of every etcd request.
   std::unique_ptr<metrics::AgentMetrics> node_metrics;
+  std::string metrics_warning;   // said, like the rest, once etcd answered
   {
     auto started = metrics::AgentMetrics::Start(plan->metrics, plan->agent.job_id,
                                                 plan->agent.node_id);
@@ -96,7 +97,7 @@ int RunAgent(const RunArgs& args) {
       if (plan->metrics.mode == metrics::Listen::Mode::kPort) {
         return Fail(2, started.status().message());
       }
-      EFDL_LOG_WARN("running without metrics: {}", started.status().message());
+      metrics_warning = "running without metrics: " + started.status().message();
     } else if (*started) {
       node_metrics = std::move(started).value();
       const bool v6 = plan->network.address.find(':') != std::string::npos;
@@ -104,7 +105,6 @@ int RunAgent(const RunArgs& args) {
           v6 ? fmt::format("[{}]:{}", plan->network.address, node_metrics->port())
              : fmt::format("{}:{}", plan->network.address, node_metrics->port());
       plan->agent.metrics = node_metrics.get();
-      EFDL_LOG_INFO("metrics at http://{}/metrics", plan->rendezvous.metrics_addr);
     }
   }
   etcd::ClientOptions client_options;
@@ -128,6 +128,8 @@ int RunAgent(const RunArgs& args) {
                 net.iface.empty() ? "" : "; workers get it as GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
                                          "unless set");
   if (!net.warning.empty()) EFDL_LOG_WARN("{}", net.warning);
+  if (node_metrics) EFDL_LOG_INFO("metrics at http://{}/metrics", plan->rendezvous.metrics_addr);
+  if (!metrics_warning.empty()) EFDL_LOG_WARN("{}", metrics_warning);
   auto secret = security::EnsureJobSecret(**client, plan->agent.job_id);
   if (!secret.ok()) return Fail(1, "job secret: " + secret.status().message());
   plan->agent.job_secret = std::move(secret).value();
