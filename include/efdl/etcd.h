@@ -221,6 +221,10 @@ class CallObserver {
  public:
   virtual ~CallObserver() = default;
   virtual void OnCall(std::string_view operation, double seconds, bool ok) = 0;
+  // A kept lease's renewal failed: "late" (its local expiry passed with no answer from etcd;
+  // it may still be renewed in the grace) or "lost" (it expired or etcd no longer has it).
+  // Called on the client's keep-alive thread.
+  virtual void OnLeaseRenewalFailed(std::string_view outcome) { (void)outcome; }
 };
 
 struct ClientOptions {

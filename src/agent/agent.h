@@ -333,6 +333,7 @@ class Agent {
   bool ledger_warned_ = false;
   double joined_at_ = 0;   // wall s of this node's join (Run)
   std::chrono::steady_clock::time_point next_metrics_update_{};
+  std::chrono::steady_clock::time_point next_goodput_{};   // node rank 0: the ledger's next read
   bool peer_connect_explained_ = false;
   std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last
   std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last

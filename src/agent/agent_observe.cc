@@ -152,6 +152,16 @@ void Agent::UpdateMetrics() {
   }
   m->SetRankProgress(ranks);
   m->UpdateSnapshotAge(WallNow());
+  // The job's goodput: one node (node rank 0 of a formed round) reads the ledger every 10 s.
+  const bool rank0 = group_ && !assignment_.standby && assignment_.node_rank == 0;
+  if (!rank0) {
+    m->SetGoodput(false, 0, {});
+  } else if (now >= next_goodput_) {
+    next_goodput_ = now + std::chrono::seconds(10);
+    if (auto report = rdzv_.ReadLedgerReport(); report.ok() && report->totals.wall_s > 0) {
+      m->SetGoodput(true, report->totals.goodput(), report->totals.seconds);
+    }
+  }
 }
 
 }  // namespace efdl::agent

@@ -197,7 +197,7 @@ std::shared_ptr<WatchEngine> GrpcClient::watch_engine() {
 
 std::shared_ptr<KeepAliveEngine> GrpcClient::keepalive_engine() {
   MutexLock lock(engines_mu_);
-  if (!keepalive_) keepalive_ = std::make_shared<KeepAliveEngine>(channels_);
+  if (!keepalive_) keepalive_ = std::make_shared<KeepAliveEngine>(channels_, options_.observer);
   return keepalive_;
 }
 

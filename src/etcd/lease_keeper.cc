@@ -6,8 +6,8 @@
 
 namespace efdl::etcd {
 
-KeepAliveEngine::KeepAliveEngine(std::shared_ptr<ChannelSet> channels)
-    : BidiStreamLoop(std::move(channels), "keep-alive") {
+KeepAliveEngine::KeepAliveEngine(std::shared_ptr<ChannelSet> channels, CallObserver* observer)
+    : BidiStreamLoop(std::move(channels), "keep-alive"), observer_(observer) {
   StartThread();
 }
 
@@ -82,6 +82,7 @@ void KeepAliveEngine::MarkLost(int64_t token, std::vector<std::pair<int64_t, Ent
 void KeepAliveEngine::NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) {
   for (auto& [token, entry] : lost) {
     EFDL_LOG_WARN("etcd lease {:x} lost", entry.lease_id);
+    if (observer_ != nullptr) observer_->OnLeaseRenewalFailed("lost");
     notifying_ = token;
     mu_.unlock();  // the caller's MutexLock holds it again once this returns
     if (*entry.on_lost) (*entry.on_lost)();
@@ -122,6 +123,7 @@ TimePoint KeepAliveEngine::OnTick(TimePoint now) {
       continue;
     }
     if (tick.grace_started) {
+      if (observer_ != nullptr) observer_->OnLeaseRenewalFailed("late");
       EFDL_LOG_INFO("etcd lease {:x}: its local expiry passed with no renewal answered; waiting up "
                     "to {} ms more for etcd's answer",
                     e.lease_id, ExpiryGrace(e.clock.ttl_seconds()).count());

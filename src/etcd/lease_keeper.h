@@ -30,7 +30,9 @@ class KeepAliveEngine final
     : public BidiStreamLoop<etcdserverpb::LeaseKeepAliveRequest,
                             etcdserverpb::LeaseKeepAliveResponse> {
  public:
-  explicit KeepAliveEngine(std::shared_ptr<ChannelSet> channels);
+  // `observer` (null: none) is told of renewals that fail (CallObserver::OnLeaseRenewalFailed).
+  explicit KeepAliveEngine(std::shared_ptr<ChannelSet> channels,
+                           CallObserver* observer = nullptr);
   ~KeepAliveEngine() override;
 
   // Starts renewing `lease_id` (granted for `ttl_seconds`, known to live until `expires_at`).
@@ -72,6 +74,7 @@ class KeepAliveEngine final
   // callback runs.
   void NotifyLost(std::vector<std::pair<int64_t, Entry>>& lost) EFDL_REQUIRES(mu_);
 
+  CallObserver* const observer_;
   Mutex mu_;
   std::condition_variable_any notified_;
   std::map<int64_t, Entry> entries_ EFDL_GUARDED_BY(mu_);  // by token

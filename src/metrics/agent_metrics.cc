@@ -214,6 +214,24 @@ void AgentMetrics::Build(const std::string& job_id, const std::string& node_id) 
                       .Help("This agent's etcd requests that failed (after their retries)")
                       .Labels(ids)
                       .Register(r);
+  lease_failures_ = &BuildCounter()
+                        .Name("efdl_lease_renewals_failed_total")
+                        .Help("Renewals of this agent's etcd lease that failed: outcome=late (no "
+                              "answer by its local expiry) or lost (it expired)")
+                        .Labels(ids)
+                        .Register(r);
+  goodput_ = &BuildGauge()
+                  .Name("efdl_goodput_ratio")
+                  .Help("The job's training kept / wall time, from its goodput ledger (efdl "
+                        "events); exported by the node with node rank 0, every 10 s")
+                  .Labels(ids)
+                  .Register(r);
+  job_seconds_ = &BuildGauge()
+                      .Name("efdl_job_seconds")
+                      .Help("The job's wall time by ledger category (training, lost, startup, "
+                            "restore, rendezvous, waiting, hung, suspended); node rank 0 only")
+                      .Labels(ids)
+                      .Register(r);
   snapshot_age_ = &gauge("efdl_snapshot_age_seconds",
                          "Age of the newest snapshot this node persisted (since its commit)");
 }
@@ -224,6 +242,32 @@ void AgentMetrics::OnCall(std::string_view operation, double seconds, bool ok) {
   const prometheus::Labels op = {{"operation", std::string(operation)}};
   etcd_seconds_->Add(op, kEtcdBuckets).Observe(seconds);
   if (!ok) etcd_errors_->Add(op).Increment();
+}
+
+void AgentMetrics::SetGoodput(bool export_it, double ratio,
+                              const std::map<std::string, double>& seconds) {
+  if (!export_it) {
+    if (goodput_gauge_ != nullptr) goodput_->Remove(goodput_gauge_);
+    goodput_gauge_ = nullptr;
+    for (auto& [_, g] : job_seconds_by_category_) job_seconds_->Remove(g);
+    job_seconds_by_category_.clear();
+    return;
+  }
+  if (goodput_gauge_ == nullptr) goodput_gauge_ = &goodput_->Add({});
+  goodput_gauge_->Set(ratio);
+  for (const auto& [category, s] : seconds) {
+    auto it = job_seconds_by_category_.find(category);
+    if (it == job_seconds_by_category_.end()) {
+      it = job_seconds_by_category_
+               .emplace(category, &job_seconds_->Add({{"category", category}}))
+               .first;
+    }
+    it->second->Set(s);
+  }
+}
+
+void AgentMetrics::OnLeaseRenewalFailed(std::string_view outcome) {
+  lease_failures_->Add({{"outcome", std::string(outcome)}}).Increment();
 }
 
 void AgentMetrics::SetRound(int64_t round, int world_size, int nnodes, int local_workers,

@@ -91,8 +91,13 @@ class AgentMetrics : public etcd::CallObserver {
   void CountPersistFailure();
   // Called on the agent's loop: the age of the newest persisted snapshot.
   void UpdateSnapshotAge(double now_wall);
+  // The job's goodput and its wall time by category (rdzv::LedgerTotals), as the node with
+  // node rank 0 reads them from the ledger; `export_it` false: this node does not export them
+  // (any more).
+  void SetGoodput(bool export_it, double ratio, const std::map<std::string, double>& seconds);
   // The node's etcd requests (etcd::ClientOptions::observer): any thread.
   void OnCall(std::string_view operation, double seconds, bool ok) override;
+  void OnLeaseRenewalFailed(std::string_view outcome) override;
 
  private:
   AgentMetrics() = default;
@@ -127,6 +132,11 @@ class AgentMetrics : public etcd::CallObserver {
   prometheus::Gauge* snapshot_age_ = nullptr;
   prometheus::Family<prometheus::Histogram>* etcd_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* etcd_errors_ = nullptr;
+  prometheus::Family<prometheus::Counter>* lease_failures_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* goodput_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* job_seconds_ = nullptr;
+  prometheus::Gauge* goodput_gauge_ = nullptr;            // while exported
+  std::map<std::string, prometheus::Gauge*> job_seconds_by_category_;
   // Wall seconds of the newest snapshot persisted (0: none yet); written by persister threads.
   std::atomic<double> newest_committed_at_{0};
   // Declared last: destroyed first, so its threads stop before the metrics they read go.

@@ -339,6 +339,12 @@ Status EtcdRendezvous::RecordLedger(const LedgerPart& part) {
   return Status::OK();
 }
 
+Result<LedgerReport> EtcdRendezvous::ReadLedgerReport() {
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  return ReadLedger(client_, opt_.job_id, now);
+}
+
 Status EtcdRendezvous::RecordLedgerEnd(const LedgerEnd& end) {
   auto put = client_.Put(LedgerEndKey(opt_.job_id, opt_.node_id), end.Encode());
   if (!put.ok()) return put.status().WithContext("cannot write this node's ledger end");

@@ -86,6 +86,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void ReportRestarts(int restarts) override { counted_restarts_.store(restarts); }
   Status RecordLedger(const LedgerPart& part) override;
   Status RecordLedgerEnd(const LedgerEnd& end) override;
+  Result<LedgerReport> ReadLedgerReport() override;
   void NoteNoPrestart(const std::string& why) override {
     MutexLock lock(note_mu_);
     no_prestart_ = why;

@@ -146,6 +146,10 @@ class Rendezvous {
     (void)end;
     return Status::OK();
   }
+  // The job's ledger as `efdl events` reads it (one etcd range; blocking). Doubles: NotFound.
+  virtual Result<LedgerReport> ReadLedgerReport() {
+    return Status::NotFound("this rendezvous keeps no ledger");
+  }
   // This node leaves the job for good because its workers kept failing: records `reason` and
   // the failing rank's last stderr lines in etcd for the other nodes (told at once) and `efdl
   // status`. Blocking (one etcd write); call before Leave(). Doubles need not override it.

@@ -72,6 +72,8 @@ TEST(AgentMetricsTest, ServesTheJobsSeriesWithItsLabelsOverHttp) {
   m.UpdateSnapshotAge(1003.5);
   m.OnCall("put", 0.003, true);
   m.OnCall("put", 0.2, false);
+  m.OnLeaseRenewalFailed("late");
+  m.SetGoodput(true, 0.75, {{"training", 30.0}, {"rendezvous", 10.0}});
   const std::string text = Scrape(m.port());
   ASSERT_NE(text.find("200 OK"), std::string::npos) << text;
   const std::string ids = "efdl_job=\"job-a\",efdl_node=\"node-1\"";
@@ -93,12 +95,19 @@ TEST(AgentMetricsTest, ServesTheJobsSeriesWithItsLabelsOverHttp) {
            "efdl_snapshot_age_seconds{" + ids + "} 3.5",
            "efdl_etcd_request_seconds_count{" + ids + ",operation=\"put\"} 2",
            "efdl_etcd_request_errors_total{" + ids + ",operation=\"put\"} 1",
+           "efdl_lease_renewals_failed_total{" + ids + ",outcome=\"late\"} 1",
+           "efdl_goodput_ratio{" + ids + "} 0.75",
+           "efdl_job_seconds{" + ids + ",category=\"training\"} 30",
        }) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << "missing: " << line << "\n" << text;
   }
-  // A rank of an earlier round is dropped, not left frozen at its last value.
+  // A rank of an earlier round is dropped, not left frozen at its last value; so is the
+  // goodput of a node that is no longer node rank 0.
   m.SetRankProgress({{0, 20, 0.2, 0.0}});
+  m.SetGoodput(false, 0, {});
   const std::string later = Scrape(m.port());
+  EXPECT_EQ(later.find("efdl_goodput_ratio{"), std::string::npos) << later;
+  EXPECT_EQ(later.find("efdl_job_seconds{"), std::string::npos) << later;
   EXPECT_EQ(later.find("rank=\"3\""), std::string::npos) << later;
   EXPECT_NE(later.find("efdl_rank_step{" + ids + ",rank=\"0\"} 20\n"), std::string::npos);
 }
