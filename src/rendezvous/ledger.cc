@@ -1,11 +1,13 @@
 #include "rendezvous/ledger.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <ctime>
+#include <iterator>
 
 #include "rendezvous/protocol.h"
 
@@ -225,6 +227,11 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     if (!first) {
       // The gap between the previous round's training and this round's start.
       LedgerEvent& e = r.event;
+      const std::vector<std::string>& before = timeline[i - 1].event.nodes;   // (both sorted)
+      std::set_difference(before.begin(), before.end(), e.nodes.begin(), e.nodes.end(),
+                          std::back_inserter(e.left));
+      std::set_difference(e.nodes.begin(), e.nodes.end(), before.begin(), before.end(),
+                          std::back_inserter(e.joined));
       if (e.world_before == 0) {   // new agents (a resume): the previous round says
         e.world_before = timeline[i - 1].event.world_after;
         e.nodes_before = timeline[i - 1].event.nodes_after;
@@ -292,6 +299,8 @@ std::string LedgerReport::ToJson() const {
                            {"nodes_before", e.nodes_before},
                            {"nodes_after", e.nodes_after},
                            {"nodes", e.nodes},
+                           {"left", e.left},
+                           {"joined", e.joined},
                            {"detection_s", e.detection_s},
                            {"waiting_s", e.waiting_s},
                            {"rendezvous_s", e.rendezvous_s},
@@ -325,10 +334,12 @@ std::string LedgerReport::ToText(size_t last_events) const {
     const LedgerEvent& e = events[i];
     out += fmt::format(
         "  {} round {:<4} {:<8} world {}->{}: pause {:.2f} s (detection {:.2f},{} rendezvous "
-        "{:.2f}, restore {:.2f}), {} step(s) trained again; {}\n",
+        "{:.2f}, restore {:.2f}), {} step(s) trained again{}{}; {}\n",
         Iso(e.at), e.round, e.kind, e.world_before, e.world_after, e.pause_s, e.detection_s,
         e.waiting_s > 0 ? fmt::format(" waiting below MIN {:.2f},", e.waiting_s) : "",
-        e.rendezvous_s, e.restore_s, e.steps_lost, e.why);
+        e.rendezvous_s, e.restore_s, e.steps_lost,
+        e.left.empty() ? "" : fmt::format("; left: {}", fmt::join(e.left, ", ")),
+        e.joined.empty() ? "" : fmt::format("; joined: {}", fmt::join(e.joined, ", ")), e.why);
   }
   return out;
 }

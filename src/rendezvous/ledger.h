@@ -80,6 +80,9 @@ struct LedgerEvent {
   int world_before = 0, world_after = 0;
   int nodes_before = 0, nodes_after = 0;
   std::vector<std::string> nodes;  // the nodes that wrote a part for the new round
+  // The nodes of the previous round (in the ledger) not in the new one, and the other way
+  // round: the node that crashed, left or was excluded; the node that joined.
+  std::vector<std::string> left, joined;
   double detection_s = 0;          // phases, in order; they add up to pause_s
   double waiting_s = 0;            // fewer than --nnodes MIN nodes until enough joined
   double rendezvous_s = 0;

@@ -48,6 +48,13 @@ def start(w, etcd, host, job):
                                  command=[cluster.PYTHON, STATE_WORKER])
 
 
+def node_id(agent):
+    """The node id an agent joined with (its default: host name, pid, 4 hex)."""
+    m = re.search(r" node (\S+) joined job ", agent.output())
+    assert m, agent.output()[-2000:]
+    return m.group(1)
+
+
 def last_step_before(agents, round_):
     """The last step done in a round before `round_` (STEP lines carry their round)."""
     return max(s[4] for a in agents for s in a.steps() if s[2] < round_)
@@ -117,6 +124,10 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     assert (join["world_before"], join["world_after"]) == (2, 3), join
     assert (leave["world_before"], leave["world_after"]) == (3, 2), leave
     assert resume["world_after"] == 2, resume
+    # Which node each change took or brought.
+    assert (crash["left"], crash["joined"]) == ([node_id(agents[2])], []), crash
+    assert (join["left"], join["joined"]) == ([], [node_id(agents[3])]), join
+    assert (leave["left"], leave["joined"]) == ([node_id(agents[3])], []), leave
 
     # The steps trained again are what the workers show: the last step done before the crash
     # minus the step the next round restored; none after a graceful change.

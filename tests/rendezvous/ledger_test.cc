@@ -81,6 +81,10 @@ TEST(LedgerTest, EventsCarryTheirPhasesAndTheStepsTrainedAgain) {
   EXPECT_EQ(join.kind, "join");
   EXPECT_EQ(join.steps_lost, 0);
   EXPECT_EQ(join.nodes, (std::vector<std::string>{"a", "b", "d"}));
+  EXPECT_EQ(crash.left, (std::vector<std::string>{"c"}));   // which node the crash took
+  EXPECT_TRUE(crash.joined.empty());
+  EXPECT_EQ(join.joined, (std::vector<std::string>{"d"}));
+  EXPECT_TRUE(join.left.empty());
   EXPECT_TRUE(r.complete);
 }
 
