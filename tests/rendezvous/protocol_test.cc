@@ -48,8 +48,8 @@ TEST(PlanRoundTest, FragmentedModeNeedsExactWorldSize) {
 }
 
 TEST(RecordsTest, NodeRecordCarriesItsProgramWhenGiven) {
-  const NodeRecord with{"10.0.0.2", 4, "train.py"};
-  const NodeRecord without{"10.0.0.2", 4, ""};
+  const NodeRecord with{"10.0.0.2", 4, "train.py", ""};
+  const NodeRecord without{"10.0.0.2", 4, "", ""};
   auto back = NodeRecord::Decode(with.Encode());
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->program, "train.py");
