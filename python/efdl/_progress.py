@@ -15,6 +15,19 @@ from efdl._names import Env
 
 _board = {"key": None, "slot": None}   # the cached writer, keyed by (board path, slot)
 _armed = {"pid": None, "file": None}
+# Samples this process' EFDL samplers handed out (-1: none iterated yet): reported with each
+# progress call, so that the agent can tell the samples per step (the goodput ledger's samples
+# trained again). A fork (a pre-started worker) starts from its parent's count: only growth counts.
+_drawn = [-1]
+
+
+def counted(indices):
+    """Yields a sampler's indices, counting them (efdl.data.DistributedSampler, ElasticSampler)."""
+    if _drawn[0] < 0:
+        _drawn[0] = 0
+    for i in indices:
+        _drawn[0] += 1
+        yield i
 
 
 def _slot():
@@ -39,7 +52,15 @@ def beat(step=None, uncommitted=-1):
     newest snapshot: what a crash now would have the job train again, for the goodput ledger)."""
     s = _slot()
     if s is not None:
-        s.beat(-1 if step is None or not isinstance(step, int) else step, uncommitted)
+        s.beat(-1 if step is None or not isinstance(step, int) else step, uncommitted, _drawn[0])
+
+
+def restored():
+    """State restored (or agreed on) its state for this round: what follows is the first step
+    (the goodput ledger tells the two phases apart by it)."""
+    s = _slot()
+    if s is not None:
+        s.restored()
 
 
 def committed():
@@ -59,7 +80,7 @@ def progress(step=None, expect_pause=None):
     s = _slot()
     if s is None:
         return
-    s.beat(-1 if step is None or not isinstance(step, int) else step)
+    s.beat(-1 if step is None or not isinstance(step, int) else step, -1, _drawn[0])
     if expect_pause is not None:
         s.expect_pause(float(expect_pause))
 

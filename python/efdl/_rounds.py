@@ -24,7 +24,7 @@ import abc
 import os
 import weakref
 
-from efdl import _agreement
+from efdl import _agreement, _progress
 from efdl._names import Env
 
 
@@ -118,6 +118,7 @@ class InProcessRounds:
         the step the round continues from (None: a fresh start)."""
         step = self._agree()
         self._host._on_round_synced()
+        _progress.restored()   # the goodput ledger: the round's first step begins
         return step
 
     def _agree(self):

@@ -205,6 +205,7 @@ class State(_rounds.RoundsHost):
         if self._restored is None:
             self._samplers.load(self._values)   # deal the epoch to the ranks (restored: _adopt)
         self._install_exit_hooks()
+        _progress.restored()   # the ledger's restore phase ends here, the first step begins
 
     # -- attributes: keyword arguments are user state -------------------------------------------
 

@@ -328,6 +328,7 @@ class Agent {
   int64_t last_step_ = -1;
   double last_step_at_ = 0;
   double last_step_s_ = 0;
+  double last_step_samples_ = 0;   // samples per rank per step (0: unknown)
   std::string round_why_;
   bool round_graceful_ = false;
   bool ledger_warned_ = false;

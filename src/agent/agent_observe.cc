@@ -37,20 +37,23 @@ void Agent::SampleProgress() {
   const double now = WallNow();
   int64_t step = -1;
   double silent = -1;
-  std::vector<double> intervals;
+  std::vector<double> intervals, samples;
   for (const auto& r : hang_->Progress()) {
     if (!r.progressed) continue;
     step = std::max(step, r.step);
     silent = silent < 0 ? r.silent_s : std::min(silent, r.silent_s);
     if (r.interval_s > 0) intervals.push_back(r.interval_s);
+    if (r.step_samples > 0) samples.push_back(r.step_samples);
   }
   if (step < 0) return;
   last_step_ = step;
   last_step_at_ = now - silent;
-  if (!intervals.empty()) {
-    std::sort(intervals.begin(), intervals.end());
-    last_step_s_ = intervals[intervals.size() / 2];
-  }
+  auto median = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  if (!intervals.empty()) last_step_s_ = median(intervals);
+  if (!samples.empty()) last_step_samples_ = median(samples);
 }
 
 void Agent::BeginLedgerPart(const rdzv::Assignment& a) {
@@ -71,6 +74,7 @@ void Agent::BeginLedgerPart(const rdzv::Assignment& a) {
   p.prev_step = last_step_;
   p.prev_at = last_step_at_;
   p.step_s = last_step_s_;
+  p.step_samples = last_step_samples_;
   // What the previous round's ranks did after their newest snapshot: read before this round's
   // workers start (a fresh start clears their slots). Not for this node's first round.
   if (hang_ && rounds_started_ > 0) p.uncommitted = hang_->Uncommitted();
@@ -109,12 +113,16 @@ void Agent::UpdateMetrics() {
     const bool watching = hang_ && group_ && !group_paused_ && hang_->armed();
     bool all = watching;
     int64_t first_step = -1;
+    int64_t restored_ns = 0;   // the last rank's restore (0: a rank did not say)
+    bool all_restored = true;
     if (watching) {
       for (const auto& r : hang_->Progress()) {
         all = all && r.progressed;
         if (r.progressed && r.step >= 0) {
           first_step = first_step < 0 ? r.step : std::min(first_step, r.step);
         }
+        all_restored = all_restored && r.restored_ns > 0;
+        restored_ns = std::max(restored_ns, r.restored_ns);
       }
     }
     if (all) {
@@ -126,6 +134,12 @@ void Agent::UpdateMetrics() {
       if (ledger_part_ && ledger_part_->progress == 0) {
         ledger_part_->progress = WallNow();
         ledger_part_->step = first_step;
+        if (all_restored && restored_ns > 0) {
+          ledger_part_->restored = std::min(
+              ledger_part_->progress,
+              ledger_part_->progress -
+                  static_cast<double>(health::MonotonicNanos() - restored_ns) / 1e9);
+        }
         if (Status st = rdzv_.RecordLedger(*ledger_part_); !st.ok() && !ledger_warned_) {
           ledger_warned_ = true;
           EFDL_LOG_WARN("goodput ledger: {} (the job's events and goodput miss this node's "

@@ -62,8 +62,10 @@ void HangMonitor::Arm(const std::vector<pid_t>& pids, bool fresh) {
     r.beats = v.beats;
     r.last_ns = v.last_ns;
     r.step = v.step;
+    r.samples = v.samples;
     r.track.since_ns = now;
   }
+  armed_ns_ = now;
   armed_ = !pids.empty();
   reported_ = false;
 }
@@ -81,6 +83,11 @@ void HangMonitor::Sample() {
         r.interval_s = per;
         while (intervals_.size() > kIntervalWindow) intervals_.pop_front();
       }
+      if (v.samples >= 0 && r.samples >= 0 && v.samples >= r.samples) {
+        r.step_samples = static_cast<double>(v.samples - r.samples) /
+                         static_cast<double>(v.beats - r.beats);
+      }
+      r.samples = v.samples;
       r.beats = v.beats;
       r.last_ns = v.last_ns;
       r.step = v.step;
@@ -106,8 +113,11 @@ std::vector<HangMonitor::RankSample> HangMonitor::Progress() {
   const int64_t now = MonotonicNanos();
   for (size_t i = 0; i < ranks_.size(); ++i) {
     const Rank& r = ranks_[i];
+    // A restore said before this arming was the previous round's (in-process continuation).
+    const int64_t restored = board_->Read(static_cast<int>(i)).restored_ns;
     out.push_back({static_cast<int>(i), r.track.progressed, r.step, r.interval_s,
-                   static_cast<double>(now - r.track.since_ns) / 1e9});
+                   static_cast<double>(now - r.track.since_ns) / 1e9, r.step_samples,
+                   restored >= armed_ns_ ? restored : 0});
   }
   return out;
 }

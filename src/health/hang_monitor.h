@@ -81,6 +81,10 @@ class HangMonitor {
     int64_t step = -1;
     double interval_s = 0;     // between its last two reports (0: not two yet)
     double silent_s = 0;       // since its last report, or since armed
+    // Samples its samplers handed out per report recently (0: unknown; see ProgressSlot).
+    double step_samples = 0;
+    // CLOCK_MONOTONIC when its State said it restored in this arming's round (0: not yet).
+    int64_t restored_ns = 0;
   };
   std::vector<RankSample> Progress();
   // The most progress reports any rank of the last armed round made after its newest snapshot,
@@ -98,12 +102,15 @@ class HangMonitor {
     int64_t last_ns = 0;
     int64_t step = -1;
     double interval_s = 0;
+    int64_t samples = -1;       // its samplers' count at its last report
+    double step_samples = 0;
     RankTrack track;
   };
   std::string dir_;
   std::unique_ptr<ProgressBoard> board_;
   HangConfig config_;
   bool armed_ = false;
+  int64_t armed_ns_ = 0;
   bool reported_ = false;
   bool program_reports_ = false;      // any rank ever reported (this agent's life)
   std::vector<Rank> ranks_;

@@ -15,7 +15,7 @@ namespace efdl::health {
 namespace {
 
 constexpr uint64_t kMagic = 0x4546444c50524f47ULL;   // "EFDLPROG"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;   // 2: 128-byte slots (samples, restored_ns)
 constexpr int kMaxSlots = 4096;
 
 struct alignas(64) Header {
@@ -121,6 +121,8 @@ SlotView ProgressBoard::Read(int slot) const {
   v.pause_until_ns = s->pause_until_ns.load(std::memory_order_relaxed);
   v.pid = s->pid.load(std::memory_order_relaxed);
   v.uncommitted = s->uncommitted.load(std::memory_order_relaxed);
+  v.samples = s->samples.load(std::memory_order_relaxed);
+  v.restored_ns = s->restored_ns.load(std::memory_order_relaxed);
   return v;
 }
 
@@ -133,17 +135,26 @@ void ProgressBoard::Reset(int slot) {
   s->pause_until_ns.store(0, std::memory_order_relaxed);
   s->pid.store(0, std::memory_order_relaxed);
   s->uncommitted.store(-1, std::memory_order_relaxed);
+  s->samples.store(-1, std::memory_order_relaxed);
+  s->restored_ns.store(0, std::memory_order_relaxed);
   s->generation.fetch_add(1, std::memory_order_release);
 }
 
-void ProgressBoard::Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted) {
+void ProgressBoard::Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted,
+                         int64_t samples) {
   if (slot < 0 || slot >= slots_) return;
   ProgressSlot* s = Slot(slot);
   s->pid.store(pid, std::memory_order_relaxed);
   s->step.store(step, std::memory_order_relaxed);
   s->uncommitted.store(uncommitted, std::memory_order_relaxed);
+  s->samples.store(samples, std::memory_order_relaxed);
   s->last_ns.store(MonotonicNanos(), std::memory_order_relaxed);
   s->beats.fetch_add(1, std::memory_order_release);
+}
+
+void ProgressBoard::Restored(int slot) {
+  if (slot < 0 || slot >= slots_) return;
+  Slot(slot)->restored_ns.store(MonotonicNanos(), std::memory_order_release);
 }
 
 void ProgressBoard::Committed(int slot) {

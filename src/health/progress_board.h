@@ -40,8 +40,19 @@ struct alignas(64) ProgressSlot {
   // Progress calls since the rank's newest snapshot (State.commit(): 0 right after one); what a
   // crash now would have it train again (the goodput ledger). -1: unknown (efdl.progress()).
   std::atomic<int64_t> uncommitted;
+  // Samples this process' EFDL samplers handed out so far (efdl.data.DistributedSampler, the
+  // Horovod layer's ElasticSampler): the agent divides its growth by the reports' to tell the
+  // samples per step (the goodput ledger's samples trained again). -1: unknown (no EFDL sampler).
+  std::atomic<int64_t> samples;
+  // CLOCK_MONOTONIC when this rank's State finished its restore (or found nothing to restore,
+  // or agreed on the state in-process) in this round: the ledger's restore phase ends there and
+  // its first step begins. 0: not said (no State).
+  std::atomic<int64_t> restored_ns;
+  // The slot is two cache lines: the second is free for more per-rank figures (take them from
+  // here and keep the size).
+  int64_t free_[8];
 };
-static_assert(sizeof(ProgressSlot) == 64);
+static_assert(sizeof(ProgressSlot) == 128);
 
 int64_t MonotonicNanos();
 
@@ -58,6 +69,8 @@ struct SlotView {
   int64_t pause_until_ns = 0;
   int32_t pid = 0;
   int64_t uncommitted = -1;
+  int64_t samples = -1;
+  int64_t restored_ns = 0;
 };
 
 // A mapped board. The agent Create()s it (size for `slots` local ranks); workers Open() it.
@@ -74,8 +87,10 @@ class ProgressBoard {
   SlotView Read(int slot) const;
   void Reset(int slot);
   // The worker's side: one progress call of `pid` (step -1: unknown; uncommitted: calls since
-  // its newest snapshot, -1: unknown).
-  void Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted = -1);
+  // its newest snapshot, -1: unknown; samples: its samplers' samples so far, -1: unknown).
+  void Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted = -1, int64_t samples = -1);
+  // The worker's State finished restoring (or agreeing on) its state for this round.
+  void Restored(int slot);
   // The worker took a snapshot: nothing of its work is uncommitted now (does not count as a
   // progress report).
   void Committed(int slot);

@@ -362,11 +362,12 @@ PYBIND11_MODULE(_efdl, m) {
            py::arg("path"), py::arg("slot"))
       .def(
           "beat",
-          [](Slot& s, int64_t step, int64_t uncommitted) {
-            s.board->Beat(s.slot, step, static_cast<int32_t>(::getpid()), uncommitted);
+          [](Slot& s, int64_t step, int64_t uncommitted, int64_t samples) {
+            s.board->Beat(s.slot, step, static_cast<int32_t>(::getpid()), uncommitted, samples);
           },
-          py::arg("step") = -1, py::arg("uncommitted") = -1)
+          py::arg("step") = -1, py::arg("uncommitted") = -1, py::arg("samples") = -1)
       .def("committed", [](Slot& s) { s.board->Committed(s.slot); })
+      .def("restored", [](Slot& s) { s.board->Restored(s.slot); })
       .def(
           "expect_pause",
           [](Slot& s, double seconds) {

@@ -45,7 +45,8 @@ std::string LedgerPart::Encode() const {
   json j = {{"node", node},       {"r", round},          {"world", world},
             {"nodes", nnodes},    {"prev_world", prev_world}, {"prev_nodes", prev_nnodes},
             {"why", why},         {"graceful", graceful},  {"sign", sign},
-            {"detect", detection_s}, {"start", start},   {"progress", progress},
+            {"detect", detection_s}, {"start", start},   {"restored", restored},
+            {"progress", progress}, {"step_samples", step_samples},
             {"step", step},       {"prev_step", prev_step}, {"prev_at", prev_at},
             {"step_s", step_s},    {"uncommitted", uncommitted},
             {"min_nodes", min_nodes}, {"joined", joined}};
@@ -60,7 +61,8 @@ Result<LedgerPart> LedgerPart::Decode(const std::string& text) {
       !Get(j, "prev_world", p.prev_world) || !Get(j, "prev_nodes", p.prev_nnodes) ||
       !Get(j, "why", p.why) || !Get(j, "graceful", p.graceful) || !Get(j, "sign", p.sign) ||
       !Get(j, "detect", p.detection_s) || !Get(j, "start", p.start) ||
-      !Get(j, "progress", p.progress) || !Get(j, "step", p.step) ||
+      !Get(j, "progress", p.progress) || !Get(j, "restored", p.restored) ||
+      !Get(j, "step_samples", p.step_samples) || !Get(j, "step", p.step) ||
       !Get(j, "prev_step", p.prev_step) || !Get(j, "prev_at", p.prev_at) ||
       !Get(j, "step_s", p.step_s) || !Get(j, "uncommitted", p.uncommitted) ||
       !Get(j, "min_nodes", p.min_nodes) || !Get(j, "joined", p.joined) || p.round <= 0) {
@@ -133,6 +135,7 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
   struct Round {
     int64_t round = 0;
     double sign = 0, hung_until = 0, start = 0, progress = 0;
+    double restored = 0;   // every node's ranks restored (0: a node did not say)
     // Fewer than MIN nodes were left by the change: the round waited until this (the time the
     // node that made MIN joined); 0: not below MIN.
     double enough_at = 0;
@@ -144,15 +147,19 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
   for (const auto& [round, ps] : rounds) {
     Round r{};
     r.round = round;
-    std::vector<double> step_times;
+    std::vector<double> step_times, step_samples;
     int64_t prev_step = -1, step = -1, uncommitted = -1;
     double sign = 0, detection = 0;
+    bool all_restored = true;
     for (const LedgerPart* p : ps) {
       r.start = std::max(r.start, p->start);
       if (p->progress > 0) {
         r.progress = std::max(r.progress, p->progress);
         r.seen_progress = true;
+        all_restored = all_restored && p->restored > 0;
+        r.restored = std::max(r.restored, p->restored);
       }
+      step_samples.push_back(p->step_samples);
       if (p->sign > 0) sign = sign > 0 ? std::min(sign, p->sign) : p->sign;
       detection = std::max(detection, p->detection_s);
       prev_step = std::max(prev_step, p->prev_step);
@@ -188,6 +195,7 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
         r.enough_at = joined[missing - 1];
       }
     }
+    if (!all_restored || !r.seen_progress) r.restored = 0;
     r.step_s = Median(step_times);
     r.sign = sign;
     r.hung_until = sign > 0 ? sign + detection : 0;
@@ -199,6 +207,11 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
         uncommitted >= 0                ? uncommitted
         : prev_step >= 0 && step >= 0 ? std::max<int64_t>(0, prev_step - (step - 1))
                                         : 0;
+    // (the parts of the nodes that stayed carry the previous round's samples per step)
+    if (const double per_rank = Median(step_samples); per_rank > 0 && r.event.world_before > 0) {
+      r.event.samples_lost = std::llround(static_cast<double>(r.event.steps_lost) * per_rank *
+                                          r.event.world_before);
+    }
     timeline.push_back(r);
   }
   // Ends: the earliest end of a node of the last round closes the job (complete, suspended).
@@ -262,9 +275,13 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     }
     add(first ? "startup" : "restore", std::min(progress_at, std::max(train_end, t)));
     if (!first) {
-      r.event.restore_s = t - restore_from;
+      // The State's restore, then the first step (when every node said where one ends).
+      const double restored_at =
+          r.restored > 0 ? std::clamp(r.restored, restore_from, t) : t;
+      r.event.restore_s = restored_at - restore_from;
+      r.event.first_step_s = t - restored_at;
       r.event.pause_s = r.event.detection_s + r.event.waiting_s + r.event.rendezvous_s +
-                        r.event.restore_s;
+                        r.event.restore_s + r.event.first_step_s;
     }
     // Training, less what the next round trained again.
     const double train_from = t;
@@ -305,8 +322,11 @@ std::string LedgerReport::ToJson() const {
                            {"waiting_s", e.waiting_s},
                            {"rendezvous_s", e.rendezvous_s},
                            {"restore_s", e.restore_s},
+                           {"first_step_s", e.first_step_s},
                            {"pause_s", e.pause_s},
-                           {"steps_lost", e.steps_lost}});
+                           {"steps_lost", e.steps_lost},
+                           {"samples_lost", e.samples_lost >= 0 ? json(e.samples_lost)
+                                                                : json(nullptr)}});
   }
   json j = {{"begin", Iso(begin)},
             {"begin_s", begin},
@@ -334,10 +354,11 @@ std::string LedgerReport::ToText(size_t last_events) const {
     const LedgerEvent& e = events[i];
     out += fmt::format(
         "  {} round {:<4} {:<8} world {}->{}: pause {:.2f} s (detection {:.2f},{} rendezvous "
-        "{:.2f}, restore {:.2f}), {} step(s) trained again{}{}; {}\n",
+        "{:.2f}, restore {:.2f}, first step {:.2f}), {} step(s){} trained again{}{}; {}\n",
         Iso(e.at), e.round, e.kind, e.world_before, e.world_after, e.pause_s, e.detection_s,
         e.waiting_s > 0 ? fmt::format(" waiting below MIN {:.2f},", e.waiting_s) : "",
-        e.rendezvous_s, e.restore_s, e.steps_lost,
+        e.rendezvous_s, e.restore_s, e.first_step_s, e.steps_lost,
+        e.samples_lost >= 0 ? fmt::format(" ({} samples)", e.samples_lost) : "",
         e.left.empty() ? "" : fmt::format("; left: {}", fmt::join(e.left, ", ")),
         e.joined.empty() ? "" : fmt::format("; joined: {}", fmt::join(e.joined, ", ")), e.why);
   }

@@ -13,7 +13,8 @@
 // Summarize() turns the parts of all nodes into the job's events (one per round after the
 // first: its pause split into phases) and its wall time split into categories that add up to it
 // exactly: start-up, training kept, training lost (trained again), hung (until detected),
-// rendezvous, restore (to the first progress), suspended. Goodput = training kept / wall time.
+// rendezvous, restore (to the first progress: the State's restore and the first step, which the
+// events tell apart), suspended. Goodput = training kept / wall time.
 // Pure: unit-tested with made-up parts (tests/rendezvous/ledger_test.cc).
 #pragma once
 
@@ -42,11 +43,13 @@ struct LedgerPart {
   double sign = 0;                 // wall s: the first sign of the change here (0: none, a join)
   double detection_s = 0;          // a hang's silence before it was declared (0: not a hang)
   double start = 0;                // wall s: this node's workers of the round started
+  double restored = 0;             // wall s: every local rank's State restored (0: unseen)
   double progress = 0;             // wall s: every local rank reported progress (0: unseen)
   int64_t step = -1;               // the first step reported in the round (-1: unknown)
   int64_t prev_step = -1;          // the last step reported in the previous round
   double prev_at = 0;              // wall s of that report
   double step_s = 0;               // seconds per step recently (0: unknown)
+  double step_samples = 0;         // samples per rank per step recently (0: unknown)
   // The previous round's progress reports after its newest snapshot (State.commit() counts
   // them; the most over this node's ranks): what this round trains again. -1: unknown.
   int64_t uncommitted = -1;
@@ -86,12 +89,16 @@ struct LedgerEvent {
   double detection_s = 0;          // phases, in order; they add up to pause_s
   double waiting_s = 0;            // fewer than --nnodes MIN nodes until enough joined
   double rendezvous_s = 0;
-  double restore_s = 0;
+  double restore_s = 0;            // to every rank's State restored (all of it when unseen)
+  double first_step_s = 0;         // from there to every rank's first progress report
   double pause_s = 0;              // the first sign to every rank's first progress
   // Trained again: the previous round's steps after its newest snapshot (the most any node
   // saw); without that count (programs that report with efdl.progress()), the last step
   // reported before the change minus the one the round resumed after.
   int64_t steps_lost = 0;
+  // The samples of those steps, the whole job's: steps x samples per rank per step (EFDL's
+  // samplers count them) x the previous round's world size. -1: unknown (no EFDL sampler).
+  int64_t samples_lost = -1;
 };
 
 // The categories of the job's wall time (seconds); they add up to wall_s.

@@ -102,6 +102,34 @@ std::vector<HungRank> WaitForHang(HangMonitor& m, std::chrono::seconds limit) {
   return {};
 }
 
+TEST(HangMonitorTest, SamplesPerStepAndARestoreOfThisRoundAreSeenAStaleRestoreIsNot) {
+  auto dir = TempDir::Create("efdl-hang-test");
+  ASSERT_TRUE(dir.ok());
+  auto m = HangMonitor::Create(dir->path(), 1, {1.0});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  auto worker = ProgressBoard::Open((*m)->board_path());
+  ASSERT_TRUE(worker.ok());
+  (*m)->Arm({::getpid()}, /*fresh=*/true);
+  (*worker)->Restored(0);
+  (*worker)->Beat(0, 1, ::getpid(), 1, 64);   // the sampler handed out 64 so far
+  ASSERT_EQ((*m)->Progress().size(), 1u);
+  EXPECT_EQ((*m)->Progress()[0].step_samples, 0);   // one report: no growth seen yet
+  EXPECT_GT((*m)->Progress()[0].restored_ns, 0);
+  for (int i = 0; i < 3; ++i) (*worker)->Beat(0, 2 + i, ::getpid(), 1, 64 + 32 * (i + 1));
+  EXPECT_DOUBLE_EQ((*m)->Progress()[0].step_samples, 32);
+  // In-process continuation into the next round: the restore said before is the old round's.
+  std::this_thread::sleep_for(2ms);
+  (*m)->Arm({::getpid()}, /*fresh=*/false);
+  EXPECT_EQ((*m)->Progress()[0].restored_ns, 0);
+  (*worker)->Restored(0);
+  EXPECT_GT((*m)->Progress()[0].restored_ns, 0);
+  // Without a sampler's count (-1), samples per step stay unknown.
+  (*m)->Arm({::getpid()}, /*fresh=*/true);
+  (*worker)->Beat(0, 1, ::getpid(), 1, -1);
+  (*worker)->Beat(0, 2, ::getpid(), 1, -1);
+  EXPECT_EQ((*m)->Progress()[0].step_samples, 0);
+}
+
 TEST(HangMonitorTest, ARankSleepingOutsideACollectiveIsTheCauseAndItsStackIsWritten) {
   auto dir = TempDir::Create("efdl-hang-test");
   ASSERT_TRUE(dir.ok());

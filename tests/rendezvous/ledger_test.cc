@@ -105,6 +105,41 @@ TEST(LedgerTest, StepsTrainedAgainAreTheUncommittedStepsWhenTheProgramCountsThem
   EXPECT_EQ(r.events[1].steps_lost, 0);
 }
 
+TEST(LedgerTest, TheRestoreAndTheFirstStepAreTwoPhasesWhenEveryNodeSaidWhereTheRestoreEnded) {
+  // Round 2: a's ranks restored at 203.4, b's at 203.6 (progress at 204, started 203).
+  std::vector<LedgerPart> v = Parts();
+  for (auto& p : v) {
+    if (p.round == 2) p.restored = p.node == "a" ? 203.4 : 203.6;
+    if (p.round == 3 && p.node == "a") p.restored = 250.5;   // b and d did not say
+  }
+  const LedgerReport r = Summarize(v, {}, 999);
+  ASSERT_EQ(r.events.size(), 2u);
+  const LedgerEvent& crash = r.events[0];
+  EXPECT_NEAR(crash.restore_s, 0.6, 1e-9);      // 203 -> the last node's restore, 203.6
+  EXPECT_NEAR(crash.first_step_s, 0.4, 1e-9);   // -> every rank's progress, 204
+  EXPECT_NEAR(crash.pause_s, crash.detection_s + crash.rendezvous_s + crash.restore_s +
+                                 crash.first_step_s, 1e-9);
+  // A round where a node did not say: the whole stretch is the restore, as before.
+  EXPECT_DOUBLE_EQ(r.events[1].restore_s, 1.0);
+  EXPECT_DOUBLE_EQ(r.events[1].first_step_s, 0);
+  EXPECT_NE(r.ToText(5).find("restore 0.60, first step 0.40"), std::string::npos) << r.ToText(5);
+}
+
+TEST(LedgerTest, SamplesTrainedAgainAreTheStepsTimesTheSamplesPerStepOfThePreviousWorld) {
+  std::vector<LedgerPart> v = Parts();
+  for (auto& p : v) {
+    if (p.round == 2) p.step_samples = p.node == "a" ? 32 : 32;   // per rank per step
+  }
+  const LedgerReport r = Summarize(v, {}, 999);
+  ASSERT_EQ(r.events.size(), 2u);
+  EXPECT_EQ(r.events[0].samples_lost, 4 * 32 * 3);   // 4 steps x 32 x world 3 before
+  EXPECT_EQ(r.events[1].samples_lost, -1);           // nobody counted: unknown
+  EXPECT_NE(r.ToText(5).find("4 step(s) (384 samples) trained again"), std::string::npos)
+      << r.ToText(5);
+  EXPECT_NE(r.ToJson().find("\"samples_lost\": 384"), std::string::npos);
+  EXPECT_NE(r.ToJson().find("\"samples_lost\": null"), std::string::npos);
+}
+
 TEST(LedgerTest, ARoundThatWaitedForNodesBelowMinCountsTheWaitAsWaiting) {
   // MIN 3: c crashes at 200 (a and b stay), d joins at 230, round 2 starts at 232.
   std::vector<LedgerPart> v;
@@ -172,6 +207,8 @@ TEST(LedgerTest, AHangsSilenceIsHungTimeAndAResumeAfterASuspendIsSuspendedTime) 
 
 TEST(LedgerTest, ARunningJobEndsNowAndPartsSurviveTheirEncoding) {
   std::vector<LedgerPart> v = {Part("a", 1, 0, 1, 1, 1, 1)};
+  v[0].restored = 0.5;
+  v[0].step_samples = 16;
   auto decoded = LedgerPart::Decode(v[0].Encode());
   ASSERT_TRUE(decoded.ok());
   EXPECT_EQ(decoded->Encode(), v[0].Encode());

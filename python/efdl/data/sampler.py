@@ -26,7 +26,7 @@ import math
 import torch
 from torch.utils.data import Sampler
 
-from efdl import _dist
+from efdl import _dist, _progress
 
 
 def _check_int(name, value, minimum):
@@ -157,7 +157,7 @@ class DistributedSampler(Sampler):
         return self._pass(self.indices(), self.epoch, self.global_start_index)
 
     def _pass(self, indices, epoch, start):
-        yield from indices
+        yield from _progress.counted(indices)
         # Ran to the end: the resumed epoch is done, a further pass over it is a whole one
         # (unless the resume point was moved during the pass).
         if (self.epoch, self.global_start_index) == (epoch, start):

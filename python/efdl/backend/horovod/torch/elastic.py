@@ -30,7 +30,7 @@ import random
 
 import torch
 
-from efdl import _agreement, _dist
+from efdl import _agreement, _dist, _progress
 from efdl._rounds import RoundChangeInterrupt
 from efdl.backend.horovod.torch import _group
 from efdl.backend.torch import elastic as _elastic
@@ -138,7 +138,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.indices = remaining[self.rank:self.total_size:self.num_replicas]
 
     def __iter__(self):
-        return iter(self.indices)
+        return _progress.counted(self.indices)
 
     def __len__(self):
         return self.num_samples
