@@ -1,6 +1,7 @@
 #include "rendezvous/coordination.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -77,9 +78,11 @@ JobView LoadJob(const JobSnapshot& snap, const RoundRecord& round, const Coordin
     if (!a.record->standby) last_formed = std::max(last_formed, a.record->round);
   }
   const bool active = round.phase == Phase::kActive;
+  v.formed_round = last_formed;
   for (const auto& [id, a] : assigns) {
     if (a.round != last_formed) continue;
     if (!a.standby) v.prev_rank[id] = a.node_rank;
+    if (!a.standby && !v.registered.count(id)) v.gone_members.insert(id);
     if (active && a.round == round.round && v.registered.count(id)) {
       (a.standby ? v.standbys : v.members).insert(id);
     }
@@ -118,7 +121,7 @@ EventOutcome OnNodeGone(JobView& v, const RoundRecord& round, const std::string&
   v.registered.erase(id);
   v.acks.erase(id);
   v.acked_round_ids.second.erase(id);
-  v.prev_rank.erase(id);   // if it comes back, it is a new member and goes last
+  if (v.prev_rank.erase(id)) v.gone_members.insert(id);   // back: a new member, it goes last
   v.unresponsive.erase(id);
   const bool was_leaving = v.leaving.erase(id) > 0;
   v.standbys.erase(id);
@@ -157,7 +160,11 @@ EventOutcome OnAck(JobView& v, const RoundRecord& round, const std::string& id,
       break;
     case AckState::kFailed:
       if (round.phase == Phase::kActive && ack.round == round.round && v.members.count(id)) {
-        v.WantReround(false, fmt::format("workers of node {} failed", id));
+        // A collective that lost its peer is not this node's failure (NameCause names the
+        // cause once the next round is decided).
+        v.WantReround(false, ack.prev_outcome == kOutcomeLost
+                                 ? fmt::format("the workers of node {} lost a peer", id)
+                                 : fmt::format("workers of node {} failed", id));
       }
       break;
     case AckState::kLeaving:
@@ -337,16 +344,25 @@ FinalizeAction DecideFinalize(JobView& v, const RoundRecord& round,
   }
   act.kind = FinalizeAction::Kind::kForm;
   const Plan& plan = act.plan;
+  const RoundCause cause = NameCause(v, round);
   std::vector<AssignRecord> member_assigns = MemberAssignments(round.round, plan);
   std::vector<std::string> order;
+  auto early = [&](const std::string& id) {
+    return std::find(cause.early_exit.begin(), cause.early_exit.end(), id) !=
+           cause.early_exit.end();
+  };
   for (size_t i = 0; i < plan.members.size(); ++i) {
+    member_assigns[i].early_exit = early(plan.members[i].id);
     act.writes.push_back({plan.members[i].id, std::move(member_assigns[i])});
     order.push_back(plan.members[i].id);
   }
   for (const auto& id : plan.standbys) {
-    act.writes.push_back({id, {round.round, 0, 0, true}});
+    AssignRecord standby{round.round, 0, 0, true};
+    standby.early_exit = early(id);
+    act.writes.push_back({id, std::move(standby)});
     order.push_back(id);
   }
+  if (!cause.message.empty()) act.next.message = cause.message;
   for (const auto& id : v.assign_keys) {
     if (!v.registered.count(id)) act.stale.push_back(id);
   }
@@ -362,12 +378,72 @@ FinalizeAction DecideFinalize(JobView& v, const RoundRecord& round,
   act.history = fmt::format("round {} formed: {} nodes, world size {}, {} standby, {} left out",
                             round.round, plan.members.size(), plan.world_size,
                             plan.standbys.size(), v.unresponsive.size());
+  if (!cause.message.empty()) act.history += fmt::format("; the cause: {}", cause.message);
   return act;
+}
+
+RoundCause NameCause(const JobView& v, const RoundRecord& round) {
+  RoundCause cause;
+  if (round.graceful || v.formed_round == 0) return cause;
+  struct Named {
+    std::string id, detail;
+  };
+  std::vector<Named> own, done, missing;
+  std::vector<std::string> lost;
+  std::set<std::string> formed;
+  for (const auto& [id, rank] : v.prev_rank) formed.insert(id);
+  formed.insert(v.gone_members.begin(), v.gone_members.end());
+  for (const auto& id : formed) {
+    auto a = v.acks.find(id);
+    const bool reported = a != v.acks.end() && a->second.prev_round == v.formed_round;
+    const std::string outcome = reported ? a->second.prev_outcome : "";
+    const std::string detail = reported ? a->second.prev_detail : "";
+    const bool answered = a != v.acks.end() && a->second.round == round.round &&
+                          a->second.state == AckState::kAck;
+    if (outcome == kOutcomeFailed) {
+      own.push_back({id, detail});
+    } else if (outcome == kOutcomeLost) {
+      lost.push_back(id);
+    } else if (outcome == kOutcomeDone) {
+      done.push_back({id, detail});
+    } else if (v.gone_members.count(id) || !v.registered.count(id)) {
+      missing.push_back({id, "is gone (its lease ended or it left)"});
+    } else if (!answered) {
+      missing.push_back({id, "stopped answering (it did not ack the next round)"});
+    }
+  }
+  if (lost.empty()) return cause;
+  const std::string losers = fmt::format("{}", fmt::join(lost, ", "));
+  auto more = [](size_t n) {
+    return n > 1 ? fmt::format(" (and {} more node(s))", n - 1) : std::string();
+  };
+  if (!own.empty()) {
+    cause.message = fmt::format("workers of node {} failed: {}{}", own.front().id,
+                                own.front().detail.empty() ? "a worker failed" : own.front().detail,
+                                more(own.size()));
+  } else if (!missing.empty()) {
+    cause.message = fmt::format("node {} {}{}; the collectives of node(s) {} lost it",
+                                missing.front().id, missing.front().detail,
+                                more(missing.size()), losers);
+  } else if (!done.empty()) {
+    for (const auto& d : done) cause.early_exit.push_back(d.id);
+    cause.message = fmt::format(
+        "workers of node {} failed: {} exited 0 before the job completed{}; the collectives of "
+        "node(s) {} lost it",
+        done.front().id, done.front().detail.empty() ? "its workers" : done.front().detail,
+        more(done.size()), losers);
+  } else {
+    cause.message = fmt::format("the collectives of node(s) {} lost a peer; no node named the "
+                                "cause", losers);
+  }
+  return cause;
 }
 
 void AssignmentsWritten(JobView& v, const FinalizeAction& formed) {
   for (const auto& w : formed.writes) v.assign_keys.insert(w.first);
   for (const auto& id : formed.stale) v.assign_keys.erase(id);
+  v.formed_round = formed.next.round;
+  v.gone_members.clear();
   v.prev_rank.clear();
   v.members.clear();
   for (const auto& m : formed.plan.members) {

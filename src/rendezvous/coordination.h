@@ -54,6 +54,10 @@ struct JobView {
   // was left out for a late ack announces itself again, so a slow machine or etcd does not
   // cascade into round after round.
   std::chrono::milliseconds window{0};
+  // The newest formed round (its members are prev_rank's keys) and its members whose node key
+  // went since (their lease ended or they left): what RoundCause looks at.
+  int64_t formed_round = 0;
+  std::set<std::string> gone_members;
   bool reround = false;                       // an active round must be re-formed
   bool reround_graceful = true;               // ... at a commit (false once anyone crashed)
   std::string reround_why;
@@ -111,6 +115,25 @@ std::optional<CoordTime> NextCoordinatorDeadline(const JobView& v, const RoundRe
 // the pending re-round.
 RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const CoordinatorConfig& cfg,
                           bool graceful, const std::string& why);
+
+// The cause of a round change, named when the next round is decided (issue #32): a worker
+// failure usually reaches etcd first from a node whose collective lost its peer, not from the
+// node that caused it (whose lease takes a TTL to end, or whose agent notices later). Each node's
+// ack carries what its workers did in the formed round (AckRecord::prev_outcome); when at least
+// one member's collective lost a peer, the cause is, in this order:
+//   - a member whose own workers failed: "workers of node X failed: <how>";
+//   - a member that is gone or did not answer the proposal: "node X is gone ..." / "node X
+//     stopped answering ...";
+//   - members whose workers all exited 0 (the job was not complete, or the round would have
+//     been): "workers of node X failed: rank N exited 0 before the job completed"; those nodes
+//     are told so in their next assignment (AssignRecord::early_exit) and count it.
+// Otherwise (no collective lost a peer: a graceful change, a join, an own failure reported
+// first) the proposal's reason stands: message is empty.
+struct RoundCause {
+  std::string message;
+  std::vector<std::string> early_exit;
+};
+RoundCause NameCause(const JobView& v, const RoundRecord& round);
 
 // The end of a proposal: wait another window, give up on this proposal (a gathering record
 // for round+1), or form the round (assignments to write, stale assignments to delete, and the

@@ -136,6 +136,16 @@ void EtcdRendezvous::ReportWorkerFailure(int64_t round, const std::string& detai
   Push(std::move(in));
 }
 
+void EtcdRendezvous::ReportLostPeer(int64_t round, const std::string& detail,
+                                    const std::string& cause) {
+  Input in;
+  in.type = Input::Type::kWorkerFailure;
+  in.round = round;
+  in.detail = cause.empty() ? detail : fmt::format("{}: {}", detail, cause);
+  in.lost_peer = true;
+  Push(std::move(in));
+}
+
 void EtcdRendezvous::Withdraw(std::chrono::milliseconds cooldown) {
   Input in;
   in.type = Input::Type::kWithdraw;
@@ -143,10 +153,11 @@ void EtcdRendezvous::Withdraw(std::chrono::milliseconds cooldown) {
   Push(std::move(in));
 }
 
-void EtcdRendezvous::ReportWorkersSucceeded(int64_t round) {
+void EtcdRendezvous::ReportWorkersExited0(int64_t round, const std::string& ranks) {
   Input in;
   in.type = Input::Type::kWorkersSucceeded;
   in.round = round;
+  in.detail = ranks;
   Push(std::move(in));
 }
 
@@ -432,17 +443,18 @@ void EtcdRendezvous::Handle(Input& in) {
       ++restarts_;
       // The ack key holds one record: a report about a round older than the one already
       // acked must not overwrite that ack (the coordinator would leave this node out).
+      NoteOutcome(in.round, in.lost_peer ? kOutcomeLost : kOutcomeFailed, in.detail,
+                  AckState::kFailed);
       if (in.round < acked_round_) break;
-      SendAck(AckState::kFailed, in.round);
       if (round_.round == in.round && round_.phase == Phase::kActive) {
-        const RoundRecord next = FailureProposal(round_, opt_.node_id, in.detail);
+        const RoundRecord next = FailureProposal(round_, opt_.node_id, in.detail, in.lost_peer);
         if (!CasRoundAt(next, round_mod_rev_)) RereadRound();
       }
       break;
     }
     case Input::Type::kWorkersSucceeded:
       own_failure_.reset();
-      if (in.round >= acked_round_) SendAck(AckState::kDone, in.round);
+      NoteOutcome(in.round, kOutcomeDone, in.detail, AckState::kDone);
       break;
     case Input::Type::kResync:
       Resync();

@@ -41,6 +41,7 @@ struct Input {
   int64_t lease = 0;
   std::string detail;
   bool coordinator_watch = false;       // kResync from a coordinator watch (nodes/ or ack/)
+  bool lost_peer = false;               // kWorkerFailure: ReportLostPeer
   std::chrono::milliseconds delay{0};   // kWithdraw: the cool-down
 };
 
@@ -72,7 +73,10 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Status Join() override;
   std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) override;
   void ReportWorkerFailure(int64_t round, const std::string& detail) override;
-  void ReportWorkersSucceeded(int64_t round) override;
+  void ReportLostPeer(int64_t round, const std::string& detail,
+                      const std::string& cause) override;
+  void ReportWorkersSucceeded(int64_t round) override { ReportWorkersExited0(round, ""); }
+  void ReportWorkersExited0(int64_t round, const std::string& ranks) override;
   void Leave() override;
   Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
   Status RecordGiveUp(const std::string& reason,
@@ -134,6 +138,11 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Status WaitOutStaleRegistration(Status taken);
   void TryStart();
   void SendAck(AckState state, int64_t round);
+  // The workers' outcome of `round` (AckRecord::prev_outcome), sent now with the ack it belongs
+  // to: a failure or success of the round still acked, or a re-sent ack of a proposal acked
+  // before the agent saw its workers end (the coordinator forming it names the cause from it).
+  void NoteOutcome(int64_t round, const char* outcome, const std::string& detail,
+                   std::optional<AckState> report);
   bool CasRoundAt(const RoundRecord& rec, int64_t expect_mod_rev);   // true when we won
   NodePart Part() const;       // this node's part, for node_rules.h
   void UpdateDeputyWatch();
@@ -183,6 +192,10 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Coordinator coordinator_;
   std::optional<std::string> peer_gave_up_;     // "node X gave up: why", the newest
   std::optional<std::string> own_failure_;      // this node's last worker failure, until a success
+  // What this node's workers did in the round it ran last (AckRecord::prev_outcome), sent with
+  // every ack until it starts its next round. prev_round 0: nothing to tell.
+  AckRecord outcome_;
+  AckRecord last_ack_;                  // the last kAck sent (re-sent with a late outcome)
   TimePoint last_wait_notice_{};
   TimePoint next_failed_check_{};
   std::optional<TimePoint> takeover_at_;

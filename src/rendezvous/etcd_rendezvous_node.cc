@@ -241,8 +241,10 @@ void EtcdRendezvous::TryStart() {
               : opt_.world_size > 0 ? "standby: the round's processes already add up to the "
                                       "world size"
                                     : "standby: the job is at its maximum size";
+  a.early_exit = assign_->early_exit;
   started_round_ = round_.round;
   started_standby_ = a.standby;
+  outcome_ = AckRecord{};   // news of the rounds before this one is told
   unplaced_since_.reset();
   Emit(std::move(e));
   UpdateDeputyWatch();   // a waiter that became a member drops its watch of the coordinator
@@ -259,6 +261,11 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
     MutexLock lock(note_mu_);
     ack.no_prestart = no_prestart_;
   }
+  if (outcome_.prev_round != 0) {
+    ack.prev_round = outcome_.prev_round;
+    ack.prev_outcome = outcome_.prev_outcome;
+    ack.prev_detail = outcome_.prev_detail;
+  }
   if (state == AckState::kAck) {
     if (const uint16_t store = agent_store_port_.load(); store != 0) {
       ack.port = store;
@@ -270,11 +277,44 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
     }
     ack.horovod_port = OfferHorovodPort(opt_.advertise_addr, ack.port);
     acked_round_ = round;
+    last_ack_ = ack;
   }
   auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
   if (!put.ok()) {
     EFDL_LOG_WARN("rdzv {}: cannot record '{}' for round {}: {}", opt_.node_id,
                   AckStateName(state), round, put.status().ToString());
+  }
+}
+
+void EtcdRendezvous::NoteOutcome(int64_t round, const char* outcome, const std::string& detail,
+                                 std::optional<AckState> report) {
+  if (round < started_round_) return;   // news of a round this node already left behind
+  constexpr size_t kMaxDetail = 300;    // the ack stays small
+  outcome_.prev_round = round;
+  outcome_.prev_outcome = outcome;
+  outcome_.prev_detail = detail.substr(0, kMaxDetail);
+  if (round >= acked_round_) {
+    if (report) SendAck(*report, round);
+    return;
+  }
+  // The node acked the next proposal before its agent saw its workers end (the proposal came
+  // from a peer whose collective lost them): the same ack again, now with the outcome, while
+  // the proposal is still open (an ack of a decided round would read as a join).
+  if (registration_.lease() == 0 || last_ack_.round != acked_round_ ||
+      round_.round != acked_round_ || round_.phase != Phase::kProposed) {
+    return;
+  }
+  AckRecord ack = last_ack_;
+  ack.prev_round = outcome_.prev_round;
+  ack.prev_outcome = outcome_.prev_outcome;
+  ack.prev_detail = outcome_.prev_detail;
+  const int counted = counted_restarts_.load();
+  ack.restarts = counted >= 0 ? counted : restarts_;
+  last_ack_ = ack;
+  auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
+  if (!put.ok()) {
+    EFDL_LOG_WARN("rdzv {}: cannot record the outcome of round {}: {}", opt_.node_id, round,
+                  put.status().ToString());
   }
 }
 

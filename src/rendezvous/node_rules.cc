@@ -53,13 +53,15 @@ Succession WhomToFollow(const RoundRecord& round, const NodePart& part) {
 }
 
 RoundRecord FailureProposal(const RoundRecord& round, const std::string& self,
-                            const std::string& detail) {
+                            const std::string& detail, bool lost_peer) {
   RoundRecord next = round;
   next.round = round.round + 1;
   next.phase = Phase::kProposed;
   next.coordinator = self;
   next.graceful = false;
-  next.message = fmt::format("workers of node {} failed: {}", self, detail);
+  next.message = lost_peer ? fmt::format("the workers of node {} lost a peer ({}); the cause "
+                                         "is on another node", self, detail)
+                           : fmt::format("workers of node {} failed: {}", self, detail);
   // Keep the deputies but never name ourselves (a coordinator is not its own deputy).
   std::erase(next.deputies, self);
   return next;

@@ -69,9 +69,12 @@ Succession WhomToFollow(const RoundRecord& round, const NodePart& part);
 
 // The record a node writes when its workers failed in the active round `round`: the next round,
 // proposed by itself as coordinator (a failure usually means a peer died, and that peer may be
-// the coordinator, whose lease takes a TTL to end).
+// the coordinator, whose lease takes a TTL to end). `lost_peer`: the failure was a collective
+// that lost its peer, so the cause is on another node: the reason says so instead of calling
+// this node's workers failed (the coordinator that forms the next round names the cause:
+// coordination.h NameCause).
 RoundRecord FailureProposal(const RoundRecord& round, const std::string& self,
-                            const std::string& detail);
+                            const std::string& detail, bool lost_peer = false);
 
 // The newest round a node fenced out of its registration (its lease lost) may never ack or
 // start again under its next one: the round whose place it held, and a decided (active) round it

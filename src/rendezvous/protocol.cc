@@ -293,6 +293,7 @@ std::string AssignRecord::Encode() const {
       if (!host_addrs.empty()) j["ha"] = host_addrs;
     }
   }
+  if (early_exit) j["ee"] = true;
   return j.dump();
 }
 
@@ -301,7 +302,8 @@ Result<AssignRecord> AssignRecord::Decode(const std::string& text) {
     return Field(j, "r", a.round) && Field(j, "rank", a.node_rank) &&
            Field(j, "off", a.rank_offset) && Field(j, "sb", a.standby) &&
            HorovodIntList(j, "cr", a.cross_rank) && HorovodIntList(j, "cs", a.cross_size) &&
-           HorovodLayoutValid(a) && HorovodHosts(j, a.hosts) && HostAddrs(j, a.host_addrs);
+           HorovodLayoutValid(a) && HorovodHosts(j, a.hosts) && HostAddrs(j, a.host_addrs) &&
+           Field(j, "ee", a.early_exit);
   });
 }
 
@@ -312,6 +314,11 @@ std::string AckRecord::Encode() const {
   if (agent_store) j["as"] = true;
   if (restarts != 0) j["rs"] = restarts;
   if (!no_prestart.empty()) j["np"] = no_prestart;
+  if (!prev_outcome.empty()) {
+    j["pr"] = prev_round;
+    j["po"] = prev_outcome;
+    if (!prev_detail.empty()) j["pd"] = prev_detail;
+  }
   return j.dump();
 }
 
@@ -320,7 +327,13 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
     std::string st;
     if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
           Field(j, "hp", a.horovod_port) && Field(j, "as", a.agent_store) &&
-          Field(j, "rs", a.restarts) && Field(j, "np", a.no_prestart))) {
+          Field(j, "rs", a.restarts) && Field(j, "np", a.no_prestart) &&
+          Field(j, "pr", a.prev_round) && Field(j, "po", a.prev_outcome) &&
+          Field(j, "pd", a.prev_detail))) {
+      return false;
+    }
+    if (!a.prev_outcome.empty() && a.prev_outcome != kOutcomeDone &&
+        a.prev_outcome != kOutcomeFailed && a.prev_outcome != kOutcomeLost) {
       return false;
     }
     for (int i = 0; i < 4; ++i) {

@@ -169,11 +169,22 @@ struct AssignRecord {
   // "ha": the members' distinct advertise addresses, with "hosts" only: the Gloo rendezvous
   // server answers these clients only (real Horovod cannot send the job's secret).
   std::vector<std::string> host_addrs{};
+  // "ee" (issue #32): this node's workers all exited 0 in the previous round before the job was
+  // complete, and their peers' collectives lost them (coordination.h RoundCause): the node
+  // counts that round as its own failure.
+  bool early_exit{};
   std::string Encode() const;
   static Result<AssignRecord> Decode(const std::string& text);
 };
 
 enum class AckState { kAck, kDone, kFailed, kLeaving };
+
+// AckRecord::prev_outcome: the node's workers all exited 0; one of them failed on its own (its
+// code raised or exited non-zero, it hung, it was killed); one failed because a collective lost
+// its peer (the cause is on another node).
+inline constexpr const char* kOutcomeDone = "done";
+inline constexpr const char* kOutcomeFailed = "failed";
+inline constexpr const char* kOutcomeLost = "lost";
 const char* AckStateName(AckState state);
 
 struct AckRecord {
@@ -188,6 +199,14 @@ struct AckRecord {
   // "np": why this node runs without pre-started workers, every round change starting its
   // workers cold ("": it has them, or it runs with --no-prestart, or it is an older agent).
   std::string no_prestart{};
+  // What this node's workers did in round `prev_round`, the round it last ran workers in
+  // (issue #32; 0: nothing reported since): "pr", "po" (kOutcome*), "pd" (the detail: the failing
+  // rank and how, or the ranks that exited 0). Sent with every ack until the node starts its
+  // next round, so the coordinator that forms the next round has every member's outcome and
+  // names the round's cause from them (coordination.h RoundCause).
+  int64_t prev_round{};
+  std::string prev_outcome{};
+  std::string prev_detail{};
   std::string Encode() const;
   static Result<AckRecord> Decode(const std::string& text);
 };

@@ -68,6 +68,9 @@ struct Assignment {
   // server's scope sizes. Other nodes never receive this O(N) list.
   std::vector<std::pair<std::string, int>> horovod_hosts{};
   std::vector<std::string> horovod_clients{};   // the members' addresses (rank-0 node only)
+  // Issue #32: this node's workers all exited 0 in its previous round before the job was
+  // complete, and that broke their peers' collectives: the node counts it as its own failure.
+  bool early_exit{};
 };
 
 // The newest snapshot a node found persisted (ReportSuspended): its commit sequence number
@@ -109,8 +112,22 @@ class Rendezvous {
   virtual std::optional<Event> WaitEvent(std::chrono::milliseconds timeout) = 0;
   // This node's workers of `round` failed (a worker exited non-zero); the round must be redone.
   virtual void ReportWorkerFailure(int64_t round, const std::string& detail) = 0;
+  // This node's workers of `round` failed because a collective lost its peer (`cause`: which
+  // error said so): the cause is on another node. The round is redone as for
+  // ReportWorkerFailure, but its reason does not call this node's workers failed, and the
+  // coordinator that forms the next round names the cause (coordination.h NameCause).
+  virtual void ReportLostPeer(int64_t round, const std::string& detail, const std::string& cause) {
+    (void)cause;
+    ReportWorkerFailure(round, detail);
+  }
   // All this node's workers of `round` exited 0.
   virtual void ReportWorkersSucceeded(int64_t round) = 0;
+  // The same, naming the ranks ("rank 3", "ranks 2, 3"): the coordinator names them if the
+  // exit turns out to have been early (the job not complete, peers' collectives lost them).
+  virtual void ReportWorkersExited0(int64_t round, const std::string& ranks) {
+    (void)ranks;
+    ReportWorkersSucceeded(round);
+  }
   // Leaves the job at once: revokes the lease so the others re-round without waiting.
   virtual void Leave() = 0;
   // Whether a snapshot this node committed at `committed_at` (wall seconds since the epoch) may

@@ -1,5 +1,6 @@
 // The coordinator's decisions (coordination.h) without etcd: a view, an event, the action.
 #include "rendezvous/coordination.h"
+#include "rendezvous/node_rules.h"
 
 #include <gtest/gtest.h>
 
@@ -293,6 +294,176 @@ TEST(CoordinationActiveTest, CompletesWhenEveryMemberIsDoneBeforeAnyReround) {
   RoundRecord done = CompletionRecord(round);
   EXPECT_EQ(done.phase, Phase::kComplete);
   EXPECT_EQ(done.message, "job complete: every worker of round 4 succeeded");
+}
+
+// --- Blame (issue #32): the cause of a round change a worker failure started, named when the
+// next round is decided (NameCause).
+
+// An ack of `round` carrying the node's outcome of round 4.
+AckRecord AckWith(int64_t round, const char* outcome, const std::string& detail = "") {
+  AckRecord a = Ack(round, AckState::kAck, 7000);
+  a.prev_round = 4;
+  a.prev_outcome = outcome;
+  a.prev_detail = detail;
+  return a;
+}
+
+// Round 5 proposed after round 4 of a, b, c broke: the nodes' outcomes of round 4 come with
+// their acks.
+JobView BrokenRoundFour() {
+  JobView v = ActiveView({"a", "b", "c"});
+  v.members.clear();
+  v.formed_round = 4;
+  return v;
+}
+
+RoundRecord FailureProposalOfFive() {
+  RoundRecord r = Round(5, Phase::kProposed);
+  r.graceful = false;
+  r.message = "the workers of node b lost a peer (rank 1 exited with status 1); the cause is on "
+              "another node";
+  return r;
+}
+
+TEST(CoordinationBlameTest, ANodeThatStoppedAnsweringIsTheCauseNotTheSurvivorThatReported) {
+  const auto cfg = Config(1, 3);
+  JobView v = BrokenRoundFour();
+  const RoundRecord round = FailureProposalOfFive();
+  OnAck(v, round, "b", AckWith(5, kOutcomeLost, "rank 1 exited with status 1"), cfg, {});
+  OnAck(v, round, "a", AckWith(5, kOutcomeLost, "rank 0 exited with status 1"), cfg, {});
+  // c (SIGKILLed: its lease still runs) never acks; the window ends the proposal.
+  FinalizeAction act = DecideFinalize(v, round, cfg);
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message,
+            "node c stopped answering (it did not ack the next round); the collectives of "
+            "node(s) a, b lost it");
+  EXPECT_NE(act.history.find("; the cause: node c stopped answering"), std::string::npos)
+      << act.history;
+  for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
+}
+
+TEST(CoordinationBlameTest, ANodeWhoseLeaseEndedDuringTheProposalIsGone) {
+  const auto cfg = Config(1, 3);
+  JobView v = BrokenRoundFour();
+  const RoundRecord round = FailureProposalOfFive();
+  OnAck(v, round, "b", AckWith(5, kOutcomeLost), cfg, {});
+  OnNodeGone(v, round, "c");
+  OnAck(v, round, "a", AckWith(5, kOutcomeLost), cfg, {});
+  FinalizeAction act = DecideFinalize(v, round, cfg);
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message,
+            "node c is gone (its lease ended or it left); the collectives of node(s) a, b lost "
+            "it");
+  // A new round formed: its members are what the next cause looks at.
+  AssignmentsWritten(v, act);
+  EXPECT_EQ(v.formed_round, 5);
+  EXPECT_TRUE(v.gone_members.empty());
+}
+
+TEST(CoordinationBlameTest, AMembersOwnFailureIsTheCauseWhicheverReportCameFirst) {
+  const auto cfg = Config(1, 3);
+  JobView v = BrokenRoundFour();
+  const RoundRecord round = FailureProposalOfFive();
+  OnAck(v, round, "b", AckWith(5, kOutcomeLost, "rank 1 exited with status 1"), cfg, {});
+  OnAck(v, round, "c", AckWith(5, kOutcomeFailed, "rank 2 exited with status 1"), cfg, {});
+  FinalizeAction act = DecideFinalize(v, round, cfg);   // a did not answer: c's failure counts
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message, "workers of node c failed: rank 2 exited with status 1");
+}
+
+TEST(CoordinationBlameTest, WorkersThatExitedZeroWhileTheirPeersTrainedAreTheCause) {
+  const auto cfg = Config(1, 3);
+  JobView v = BrokenRoundFour();
+  const RoundRecord round = FailureProposalOfFive();
+  OnAck(v, round, "b", AckWith(5, kOutcomeLost, "rank 1 exited with status 1"), cfg, {});
+  OnAck(v, round, "a", AckWith(5, kOutcomeDone, "rank 0"), cfg, {});
+  OnAck(v, round, "c", AckWith(5, kOutcomeLost, "rank 2 exited with status 1"), cfg, {});
+  FinalizeAction act = DecideFinalize(v, round, cfg);
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message,
+            "workers of node a failed: rank 0 exited 0 before the job completed; the "
+            "collectives of node(s) b, c lost it");
+  // a is told so in its assignment (and counts it); its peers are not.
+  for (const auto& w : act.writes) EXPECT_EQ(w.second.early_exit, w.first == "a") << w.first;
+}
+
+TEST(CoordinationBlameTest, NoCollectiveLostAPeerTheProposalsReasonStandsAndNobodyExitedEarly) {
+  const auto cfg = Config(1, 4);
+  // A node joined while a's workers had exited 0 and b's were still finishing (the job's end):
+  // a graceful change names nobody.
+  JobView v = BrokenRoundFour();
+  RoundRecord round = Round(5, Phase::kProposed);
+  round.graceful = true;
+  round.message = "node d joined";
+  v.registered["d"] = Node(40);
+  OnAck(v, round, "a", AckWith(5, kOutcomeDone, "rank 0"), cfg, {});
+  for (const char* id : {"b", "c", "d"}) OnAck(v, round, id, Ack(5, AckState::kAck, 7000), cfg, {});
+  FinalizeAction act = DecideFinalize(v, round, cfg);
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message, "node d joined");
+  for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
+
+  // Not graceful, but every report an own failure (c's program raised, b exited 0 at its end):
+  // the own failure's proposal stands, and b's exit is not blamed.
+  JobView own = BrokenRoundFour();
+  RoundRecord failed = Round(5, Phase::kProposed);
+  failed.message = "workers of node c failed: rank 2 exited with status 1";
+  OnAck(own, failed, "a", Ack(5, AckState::kAck, 7000), cfg, {});
+  OnAck(own, failed, "b", AckWith(5, kOutcomeDone, "rank 1"), cfg, {});
+  OnAck(own, failed, "c", AckWith(5, kOutcomeFailed, "rank 2 exited with status 1"), cfg, {});
+  act = DecideFinalize(own, failed, cfg);
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message, failed.message);
+  for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
+}
+
+TEST(CoordinationBlameTest, AnOutcomeOfAnOlderRoundSaysNothingAboutThisOne) {
+  const auto cfg = Config(1, 3);
+  JobView v = BrokenRoundFour();
+  const RoundRecord round = FailureProposalOfFive();
+  AckRecord old = AckWith(5, kOutcomeDone, "rank 0");
+  old.prev_round = 3;   // a's workers exited 0 in round 3, not in the round that broke
+  OnAck(v, round, "a", old, cfg, {});
+  OnAck(v, round, "b", AckWith(5, kOutcomeLost), cfg, {});
+  OnAck(v, round, "c", AckWith(5, kOutcomeLost), cfg, {});
+  FinalizeAction act = DecideFinalize(v, round, cfg);
+  ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
+  EXPECT_EQ(act.next.message, "the collectives of node(s) b, c lost a peer; no node named the "
+                              "cause");
+  for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
+}
+
+TEST(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFailed) {
+  const RoundRecord round = Round(4, Phase::kActive);
+  const auto cfg = Config(1, 3);
+  JobView v = ActiveView({"a", "b"});
+  AckRecord lost = Ack(4, AckState::kFailed);
+  lost.prev_round = 4;
+  lost.prev_outcome = kOutcomeLost;
+  OnAck(v, round, "b", lost, cfg, {});
+  EXPECT_TRUE(v.reround);
+  EXPECT_EQ(v.reround_why, "the workers of node b lost a peer");
+}
+
+TEST(CoordinationBlameTest, AFailureProposalOfALostPeerDoesNotSayTheReportersWorkersFailed) {
+  RoundRecord active = Round(4, Phase::kActive);
+  const RoundRecord own = FailureProposal(active, "b", "rank 1 exited with status 1");
+  EXPECT_EQ(own.message, "workers of node b failed: rank 1 exited with status 1");
+  const RoundRecord lost = FailureProposal(active, "b", "rank 1 exited with status 1", true);
+  EXPECT_EQ(lost.message, "the workers of node b lost a peer (rank 1 exited with status 1); the "
+                          "cause is on another node");
+  EXPECT_EQ(lost.round, 5);
+  EXPECT_FALSE(lost.graceful);
+}
+
+TEST(CoordinationBlameTest, ATakeoverKnowsTheFormedRoundAndItsVanishedMembers) {
+  JobSnapshot snap;
+  snap.nodes = {{"a", Node(1)}, {"b", Node(2)}};
+  snap.assigns = {{"a", 5, AssignRecord{4, 0, 0, false}}, {"b", 6, AssignRecord{4, 1, 1, false}},
+                  {"c", 7, AssignRecord{4, 2, 2, false}}};
+  const JobView v = LoadJob(snap, FailureProposalOfFive(), Config(1, 3), {});
+  EXPECT_EQ(v.formed_round, 4);
+  EXPECT_EQ(v.gone_members, std::set<std::string>{"c"});
 }
 
 TEST(CoordinationLoadTest, ATakeoverRebuildsTheRoundAndReroundsForTheVanishedAndTheRestarted) {

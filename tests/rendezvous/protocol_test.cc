@@ -77,6 +77,29 @@ TEST(RecordsTest, GaveUpRecordCarriesTheFailingRanksLastStderrLines) {
   EXPECT_FALSE(GaveUpRecord::Decode(R"({"reason":"r","stderr":"line"})").ok());
 }
 
+TEST(RecordsTest, AnAckCarriesTheNodesOutcomeOfItsLastRoundAndAnAssignmentTheEarlyExit) {
+  AckRecord ack{6, AckState::kAck, 29500, 0};
+  EXPECT_EQ(ack.Encode().find("\"po\""), std::string::npos);   // nothing to tell: no fields
+  ack.prev_round = 5;
+  ack.prev_outcome = kOutcomeDone;
+  ack.prev_detail = "ranks 2..3";
+  auto back = AckRecord::Decode(ack.Encode());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->prev_round, 5);
+  EXPECT_EQ(back->prev_outcome, "done");
+  EXPECT_EQ(back->prev_detail, "ranks 2..3");
+  for (const char* bad : {R"({"r":1,"st":"ack","po":"crashed"})",
+                          R"({"r":1,"st":"ack","pr":"5","po":"lost"})",
+                          R"({"r":1,"st":"ack","po":"lost","pd":7})"}) {
+    EXPECT_FALSE(AckRecord::Decode(bad).ok()) << bad;
+  }
+  AssignRecord a{6, 1, 1, false};
+  EXPECT_FALSE(AssignRecord::Decode(a.Encode())->early_exit);
+  a.early_exit = true;
+  EXPECT_TRUE(AssignRecord::Decode(a.Encode())->early_exit);
+  EXPECT_FALSE(AssignRecord::Decode(R"({"r":1,"sb":true,"ee":1})").ok());
+}
+
 TEST(RecordsTest, RoundTripAndRejectGarbage) {
   RoundRecord r;
   r.round = 7;
