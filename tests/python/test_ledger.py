@@ -113,7 +113,7 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     kinds = [e["kind"] for e in report["events"]]
     assert kinds == ["crash", "join", "leave", "resume"], out
     for e in report["events"]:
-        phase_names = ("detection_s", "waiting_s", "rendezvous_s", "restore_s")
+        phase_names = ("detection_s", "waiting_s", "rendezvous_s", "restore_s", "first_step_s")
         phases = sum(e[p] for p in phase_names)
         assert all(e[p] >= 0 for p in phase_names), e
         assert e["waiting_s"] == 0, e   # MIN 2: no change left fewer nodes
@@ -135,6 +135,15 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     assert crash["steps_lost"] == before - restored_step(agents[:2], crash["round"]), out
     for e in (join, leave, resume):
         assert e["steps_lost"] == 0, e
+    # ... and their samples: the workers' batch (16 per rank, EFDL's sampler counts what it
+    # hands out) times the world before (3); within one batch per rank for an epoch's short
+    # last batch in the agents' 1 s sampling.
+    expected = crash["steps_lost"] * 16 * 3
+    assert crash["samples_lost"] is not None, out
+    assert abs(crash["samples_lost"] - expected) <= max(48, 0.1 * expected), out
+    # The State's restore and the first step are told apart: every rank said where its restore
+    # ended (new processes after the crash: the first step is at least one 0.1 s step).
+    assert crash["restore_s"] > 0 and crash["first_step_s"] >= 0.1, crash
 
     # The categories add up to the wall time, the suspended time is there, and goodput is the
     # share of training kept.
@@ -148,5 +157,6 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
 
     # efdl status shows the goodput and the last events.
     status = efdl(etcd, "status", "--job", job)
+    print(status)   # (pytest -s: the example in docs/operations.md)
     assert re.search(r"goodput \d+\.\d% of \d+ s", status), status
     assert "resume" in status and "trained again" in status, status
