@@ -433,29 +433,31 @@ class Demo:
                   "s, restore %.1f s, rendezvous %.1f s (efdl events --etcd %s --job %s)" % (
                       100 * ledger["goodput"], ledger["wall_s"], s["training"], s["lost"],
                       s["startup"], s["restore"], s["rendezvous"], self.endpoint, self.job))
-            print("%-6s %-7s %7s %6s %6s %8s %7s %8s %8s %6s %6s" % (
+            print("%-6s %-7s %7s %6s %6s %8s %7s %8s %7s %8s %6s %6s" % (
                 "event", "node", "at s", "world", "round", "pause s", "=rdzv", "+restore",
-                "samples", "steps", "nodes"))
-            print("%-6s %-7s %7s %6s %6s %8s %7s %8s %8s %6s %6s" % (
-                "", "", "", "", "", "", "", "", "lost", "lost", "kept"))
+                "+1st", "samples", "steps", "nodes"))
+            print("%-6s %-7s %7s %6s %6s %8s %7s %8s %7s %8s %6s %6s" % (
+                "", "", "", "", "", "", "", "", "step", "lost", "lost", "kept"))
             seen_in_round = {int(e["round"]): e for e in self.events}
             for e in ledger["events"]:
                 seen = seen_in_round.get(e["round"])
                 node = seen["node"] if seen else "-"
                 at = seen["t"] if seen else float("nan")
                 kept = seen["kept"] if seen else 0
-                print("%-6s %-7s %7.1f %6s %6s %8.2f %7.2f %8.2f %8d %6d %6d" % (
+                samples = e.get("samples_lost")
+                print("%-6s %-7s %7.1f %6s %6s %8.2f %7.2f %8.2f %7.2f %8s %6d %6d" % (
                     e["kind"], node, at, "%s->%s" % (e["world_before"], e["world_after"]),
                     e["round"], e["pause_s"], e["rendezvous_s"], e["restore_s"],
-                    e["steps_lost"] * a.batch_size * (e["world_before"] or 1), e["steps_lost"],
-                    kept))
+                    e.get("first_step_s", 0.0), "?" if samples is None else samples,
+                    e["steps_lost"], kept))
             print("(from the job's goodput ledger: pause = the first sign of the event on a node "
                   "-> every rank's first step of the new round = rendezvous until the new round's "
                   "workers run + restore: the nodes kept rebuild the process group in-process "
-                  "and agree on the state, a new node's worker starts and receives it; nodes kept "
-                  "= nodes whose workers kept their processes, as the demo saw)")
-            print("(steps lost = steps trained again; samples lost = steps x global batch before "
-                  "the event; commit interval %d steps: graceful changes lose 0, a crash at most "
+                  "and agree on the state, a new node's worker starts and receives it + the "
+                  "first step after it; nodes kept = nodes whose workers kept their processes, "
+                  "as the demo saw)")
+            print("(steps lost = steps trained again; samples lost = steps x the samples per step "
+                  "the ranks' samplers handed out x the world before the event; commit interval %d steps: graceful changes lose 0, a crash at most "
                   "%d)" % (a.commit_interval, a.commit_interval))
         print("final test accuracy, elastic job (3 -> 2 -> 3 -> 2 nodes): %.4f (%d samples)"
               % (self.complete[2], self.complete[1]))

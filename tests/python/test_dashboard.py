@@ -137,10 +137,10 @@ def check_ledger(dom, crash):
     assert cells[1:4] == [str(crash["round"]), "crash", "%d → %d" % (
         crash["world_before"], crash["world_after"])], cells
     # Seconds with two decimals (JavaScript's toFixed may round a tie the other way).
-    for cell, key in zip(cells[4:9], ("pause_s", "detection_s", "waiting_s", "rendezvous_s",
-                                      "restore_s")):
+    for cell, key in zip(cells[4:10], ("pause_s", "detection_s", "waiting_s", "rendezvous_s",
+                                       "restore_s", "first_step_s")):
         assert abs(float(cell) - crash[key]) <= 0.006, (key, cells, crash)
-    assert cells[9] == str(crash["steps_lost"]), (cells, crash)
+    assert cells[10] == str(crash["steps_lost"]), (cells, crash)
 
 
 @pytest.fixture

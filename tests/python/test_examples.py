@@ -145,8 +145,8 @@ def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
     ledger = summary["ledger"]
     assert [e["kind"] for e in ledger["events"]] == ["crash", "join", "leave"], ledger
     for e in ledger["events"]:
-        assert abs(e["detection_s"] + e["waiting_s"] + e["rendezvous_s"] + e["restore_s"] -
-                   e["pause_s"]) < 1e-6
+        assert abs(e["detection_s"] + e["waiting_s"] + e["rendezvous_s"] + e["restore_s"] +
+                   e["first_step_s"] - e["pause_s"]) < 1e-6
     assert ledger["events"][0]["steps_lost"] <= summary["commit_interval"], ledger
     assert [e["steps_lost"] for e in ledger["events"][1:]] == [0, 0], ledger
     assert 0 < ledger["goodput"] < 1, ledger
