@@ -33,44 +33,62 @@ double WallSeconds() {
       .count();
 }
 
-int Fail(int code, const std::string& message) {
-  std::fprintf(stderr, "efdl status: error: %s\n", message.c_str());
+int Fail(const char* command, int code, const std::string& message) {
+  std::fprintf(stderr, "efdl %s: error: %s\n", command, message.c_str());
   return code;
 }
 
-int ShowStatus(const StatusArgs& args) {
-  if (args.job.empty()) return Fail(2, kJobIdMissing);
+// What `efdl status` and `efdl events` share: their arguments checked (exit 2 before etcd is
+// contacted, like every other usage error) and the connection (exit 1 when etcd cannot be
+// reached). On failure the message is printed and `exit_code` says the status.
+struct JobClient {
+  std::unique_ptr<etcd::Client> client;
+  int exit_code = 0;
+};
+
+JobClient ConnectForJob(const StatusArgs& args, const char* command, const char* kept) {
+  auto fail = [command](int code, const std::string& message) {
+    return JobClient{nullptr, Fail(command, code, message)};
+  };
+  if (args.job.empty()) return fail(2, kJobIdMissing);
   if (args.etcd.empty()) {
-    return Fail(2, "--etcd HOST:PORT is required (or set EFDL_ETCD_ENDPOINTS): a job run "
-                   "without --etcd keeps its state in a private etcd nobody else can read");
+    return fail(2, fmt::format("--etcd HOST:PORT is required (or set EFDL_ETCD_ENDPOINTS): a "
+                               "job run without --etcd keeps its {} in a private etcd nobody "
+                               "else can read", kept));
   }
   auto endpoints = etcd::ParseEndpoints(args.etcd);
-  if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
-  // Bad input is exit 2 before etcd is contacted, like every other usage error.
-  if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return Fail(2, st.message());
+  if (!endpoints.ok()) return fail(2, "--etcd: " + endpoints.status().message());
+  if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return fail(2, st.message());
   etcd::ClientOptions options;
   options.endpoints = *endpoints;
   if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &options); !st.ok()) {
-    return Fail(2, st.message());
+    return fail(2, st.message());
   }
   auto client = etcd::Connect(options);
   if (!client.ok()) {
-    return Fail(1, fmt::format("cannot reach etcd at {}: {}", args.etcd,
+    return fail(1, fmt::format("cannot reach etcd at {}: {}", args.etcd,
                                client.status().message()));
   }
-  auto status = rdzv::ReadJobStatus(**client, args.job);
-  if (!status.ok()) return Fail(1, status.status().message());
+  return JobClient{std::move(client).value(), 0};
+}
+
+int ShowStatus(const StatusArgs& args) {
+  JobClient c = ConnectForJob(args, "status", "state");
+  if (!c.client) return c.exit_code;
+  auto status = rdzv::ReadJobStatus(*c.client, args.job);
+  if (!status.ok()) return Fail("status", 1, status.status().message());
   if (!status->exists && !args.json && !args.prometheus_targets) {  // one line, not a table saying the same first
-    return Fail(1, fmt::format("no job '{}' in etcd at {}: no node has registered it; check "
-                               "--job and --etcd",
-                               args.job, args.etcd));
+    return Fail("status", 1,
+                fmt::format("no job '{}' in etcd at {}: no node has registered it; check "
+                            "--job and --etcd",
+                            args.job, args.etcd));
   }
   std::string text = args.prometheus_targets ? status->PrometheusTargets() + "\n"
                      : args.json              ? status->ToJson() + "\n"
                                               : status->ToText();
   if (status->exists && !args.prometheus_targets) {
     // The goodput ledger: its summary and last events (all of them: `efdl events`).
-    auto ledger = rdzv::ReadLedger(**client, args.job, WallSeconds());
+    auto ledger = rdzv::ReadLedger(*c.client, args.job, WallSeconds());
     if (!ledger.ok()) {
       std::fprintf(stderr, "efdl status: warning: %s\n", ledger.status().message().c_str());
     } else if (args.json) {
@@ -88,34 +106,15 @@ int ShowStatus(const StatusArgs& args) {
 
 // `efdl events`: every event of the job's goodput ledger with its phases, and the goodput.
 int ShowEvents(const StatusArgs& args) {
-  auto Fail = [](int code, const std::string& message) {
-    std::fprintf(stderr, "efdl events: error: %s\n", message.c_str());
-    return code;
-  };
-  if (args.job.empty()) return Fail(2, kJobIdMissing);
-  if (args.etcd.empty()) {
-    return Fail(2, "--etcd HOST:PORT is required (or set EFDL_ETCD_ENDPOINTS): a job run "
-                   "without --etcd keeps its ledger in a private etcd nobody else can read");
-  }
-  auto endpoints = etcd::ParseEndpoints(args.etcd);
-  if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
-  if (Status st = rdzv::ValidateId("job id", args.job); !st.ok()) return Fail(2, st.message());
-  etcd::ClientOptions options;
-  options.endpoints = *endpoints;
-  if (Status st = ApplyEtcdSecurityFlags(args.etcd_security, &options); !st.ok()) {
-    return Fail(2, st.message());
-  }
-  auto client = etcd::Connect(options);
-  if (!client.ok()) {
-    return Fail(1, fmt::format("cannot reach etcd at {}: {}", args.etcd,
-                               client.status().message()));
-  }
-  auto ledger = rdzv::ReadLedger(**client, args.job, WallSeconds());
-  if (!ledger.ok()) return Fail(1, ledger.status().message());
+  JobClient c = ConnectForJob(args, "events", "ledger");
+  if (!c.client) return c.exit_code;
+  auto ledger = rdzv::ReadLedger(*c.client, args.job, WallSeconds());
+  if (!ledger.ok()) return Fail("events", 1, ledger.status().message());
   if (ledger->totals.wall_s <= 0 && !args.json) {
-    return Fail(1, fmt::format("job '{}' has no ledger in etcd at {}: no round of it has "
-                               "trained yet (or it was reset); check --job and --etcd",
-                               args.job, args.etcd));
+    return Fail("events", 1,
+                fmt::format("job '{}' has no ledger in etcd at {}: no round of it has "
+                            "trained yet (or it was reset); check --job and --etcd",
+                            args.job, args.etcd));
   }
   const std::string text = args.json ? ledger->ToJson() + "\n"
                                      : ledger->ToText(ledger->events.size());
