@@ -29,6 +29,13 @@ def pause_expected(seconds):
     return _progress.pause_expected(seconds)
 
 
+def watch_compute(model):
+    """Measures `model`'s compute time per step for straggler detection (docs/operations.md
+    "Stragglers"); State does it for its model. Does nothing outside `efdl run`."""
+    from efdl import _progress
+    _progress.watch_compute(model)
+
+
 def _arm_stack_dump_under_efdl_run():
     # Cheap outside `efdl run`: only a worker of an agent loads the compiled module here.
     from efdl import _env

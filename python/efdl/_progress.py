@@ -55,6 +55,27 @@ def beat(step=None, uncommitted=-1):
         s.beat(-1 if step is None or not isinstance(step, int) else step, uncommitted, _drawn[0])
 
 
+def compute(ns):
+    """One measured step's compute time, in nanoseconds (efdl/_compute.py: straggler
+    detection, src/health/straggler_rules.h)."""
+    s = _slot()
+    if s is not None:
+        s.add_compute(ns)
+
+
+def watch_compute(model):
+    """Measures `model`'s compute time per step (efdl/_compute.py) for straggler detection.
+
+    State does it for the model it holds; a program without State calls
+    efdl.watch_compute(model) once (the model, or its DistributedDataParallel wrapper). Outside
+    `efdl run` (no progress board) it does nothing and adds no hook.
+    """
+    if model is None or _slot() is None:
+        return
+    from efdl import _compute
+    _compute.watch(model, compute)
+
+
 def restored():
     """State restored (or agreed on) its state for this round: what follows is the first step
     (the goodput ledger tells the two phases apart by it)."""

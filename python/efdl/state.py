@@ -206,6 +206,7 @@ class State(_rounds.RoundsHost):
             self._samplers.load(self._values)   # deal the epoch to the ranks (restored: _adopt)
         self._install_exit_hooks()
         _progress.restored()   # the ledger's restore phase ends here, the first step begins
+        _progress.watch_compute(model)   # each step's compute time, for straggler detection
 
     # -- attributes: keyword arguments are user state -------------------------------------------
 

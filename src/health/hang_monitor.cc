@@ -114,10 +114,11 @@ std::vector<HangMonitor::RankSample> HangMonitor::Progress() {
   for (size_t i = 0; i < ranks_.size(); ++i) {
     const Rank& r = ranks_[i];
     // A restore said before this arming was the previous round's (in-process continuation).
-    const int64_t restored = board_->Read(static_cast<int>(i)).restored_ns;
+    const SlotView v = board_->Read(static_cast<int>(i));
+    const int64_t restored = v.restored_ns;
     out.push_back({static_cast<int>(i), r.track.progressed, r.step, r.interval_s,
                    static_cast<double>(now - r.track.since_ns) / 1e9, r.step_samples,
-                   restored >= armed_ns_ ? restored : 0});
+                   restored >= armed_ns_ ? restored : 0, v.compute_ns, v.compute_steps});
   }
   return out;
 }

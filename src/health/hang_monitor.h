@@ -85,6 +85,9 @@ class HangMonitor {
     double step_samples = 0;
     // CLOCK_MONOTONIC when its State said it restored in this arming's round (0: not yet).
     int64_t restored_ns = 0;
+    // Its compute time per step as running totals (progress_board.h; the straggler rule).
+    int64_t compute_ns = 0;
+    int64_t compute_steps = 0;
   };
   std::vector<RankSample> Progress();
   // The most progress reports any rank of the last armed round made after its newest snapshot,

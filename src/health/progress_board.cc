@@ -123,6 +123,8 @@ SlotView ProgressBoard::Read(int slot) const {
   v.uncommitted = s->uncommitted.load(std::memory_order_relaxed);
   v.samples = s->samples.load(std::memory_order_relaxed);
   v.restored_ns = s->restored_ns.load(std::memory_order_relaxed);
+  v.compute_steps = s->compute_steps.load(std::memory_order_acquire);
+  v.compute_ns = s->compute_ns.load(std::memory_order_relaxed);
   return v;
 }
 
@@ -137,6 +139,8 @@ void ProgressBoard::Reset(int slot) {
   s->uncommitted.store(-1, std::memory_order_relaxed);
   s->samples.store(-1, std::memory_order_relaxed);
   s->restored_ns.store(0, std::memory_order_relaxed);
+  s->compute_ns.store(0, std::memory_order_relaxed);
+  s->compute_steps.store(0, std::memory_order_relaxed);
   s->generation.fetch_add(1, std::memory_order_release);
 }
 
@@ -150,6 +154,16 @@ void ProgressBoard::Beat(int slot, int64_t step, int32_t pid, int64_t uncommitte
   s->samples.store(samples, std::memory_order_relaxed);
   s->last_ns.store(MonotonicNanos(), std::memory_order_relaxed);
   s->beats.fetch_add(1, std::memory_order_release);
+}
+
+void ProgressBoard::AddCompute(int slot, int64_t ns) {
+  if (slot < 0 || slot >= slots_ || ns < 0) return;
+  ProgressSlot* s = Slot(slot);
+  // One writer per slot: the time first, then the count the reader loads first (acquire).
+  s->compute_ns.store(s->compute_ns.load(std::memory_order_relaxed) + ns,
+                      std::memory_order_relaxed);
+  s->compute_steps.store(s->compute_steps.load(std::memory_order_relaxed) + 1,
+                         std::memory_order_release);
 }
 
 void ProgressBoard::Restored(int slot) {

@@ -48,9 +48,15 @@ struct alignas(64) ProgressSlot {
   // or agreed on the state in-process) in this round: the ledger's restore phase ends there and
   // its first step begins. 0: not said (no State).
   std::atomic<int64_t> restored_ns;
-  // The slot is two cache lines: the second is free for more per-rank figures (take them from
-  // here and keep the size).
-  int64_t free_[8];
+  // This rank's compute time per step (issue #32 part 3, src/health/straggler_rules.h): the
+  // nanoseconds from the end of each measured backward pass's predecessor to its gradients
+  // being ready, summed, and the number of steps measured (python/efdl/_compute.py). Running
+  // totals: the agent samples their growth.
+  std::atomic<int64_t> compute_ns;
+  std::atomic<int64_t> compute_steps;
+  // The rest of the second cache line is free for more per-rank figures (take them from here
+  // and keep the size).
+  int64_t free_[6];
 };
 static_assert(sizeof(ProgressSlot) == 128);
 
@@ -71,6 +77,8 @@ struct SlotView {
   int64_t uncommitted = -1;
   int64_t samples = -1;
   int64_t restored_ns = 0;
+  int64_t compute_ns = 0;
+  int64_t compute_steps = 0;
 };
 
 // A mapped board. The agent Create()s it (size for `slots` local ranks); workers Open() it.
@@ -89,6 +97,8 @@ class ProgressBoard {
   // The worker's side: one progress call of `pid` (step -1: unknown; uncommitted: calls since
   // its newest snapshot, -1: unknown; samples: its samplers' samples so far, -1: unknown).
   void Beat(int slot, int64_t step, int32_t pid, int64_t uncommitted = -1, int64_t samples = -1);
+  // One measured step of the worker: `ns` of compute (added to its running totals).
+  void AddCompute(int slot, int64_t ns);
   // The worker's State finished restoring (or agreeing on) its state for this round.
   void Restored(int slot);
   // The worker took a snapshot: nothing of its work is uncommitted now (does not count as a

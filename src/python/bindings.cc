@@ -369,6 +369,9 @@ PYBIND11_MODULE(_efdl, m) {
       .def("committed", [](Slot& s) { s.board->Committed(s.slot); })
       .def("restored", [](Slot& s) { s.board->Restored(s.slot); })
       .def(
+          "add_compute", [](Slot& s, int64_t ns) { s.board->AddCompute(s.slot, ns); },
+          py::arg("ns"))
+      .def(
           "expect_pause",
           [](Slot& s, double seconds) {
             s.board->ExpectPause(s.slot, seconds, static_cast<int32_t>(::getpid()));

@@ -41,6 +41,26 @@ TEST(ProgressBoardTest, AWorkerProcessBeatsAndTheAgentReadsIt) {
   EXPECT_EQ((*board)->Read(1).pause_until_ns, 0);
 }
 
+// Issue #32 part 3: a worker adds each measured step's compute time to its running totals; a
+// reset (new workers) clears them.
+TEST(ProgressBoardTest, ComputeTimeAddsUpPerSlotAndAResetClearsIt) {
+  auto dir = TempDir::Create("efdl-board-test");
+  ASSERT_TRUE(dir.ok());
+  auto board = ProgressBoard::Create(dir->path() + "/progress.board", 2);
+  ASSERT_TRUE(board.ok()) << board.status().ToString();
+  (*board)->AddCompute(0, 20'000'000);
+  (*board)->AddCompute(0, 30'000'000);
+  (*board)->AddCompute(0, -5);   // not a time: ignored
+  (*board)->AddCompute(1, 7);
+  EXPECT_EQ((*board)->Read(0).compute_ns, 50'000'000);
+  EXPECT_EQ((*board)->Read(0).compute_steps, 2);
+  EXPECT_EQ((*board)->Read(1).compute_steps, 1);
+  (*board)->Reset(0);
+  EXPECT_EQ((*board)->Read(0).compute_ns, 0);
+  EXPECT_EQ((*board)->Read(0).compute_steps, 0);
+  EXPECT_EQ((*board)->Read(1).compute_ns, 7);
+}
+
 TEST(ProgressBoardTest, AFileThatIsNotABoardIsRefused) {
   auto dir = TempDir::Create("efdl-board-test");
   ASSERT_TRUE(dir.ok());

@@ -12,12 +12,12 @@ The get_* functions work with or without init(): before it they read the launche
 
 from efdl import _dist, _env, data, resume
 from efdl.backend.torch import elastic
-from efdl._progress import pause_expected, progress
+from efdl._progress import pause_expected, progress, watch_compute
 from efdl.resume import exact_resume, resume_step
 
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_local_rank",
            "get_local_world_size", "data", "resume", "resume_step", "exact_resume", "elastic",
-           "progress", "pause_expected"]
+           "progress", "pause_expected", "watch_compute"]
 
 
 def init(timeout=None, backend=None):

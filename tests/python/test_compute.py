@@ -1,0 +1,116 @@
+"""Each rank's compute time per step (efdl/_compute.py; issue #32 part 3, straggler detection).
+
+Two gloo ranks train the digits-sized MLP under DistributedDataParallel; rank 1 sleeps 100 ms
+per step before its forward pass. The measured compute time (previous backward's end to this
+step's gradients ready) is long on rank 1 and short on rank 0, which waits in the all-reduce
+instead; the step time itself is the same on both. The gradient hooks change nothing: a model
+trained with them ends bit-identical to its twin trained without, also when DDP wraps the
+model before the watch and when the program registered a communication hook of its own.
+"""
+
+import os
+import socket
+import statistics
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "python"))
+
+STEPS = 12
+SLOW_S = 0.1
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(rank, model, watch, sink, hook=False, slow=0.0):
+    import time
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from efdl import _compute
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hook:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    if watch:
+        _compute.watch(ddp, sink)   # the wrapper: its inner module's parameters are watched
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        if slow:
+            time.sleep(slow)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def _worker(rank, port, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=2)
+    slow = SLOW_S if rank == 1 else 0.0
+    times = []
+    plain = _train(rank, _model(), False, None, slow=slow)
+    watched = _train(rank, _model(), True, times.append, slow=slow)
+    plain_hook = _train(rank, _model(), False, None, hook=True)
+    hooked = _train(rank, _model(), True, lambda ns: None, hook=True)
+    out.put((rank, times, plain == watched, plain_hook == hooked))
+    dist.destroy_process_group()
+
+
+def test_compute_time_is_per_rank_and_the_hooks_change_no_result():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict((r, rest) for r, *rest in [out.get(timeout=120) for _ in procs])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        times, same, same_hooked = results[rank]
+        assert same, "rank %d: the watched model differs from its twin trained without" % rank
+        assert same_hooked, "rank %d: with the program's comm hook, the results differ" % rank
+        # Every backward after the first is measured.
+        assert len(times) == STEPS - 1, (rank, len(times))
+    fast = statistics.median(results[0][0]) / 1e9
+    slow = statistics.median(results[1][0]) / 1e9
+    print("median compute per step: rank 0 %.4f s, rank 1 (sleeps %.2f s) %.4f s" % (
+        fast, SLOW_S, slow))
+    assert slow >= SLOW_S * 0.9, slow
+    assert fast < SLOW_S / 2, fast
+
+
+def test_watch_is_once_per_model_and_nothing_outside_efdl_run(monkeypatch):
+    from efdl import _compute, _progress
+    from efdl._names import Env
+    model = _model()
+    got = []
+    t = _compute.watch(model, got.append)
+    assert _compute.watch(model, got.append) is t
+    assert _compute.watch(torch.nn.ReLU(), got.append) is None   # no parameters
+    t.detach()
+    # Outside `efdl run` (no progress board) State's watch adds no hook.
+    monkeypatch.delenv(Env.PROGRESS_BOARD, raising=False)
+    other = _model()
+    _progress.watch_compute(other)
+    assert all(not p._backward_hooks for p in other.parameters())
