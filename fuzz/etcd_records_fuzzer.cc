@@ -28,6 +28,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   CheckRoundTrip<NodeRecord>(text);
   CheckRoundTrip<AssignRecord>(text);
   CheckRoundTrip<AckRecord>(text);
+  CheckRoundTrip<ComputeRecord>(text);
+  CheckRoundTrip<StragglerRecord>(text);
   auto status = StatusRecord::Decode(text);
   (void)status;
   return 0;

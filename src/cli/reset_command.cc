@@ -73,6 +73,7 @@ int ResetEtcd(const ResetArgs& args) {
            etcd::TxnOp::Delete(keys.ack, true), etcd::TxnOp::Delete(keys.suspended, true),
            etcd::TxnOp::Delete(keys.gaveup, true),
            etcd::TxnOp::Delete(keys.excluded, true),
+           etcd::TxnOp::Delete(keys.compute, true), etcd::TxnOp::Delete(keys.stragglers),
            etcd::TxnOp::Delete(rdzv::LedgerPrefix(args.job), true),   // the goodput ledger
            etcd::TxnOp::Delete(keys.status + "/", true)});   // the status pages (status_pages.h)
   if (!txn.ok()) return Fail(1, txn.status().message());

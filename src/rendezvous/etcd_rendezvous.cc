@@ -356,6 +356,39 @@ Result<LedgerReport> EtcdRendezvous::ReadLedgerReport() {
   return ReadLedger(client_, opt_.job_id, now);
 }
 
+void EtcdRendezvous::PublishCompute(const ComputeRecord& record) {
+  Input in;
+  in.type = Input::Type::kPublishCompute;
+  in.detail = record.Encode();
+  Push(std::move(in));
+}
+
+Result<std::map<std::string, ComputeRecord>> EtcdRendezvous::ReadCompute() {
+  auto range = client_.Range(keys_.compute, {.prefix = true});
+  if (!range.ok()) return range.status().WithContext("cannot read the nodes' compute summaries");
+  std::map<std::string, ComputeRecord> out;
+  for (const auto& kv : range->kvs) {
+    auto rec = ComputeRecord::Decode(kv.value);
+    if (rec.ok()) out[kv.key.substr(keys_.compute.size())] = *rec;
+  }
+  return out;
+}
+
+Status EtcdRendezvous::RecordStragglers(const StragglerRecord& record) {
+  auto put = client_.Put(keys_.stragglers, record.Encode());
+  if (!put.ok()) return put.status().WithContext("cannot record the round's stragglers");
+  return Status::OK();
+}
+
+Result<std::optional<StragglerRecord>> EtcdRendezvous::ReadStragglers() {
+  auto get = client_.Get(keys_.stragglers);
+  if (!get.ok()) return get.status().WithContext("cannot read the round's stragglers");
+  if (!*get) return std::optional<StragglerRecord>{};
+  auto rec = StragglerRecord::Decode((*get)->value);
+  if (!rec.ok()) return rec.status();
+  return std::optional<StragglerRecord>{*rec};
+}
+
 Status EtcdRendezvous::RecordLedgerEnd(const LedgerEnd& end) {
   auto put = client_.Put(LedgerEndKey(opt_.job_id, opt_.node_id), end.Encode());
   if (!put.ok()) return put.status().WithContext("cannot write this node's ledger end");
@@ -461,6 +494,17 @@ void EtcdRendezvous::Handle(Input& in) {
       break;
     case Input::Type::kWithdraw:
       WithdrawFor(in.delay);
+      break;
+    case Input::Type::kPublishCompute:
+      // Under the lease, so a node that is gone leaves no summary behind; none while it holds
+      // no lease (withdrawn, fenced).
+      if (registration_.lease() != 0) {
+        if (auto put = client_.Put(keys_.Compute(opt_.node_id), in.detail, registration_.lease());
+            !put.ok()) {
+          EFDL_LOG_DEBUG("rdzv {}: compute summary not written: {}", opt_.node_id,
+                         put.status().message());
+        }
+      }
       break;
   }
 }

@@ -32,7 +32,7 @@ using TimePoint = Clock::time_point;
 struct Input {
   enum class Type {
     kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
-    kResync, kGaveUp, kWithdraw
+    kResync, kGaveUp, kWithdraw, kPublishCompute
   };
   Type type = Type::kRound;
   uint64_t generation = 0;              // watch inputs: the registration/watch set they belong to
@@ -91,6 +91,10 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Status RecordLedger(const LedgerPart& part) override;
   Status RecordLedgerEnd(const LedgerEnd& end) override;
   Result<LedgerReport> ReadLedgerReport() override;
+  void PublishCompute(const ComputeRecord& record) override;
+  Result<std::map<std::string, ComputeRecord>> ReadCompute() override;
+  Status RecordStragglers(const StragglerRecord& record) override;
+  Result<std::optional<StragglerRecord>> ReadStragglers() override;
   void NoteNoPrestart(const std::string& why) override {
     MutexLock lock(note_mu_);
     no_prestart_ = why;

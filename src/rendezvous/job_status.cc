@@ -1,6 +1,7 @@
 #include "rendezvous/job_status.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -23,9 +24,10 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
                               etcd::TxnOp::Get(keys.suspended, true),
                               etcd::TxnOp::Get(keys.gaveup, true),
                               etcd::TxnOp::Get(StatusPagePrefix(keys), true),
-                              etcd::TxnOp::Get(keys.excluded, true)});
+                              etcd::TxnOp::Get(keys.excluded, true),
+                              etcd::TxnOp::Get(keys.stragglers)});
   if (!snap.ok()) return snap.status().WithContext(fmt::format("cannot read job {}", job_id));
-  if (snap->gets.size() != 9) return Status::Internal("etcd answered a short transaction");
+  if (snap->gets.size() != 10) return Status::Internal("etcd answered a short transaction");
   JobStatus out;
   out.job_id = job_id;
   out.complete = !snap->gets[4].kvs.empty();
@@ -51,6 +53,10 @@ Result<JobStatus> ReadJobStatus(etcd::Client& client, const std::string& job_id)
     ExclusionRecord unreadable;
     unreadable.reason = "(unreadable record)";
     out.excluded[kv.key.substr(keys.excluded.size())] = rec.ok() ? *rec : unreadable;
+  }
+  if (!snap->gets[9].kvs.empty()) {
+    auto rec = StragglerRecord::Decode(snap->gets[9].kvs[0].value);
+    if (rec.ok() && rec->round == out.round && !rec->nodes.empty()) out.stragglers = *rec;
   }
   out.suspended = round->phase == Phase::kSuspended;
   if (out.suspended) {
@@ -162,9 +168,21 @@ std::string JobStatus::ToJson() const {
   for (const auto& [node, e] : excluded) {
     excl[node] = {{"time", e.time},         {"until", e.until},
                   {"reason", e.reason},     {"failures", e.failures},
-                  {"exclusion", e.exclusion}, {"stderr", e.stderr_tail}};
+                  {"exclusion", e.exclusion}, {"stderr", e.stderr_tail},
+                  {"cause", e.cause.empty() ? "failures" : e.cause}};
   }
   j["excluded"] = excl;
+  // The current round's stragglers, by node (issue #32 part 3); {} when none.
+  json strag = json::object();
+  if (stragglers) {
+    for (const auto& n : stragglers->nodes) {
+      strag[n.id] = {{"ranks", n.ranks},         {"compute_s", n.compute_s},
+                     {"median_s", n.median_s},   {"windows", n.windows},
+                     {"since", n.since},         {"round", stragglers->round},
+                     {"factor", stragglers->factor}, {"window_s", stragglers->window_s}};
+    }
+  }
+  j["stragglers"] = strag;
   return j.dump(2, ' ', false, json::error_handler_t::replace);  // stderr lines: any bytes
 }
 
@@ -242,12 +260,26 @@ std::string JobStatus::ToText() const {
     for (const auto& line : g.stderr_tail) out += fmt::format("      {}\n", line);
   }
   for (const auto& [node, e] : excluded) {
-    out += fmt::format("  {} EXCLUDED at {} until {} (its own workers failed {} time(s); "
-                       "exclusion {}); it may rejoin then: {}\n",
+    out += fmt::format("  {} EXCLUDED at {} until {} ({}; exclusion {}); it may rejoin then: "
+                       "{}\n",
                        node, e.time.empty() ? "?" : e.time, e.until.empty() ? "?" : e.until,
-                       e.failures, e.exclusion, e.reason);
+                       e.cause == "straggler"
+                           ? std::string("a straggler, --evict-stragglers")
+                           : fmt::format("its own workers failed {} time(s)", e.failures),
+                       e.exclusion, e.reason);
     if (!e.stderr_tail.empty()) out += "    its last stderr lines:\n";
     for (const auto& line : e.stderr_tail) out += fmt::format("      {}\n", line);
+  }
+  if (stragglers) {
+    for (const auto& n : stragglers->nodes) {
+      out += fmt::format("  {} is a STRAGGLER in round {} since {}: {} {} {:.3f} s of compute per "
+                         "step, {:.1f}x the median {:.3f} s of the other nodes' ranks "
+                         "(--straggler-factor {:g}, over {} summaries)\n",
+                         n.id, stragglers->round, n.since.empty() ? "?" : n.since,
+                         n.ranks.size() == 1 ? "rank" : "ranks", fmt::join(n.ranks, ", "),
+                         n.compute_s, n.median_s > 0 ? n.compute_s / n.median_s : 0.0,
+                         n.median_s, stragglers->factor, n.windows);
+    }
   }
   if (!events.empty()) out += "recent events:\n";
   for (const auto& e : events) out += fmt::format("  {} {}\n", e.time, e.message);

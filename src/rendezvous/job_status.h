@@ -60,6 +60,9 @@ struct JobStatus {
   // Nodes excluded from the job's rounds for a cool-down because their own workers kept failing
   // (issue #32): node -> when, why and until when. A node's record goes once it registers again.
   std::map<std::string, ExclusionRecord> excluded;   // by node
+  // The current round's stragglers as its judge found them (issue #32 part 3): nullopt when no
+  // record of this round exists (none found, or the judge has not written yet).
+  std::optional<StragglerRecord> stragglers;
 
   std::string ToJson() const;         // one JSON object, stable field names
   std::string ToText() const;         // a human-readable multi-line table

@@ -4,6 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <limits>
 #include <string_view>
 #include <unordered_set>
@@ -24,7 +26,9 @@ JobKeys::JobKeys(const std::string& job_id)
       complete(prefix + "complete"),
       suspended(prefix + "suspended/"),
       gaveup(prefix + "gaveup/"),
-      excluded(prefix + "excluded/") {}
+      excluded(prefix + "excluded/"),
+      compute(prefix + "compute/"),
+      stragglers(prefix + "stragglers") {}
 
 namespace {
 constexpr const char* kPhaseNames[] = {"gathering", "proposed", "active", "complete", "suspended"};
@@ -78,6 +82,8 @@ bool Field(const json& j, const char* name, V& out) {
     if (!it->is_boolean()) return false;
   } else if constexpr (std::is_integral_v<V>) {
     if (!it->is_number_integer() || !FitsIn<V>(*it)) return false;
+  } else if constexpr (std::is_floating_point_v<V>) {
+    if (!it->is_number() || !std::isfinite(it->get<double>())) return false;
   } else if constexpr (std::is_same_v<V, std::string>) {
     if (!it->is_string()) return false;
   } else {
@@ -184,6 +190,7 @@ std::string ExclusionRecord::Encode() const {
   json j = {{"reason", reason}, {"t", time}, {"until", until}, {"failures", failures},
             {"n", exclusion}};
   if (!stderr_tail.empty()) j["stderr"] = stderr_tail;
+  if (!cause.empty()) j["cause"] = cause;
   return j.dump(-1, ' ', false, json::error_handler_t::replace);  // a worker's bytes: not UTF-8
 }
 
@@ -192,7 +199,7 @@ Result<ExclusionRecord> ExclusionRecord::Decode(const std::string& text) {
                                                                  ExclusionRecord& e) {
     if (!j.contains("reason") || !Field(j, "reason", e.reason) || !Field(j, "t", e.time) ||
         !Field(j, "until", e.until) || !Field(j, "failures", e.failures) ||
-        !Field(j, "n", e.exclusion)) {
+        !Field(j, "n", e.exclusion) || !Field(j, "cause", e.cause)) {
       return false;
     }
     if (!j.contains("stderr")) return true;
@@ -200,6 +207,70 @@ Result<ExclusionRecord> ExclusionRecord::Decode(const std::string& text) {
     for (const auto& line : j["stderr"]) {
       if (!line.is_string()) return false;
       e.stderr_tail.push_back(line.get<std::string>());
+    }
+    return true;
+  });
+}
+
+std::string ComputeRecord::Encode() const {
+  json ranks = json::object();
+  for (const auto& [rank, s] : compute_s) ranks[std::to_string(rank)] = s;
+  return json{{"round", round}, {"seq", seq}, {"ranks", ranks}}.dump();
+}
+
+Result<ComputeRecord> ComputeRecord::Decode(const std::string& text) {
+  return ParseWith<ComputeRecord>("compute", text, [](const json& j, ComputeRecord& c) {
+    if (!Field(j, "round", c.round) || !Field(j, "seq", c.seq)) return false;
+    auto it = j.find("ranks");
+    if (it == j.end()) return true;
+    if (!it->is_object()) return false;
+    for (const auto& [key, v] : it->items()) {
+      if (!v.is_number() || !std::isfinite(v.get<double>())) return false;
+      int rank = 0;
+      const char* end = key.data() + key.size();
+      auto [ptr, ec] = std::from_chars(key.data(), end, rank);
+      if (ec != std::errc() || ptr != end || rank < 0) return false;
+      c.compute_s[rank] = v.get<double>();
+    }
+    return true;
+  });
+}
+
+std::string StragglerRecord::Encode() const {
+  json arr = json::array();
+  for (const auto& n : nodes) {
+    arr.push_back({{"id", n.id}, {"ranks", n.ranks}, {"compute_s", n.compute_s},
+                   {"median_s", n.median_s}, {"windows", n.windows}, {"since", n.since}});
+  }
+  return json{{"round", round}, {"judge", judge}, {"t", time}, {"factor", factor},
+              {"window_s", window_s}, {"nodes", arr}}.dump();
+}
+
+Result<StragglerRecord> StragglerRecord::Decode(const std::string& text) {
+  return ParseWith<StragglerRecord>("stragglers", text, [](const json& j, StragglerRecord& r) {
+    if (!Field(j, "round", r.round) || !Field(j, "judge", r.judge) || !Field(j, "t", r.time) ||
+        !Field(j, "factor", r.factor) || !Field(j, "window_s", r.window_s)) {
+      return false;
+    }
+    auto it = j.find("nodes");
+    if (it == j.end()) return true;
+    if (!it->is_array()) return false;
+    for (const auto& e : *it) {
+      if (!e.is_object()) return false;
+      StragglerRecord::Node n;
+      if (!Field(e, "id", n.id) || !Field(e, "compute_s", n.compute_s) ||
+          !Field(e, "median_s", n.median_s) || !Field(e, "windows", n.windows) ||
+          !Field(e, "since", n.since)) {
+        return false;
+      }
+      if (auto r = e.find("ranks"); r != e.end()) {
+        if (!r->is_array()) return false;
+        for (const auto& x : *r) {
+          if (!x.is_number_integer()) return false;
+          n.ranks.push_back(x.get<int>());
+        }
+      }
+      r.nodes.push_back(std::move(n));
     }
     return true;
   });

@@ -113,6 +113,13 @@ struct JobKeys {
   std::string gaveup;
   // prefix + "excluded/": one record per node in its cool-down (ExclusionRecord).
   std::string excluded;
+  // prefix + "compute/": each node's latest summary of its ranks' compute time per step, under
+  // its lease (ComputeRecord; issue #32 part 3, src/health/straggler_rules.h).
+  std::string compute;
+  // prefix + "stragglers": the judge's (node rank 0 of the round) record of the round's
+  // stragglers (StragglerRecord); no lease, so `efdl status` shows it after the judge changed.
+  std::string stragglers;
+  std::string Compute(const std::string& id) const { return compute + id; }
   std::string Node(const std::string& id) const { return nodes + id; }
   std::string GaveUp(const std::string& id) const { return gaveup + id; }
   std::string Excluded(const std::string& id) const { return excluded + id; }
@@ -244,8 +251,41 @@ struct ExclusionRecord {
   int failures = 0;              // its own failures within the window that excluded it
   int exclusion = 0;             // which exclusion of this node's agent (1: the first)
   std::vector<std::string> stderr_tail;   // the failing rank's last stderr lines, oldest first
+  // What excluded it: "" (its own failures) or "straggler" (--evict-stragglers; issue #32 part
+  // 3, failures 0). Field "cause", absent in records of agents before 2026-12-06.
+  std::string cause;
   std::string Encode() const;
   static Result<ExclusionRecord> Decode(const std::string& text);
+};
+
+// P compute/<node>: a node's summary of its ranks' compute time per step over the last period
+// (src/health/straggler_rules.h ComputeWindow), written every period under the node's lease.
+struct ComputeRecord {
+  int64_t round = 0;
+  int64_t seq = 0;                        // the node's summary number, from 1
+  std::map<int, double> compute_s;        // global rank -> seconds of compute per step
+  std::string Encode() const;
+  static Result<ComputeRecord> Decode(const std::string& text);
+};
+
+// P stragglers: the round's stragglers as the judge found them (issue #32 part 3).
+struct StragglerRecord {
+  struct Node {
+    std::string id;
+    std::vector<int> ranks;               // its slow ranks (global)
+    double compute_s = 0;                 // its slowest rank's compute time per step
+    double median_s = 0;                  // the median of the other nodes' ranks
+    int windows = 0;                      // consecutive slow summaries
+    std::string since;                    // ISO-8601 UTC, when it was named
+  };
+  int64_t round = 0;
+  std::string judge;                      // the node that judged
+  std::string time;                       // ISO-8601 UTC of the record
+  double factor = 0;                      // --straggler-factor
+  double window_s = 0;                    // --straggler-window
+  std::vector<Node> nodes;                // empty: none now
+  std::string Encode() const;
+  static Result<StragglerRecord> Decode(const std::string& text);
 };
 
 // P status: what the coordinator wrote for `efdl status` (members, standbys, recent events).

@@ -199,6 +199,23 @@ class Rendezvous {
     (void)persisted;
     return Status::OK();
   }
+  // Stragglers (issue #32 part 3; src/health/straggler_rules.h). This node's summary of its
+  // ranks' compute time, written under its lease (P compute/<node>; nothing while it holds
+  // none). Thread-safe (queued to the rendezvous' thread). Doubles need not override it.
+  virtual void PublishCompute(const ComputeRecord& record) { (void)record; }
+  // Every node's latest summary, by node (one etcd range; blocking).
+  virtual Result<std::map<std::string, ComputeRecord>> ReadCompute() {
+    return std::map<std::string, ComputeRecord>{};
+  }
+  // The judge's record of the round's stragglers (P stragglers), and reading it back (nullopt:
+  // none written). Blocking (one etcd request). Doubles need not override them.
+  virtual Status RecordStragglers(const StragglerRecord& record) {
+    (void)record;
+    return Status::OK();
+  }
+  virtual Result<std::optional<StragglerRecord>> ReadStragglers() {
+    return std::optional<StragglerRecord>{};
+  }
 };
 
 // The etcd implementation: NewEtcdRendezvous in rendezvous/etcd_rendezvous.h.

@@ -287,3 +287,84 @@ TEST_F(RealEtcdTest, ScaleSimOnTwoDriverThreadsMatchesAThreadPerNode) {
 
 }  // namespace
 }  // namespace efdl::rdzv
+
+namespace efdl::rdzv {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Issue #32 part 3, stragglers: each node's compute summary lives under its lease (gone with
+// the node), the judge's record of the round's stragglers is read back, and `efdl status`
+// shows a straggler of the current round only.
+TEST_F(RealEtcdTest, ComputeSummariesLiveUnderTheLeaseAndStatusShowsTheRoundsStragglers) {
+  std::vector<std::unique_ptr<Rendezvous>> nodes;
+  for (auto id : {"a", "b"}) {
+    nodes.push_back(NewEtcdRendezvous(*client_, Opts(id, 1, 2)));
+    ASSERT_TRUE(nodes.back()->Join().ok());
+  }
+  int64_t round = 0;
+  for (auto& n : nodes) {
+    auto e = Next(*n, Event::Type::kRoundStarted);
+    ASSERT_TRUE(e);
+    round = e->assignment.round;
+  }
+  nodes[0]->PublishCompute({round, 1, {{0, 0.1}}});
+  nodes[1]->PublishCompute({round, 1, {{1, 0.4}}});
+  std::map<std::string, ComputeRecord> all;
+  for (auto deadline = std::chrono::steady_clock::now() + 10s;
+       all.size() < 2 && std::chrono::steady_clock::now() < deadline;
+       std::this_thread::sleep_for(50ms)) {
+    auto read = nodes[0]->ReadCompute();
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    all = *read;
+  }
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all["b"].round, round);
+  EXPECT_EQ(all["b"].seq, 1);
+  EXPECT_DOUBLE_EQ(all["b"].compute_s[1], 0.4);
+
+  auto none = nodes[0]->ReadStragglers();
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(*none);
+  StragglerRecord rec;
+  rec.round = round;
+  rec.judge = "a";
+  rec.time = "2026-12-06T09:00:00Z";
+  rec.factor = 2;
+  rec.window_s = 30;
+  rec.nodes.push_back({"b", {1}, 0.4, 0.1, 3, "2026-12-06T09:00:00Z"});
+  ASSERT_TRUE(nodes[0]->RecordStragglers(rec).ok());
+  auto back = nodes[1]->ReadStragglers();
+  ASSERT_TRUE(back.ok() && *back);
+  EXPECT_EQ((*back)->Encode(), rec.Encode());
+  auto st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  ASSERT_TRUE(st->stragglers);
+  EXPECT_NE(st->ToText().find(fmt::format(
+                "b is a STRAGGLER in round {} since 2026-12-06T09:00:00Z: rank 1 0.400 s of "
+                "compute per step, 4.0x the median 0.100 s of the other nodes' ranks",
+                round)),
+            std::string::npos)
+      << st->ToText();
+  EXPECT_NE(st->ToJson().find("\"compute_s\": 0.4"), std::string::npos) << st->ToJson();
+  // A record of another round is not the current round's: not shown.
+  rec.round = round - 1;
+  ASSERT_TRUE(nodes[0]->RecordStragglers(rec).ok());
+  st = ReadJobStatus(*client_, "itest");
+  ASSERT_TRUE(st.ok());
+  EXPECT_FALSE(st->stragglers);
+  EXPECT_EQ(st->ToText().find("STRAGGLER"), std::string::npos);
+
+  // b leaves: its summary goes with its lease.
+  nodes[1]->Leave();
+  for (auto deadline = std::chrono::steady_clock::now() + 10s;
+       all.size() > 1 && std::chrono::steady_clock::now() < deadline;
+       std::this_thread::sleep_for(50ms)) {
+    all = *nodes[0]->ReadCompute();
+  }
+  EXPECT_EQ(all.size(), 1u);
+  EXPECT_EQ(all.count("a"), 1u);
+}
+
+}  // namespace
+}  // namespace efdl::rdzv
