@@ -20,13 +20,13 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
+import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 import slurm  # noqa: E402
 
@@ -46,36 +46,6 @@ BATCH = 16           # the program's default --batch-size (per rank)
 COMMIT_INTERVAL = 5  # its default --commit-interval
 
 
-class BridgeEtcd:
-    """The site's etcd: a real etcd on the world's bridge, outside every allocation."""
-
-    def __init__(self, world):
-        client, peer = cluster.free_port(), cluster.free_port()
-        self.endpoint = "%s:%d" % (world.bridge_addr, client)
-        with open(os.path.join(world.dir, "etcd.log"), "w") as log:
-            self.proc = subprocess.Popen(
-                ["etcd", "--name", "site", "--data-dir", os.path.join(world.dir, "etcd"),
-                 "--listen-client-urls", "http://" + self.endpoint,
-                 "--advertise-client-urls", "http://" + self.endpoint,
-                 "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
-                 "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
-                 "--initial-cluster", "site=http://127.0.0.1:%d" % peer],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        cluster.wait_for(self._healthy, 30, "etcd on the bridge")
-
-    def _healthy(self):
-        try:
-            with urllib.request.urlopen("http://%s/health" % self.endpoint, timeout=1) as r:
-                return b"true" in r.read()
-        except OSError:
-            return False
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
 class Env:
     """A world of 3 hosts with Slurm on them, a submit directory every host sees, and (on
     demand) the site's etcd."""
@@ -93,7 +63,7 @@ class Env:
         os.makedirs(self.submit_dir)
 
     def site_etcd(self):
-        self.etcd = BridgeEtcd(self.world)
+        self.etcd = host_jobs.Etcd(self.world)   # the site's etcd, outside every allocation
         return self.etcd.endpoint
 
     def env(self, extra=None):

@@ -2,7 +2,8 @@
 default flags on a host, waits on the workers' STEP lines, and the `world` fixture body (a
 HostWorld of 3 hosts, etcd, and the agents a test started, all removed whatever happens).
 
-Used by tests/python/test_e2e_hosts.py and test_metrics.py: `world = pytest.fixture(host_jobs.world)`.
+Used by tests/python/test_e2e_hosts.py, test_metrics.py and test_ledger.py (`world =
+pytest.fixture(host_jobs.world)`), and test_slurm.py (its site etcd is `Etcd`).
 """
 
 import os
