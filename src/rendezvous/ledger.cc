@@ -208,7 +208,8 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
         : prev_step >= 0 && step >= 0 ? std::max<int64_t>(0, prev_step - (step - 1))
                                         : 0;
     // (the parts of the nodes that stayed carry the previous round's samples per step)
-    if (const double per_rank = Median(step_samples); per_rank > 0 && r.event.world_before > 0) {
+    r.event.step_samples = Median(step_samples);
+    if (const double per_rank = r.event.step_samples; per_rank > 0 && r.event.world_before > 0) {
       r.event.samples_lost = std::llround(static_cast<double>(r.event.steps_lost) * per_rank *
                                           r.event.world_before);
     }
@@ -326,7 +327,8 @@ std::string LedgerReport::ToJson() const {
                            {"pause_s", e.pause_s},
                            {"steps_lost", e.steps_lost},
                            {"samples_lost", e.samples_lost >= 0 ? json(e.samples_lost)
-                                                                : json(nullptr)}});
+                                                                : json(nullptr)},
+                           {"step_samples", e.step_samples}});
   }
   json j = {{"begin", Iso(begin)},
             {"begin_s", begin},

@@ -99,6 +99,7 @@ struct LedgerEvent {
   // The samples of those steps, the whole job's: steps x samples per rank per step (EFDL's
   // samplers count them) x the previous round's world size. -1: unknown (no EFDL sampler).
   int64_t samples_lost = -1;
+  double step_samples = 0;         // the samples per rank per step used there (0: unknown)
 };
 
 // The categories of the job's wall time (seconds); they add up to wall_s.

@@ -133,6 +133,7 @@ TEST(LedgerTest, SamplesTrainedAgainAreTheStepsTimesTheSamplesPerStepOfThePrevio
   const LedgerReport r = Summarize(v, {}, 999);
   ASSERT_EQ(r.events.size(), 2u);
   EXPECT_EQ(r.events[0].samples_lost, 4 * 32 * 3);   // 4 steps x 32 x world 3 before
+  EXPECT_DOUBLE_EQ(r.events[0].step_samples, 32);
   EXPECT_EQ(r.events[1].samples_lost, -1);           // nobody counted: unknown
   EXPECT_NE(r.ToText(5).find("4 step(s) (384 samples) trained again"), std::string::npos)
       << r.ToText(5);
