@@ -275,14 +275,18 @@ std::optional<int> Agent::PollWorkers() {
   switch (group_->Poll()) {
     case WorkerGroup::State::kRunning:
       return std::nullopt;
-    case WorkerGroup::State::kSucceeded:
+    case WorkerGroup::State::kSucceeded: {
       EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group_->round(),
                     assignment_.nproc);
       PersistNewestSnapshot("reporting the workers' success");
-      rdzv_.ReportWorkersSucceeded(group_->round());
+      const int first = assignment_.rank_offset, last = first + assignment_.nproc - 1;
+      exited0_ = {group_->round(), first == last ? fmt::format("rank {}", first)
+                                                 : fmt::format("ranks {}..{}", first, last)};
+      rdzv_.ReportWorkersExited0(group_->round(), exited0_->second);
       group_.reset();
       group_paused_ = false;
       return std::nullopt;
+    }
     case WorkerGroup::State::kFailed:
       break;
   }
@@ -297,7 +301,6 @@ std::optional<int> Agent::PollWorkers() {
   EFDL_LOG_WARN("round {}: {}; stopping this node's other workers", round, detail);
   // The round is broken for every node: peers wait in collectives that cannot complete.
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
-  rdzv_.ReportWorkerFailure(round, detail);
   pending_failure_ = PendingFailure{round,
                                     assignment_.nnodes,
                                     detail,
@@ -307,6 +310,9 @@ std::optional<int> Agent::PollWorkers() {
   if (!pending_failure_->collateral.empty()) {
     EFDL_LOG_WARN("round {}: {} because {}: not this node's failure", round, detail,
                   pending_failure_->collateral);
+    rdzv_.ReportLostPeer(round, detail, pending_failure_->collateral);
+  } else {
+    rdzv_.ReportWorkerFailure(round, detail);
   }
   return std::nullopt;
 }
@@ -408,6 +414,16 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     collateral_streak_ = 0;
     streak_nnodes_ = a.nnodes;
   }
+  if (a.early_exit && exited0_ && !pending_failure_) {
+    // This node's workers all exited 0 while their peers still trained: the peers'
+    // collectives lost them, and the coordinator named this node the cause (NameCause).
+    const std::string detail =
+        fmt::format("{} exited 0 before the job completed", exited0_->second);
+    EFDL_LOG_WARN("round {}: {}: their peers' collectives lost them and the round was formed "
+                  "again; this node's failure", exited0_->first, detail);
+    pending_failure_ = PendingFailure{exited0_->first, a.nnodes, detail, std::nullopt, {}, {}};
+  }
+  exited0_.reset();
   if (auto code = CountPendingFailure(a)) return code;
   if (excluded_until_) {
     // The round it withdrew from, or one announced before the withdrawal took effect: the node

@@ -299,6 +299,9 @@ class Agent {
   static constexpr std::chrono::seconds kStreakReset{60};
   int collateral_streak_ = 0;
   int streak_nnodes_ = 0;   // the node count of the rounds of the current streak
+  // The round this node's workers all exited 0 in and their ranks ("rank 1", "ranks 2..3"),
+  // until the next round starts: an assignment marked early_exit then counts it (issue #32).
+  std::optional<std::pair<int64_t, std::string>> exited0_;
   // When this node's workers of the newest round started (or continued in-process).
   std::chrono::steady_clock::time_point round_started_{};
   std::optional<std::chrono::steady_clock::time_point> hang_fallback_at_;

@@ -74,9 +74,9 @@ void Agent::CheckHang() {
     hang_->Disarm();
     group_->Close();
     StopWorkers(/*graceful=*/false, detail);
-    rdzv_.ReportWorkerFailure(round, detail);
     pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
     pending_failure_->collateral = "a hang whose cause no node found";   // counted against nobody
+    rdzv_.ReportLostPeer(round, detail, pending_failure_->collateral);
     return;
   }
   if (hang_confirm_) {

@@ -114,11 +114,11 @@ void Agent::ServeInProcessFailures() {
     // went away, hung or raised - that peer's node counts the failure, not this one.
     EFDL_LOG_WARN("round {}: {}; the round is formed again, the workers wait in-process",
                   f.round, detail);
-    rdzv_.ReportWorkerFailure(f.round, detail);
     pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
     const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
     pending_failure_->collateral = stalled ? CollateralCause(true, {})
                                            : "a collective that lost a peer (its node counts it)";
+    rdzv_.ReportLostPeer(f.round, detail, pending_failure_->collateral);
   }
 }
 

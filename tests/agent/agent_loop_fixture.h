@@ -38,6 +38,22 @@ class ScriptedRendezvous : public QueuedRendezvous {
     }
     if (on_failure) on_failure(round, detail);
   }
+  // Issue #32: a failure of a collective that lost its peer, and the ranks that exited 0, are
+  // recorded as such and then reported as the plain calls above are.
+  void ReportLostPeer(int64_t round, const std::string& detail, const std::string&) override {
+    {
+      std::lock_guard lock(mu_);
+      lost_.push_back(detail);
+    }
+    ReportWorkerFailure(round, detail);
+  }
+  void ReportWorkersExited0(int64_t round, const std::string& ranks) override {
+    {
+      std::lock_guard lock(mu_);
+      exited0_.push_back(ranks);
+    }
+    ReportWorkersSucceeded(round);
+  }
   void ReportWorkersSucceeded(int64_t round) override {
     {
       std::lock_guard lock(mu_);
@@ -81,6 +97,8 @@ class ScriptedRendezvous : public QueuedRendezvous {
   }
   std::vector<std::string> failures() const { std::lock_guard l(mu_); return failures_; }
   std::vector<int64_t> successes() const { std::lock_guard l(mu_); return successes_; }
+  std::vector<std::string> lost() const { std::lock_guard l(mu_); return lost_; }
+  std::vector<std::string> exited0() const { std::lock_guard l(mu_); return exited0_; }
   int leaves() const { std::lock_guard l(mu_); return leaves_; }
   std::string gave_up() const { std::lock_guard l(mu_); return gave_up_; }
   std::vector<std::string> gave_up_tail() const { std::lock_guard l(mu_); return gave_up_tail_; }
@@ -89,6 +107,7 @@ class ScriptedRendezvous : public QueuedRendezvous {
   mutable std::mutex mu_;   // guards the reports below
   std::vector<std::string> failures_;
   std::vector<int64_t> successes_;
+  std::vector<std::string> lost_, exited0_;
   int leaves_ = 0;
   std::string gave_up_;
   std::vector<std::string> gave_up_tail_;

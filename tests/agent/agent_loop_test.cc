@@ -130,6 +130,8 @@ TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
   const std::string text = log.Text();
   // 6 collateral failures not counted, then 3 counted: the give-up at restart 3 of 2.
   EXPECT_EQ(rdzv_.failures().size(), 9u) << text;
+  // Each reported as a lost peer: the round's reason does not call this node's workers failed.
+  EXPECT_EQ(rdzv_.lost().size(), 9u) << text;
   EXPECT_EQ(agent.restarts(), 3);
   EXPECT_NE(text.find("because a collective that lost a peer (Connection closed by peer): not "
                       "this node's failure"), std::string::npos) << text;
@@ -158,7 +160,60 @@ TEST_F(AgentLoopTest, AWorkersOwnExceptionAfterAnEarlierLostPeerIsItsOwnFailure)
   EXPECT_EQ(agent.Run(), 1);
   const std::string text = log.Text();
   EXPECT_EQ(rdzv_.failures().size(), 1u) << text;   // counted at once: --max-restarts 0
+  EXPECT_TRUE(rdzv_.lost().empty()) << text;          // and reported as its own
   EXPECT_EQ(text.find("because a collective that lost a peer"), std::string::npos) << text;
+}
+
+// Issue #32, blame: workers that all exited 0 while their peers still trained broke the peers'
+// collectives. The coordinator that forms the next round says so in this node's assignment
+// (early_exit; coordination.h NameCause): the node counts that round as its own failure, named
+// as such. Without the mark (the job's end, a join) the exit 0 counts for nothing.
+TEST_F(AgentLoopTest, WorkersThatExitedZeroBeforeTheJobCompletedAreCountedWhenTheRoundSaysSo) {
+  opts_.nproc = 2;
+  opts_.max_restarts = 0;
+  opts_.exclude_after = 0;
+  opts_.command = {"sh", "-c", "exit 0"};
+  rdzv_.on_success = [&](int64_t round) {
+    if (round >= 3) {   // bounded even when the mark is ignored
+      rdzv_.Push(Simple(Event::Type::kJobComplete, round));
+      return;
+    }
+    Assignment next = MakeAssignment(round + 1, 1, 2, 2, 2, 4);
+    next.early_exit = true;
+    rdzv_.Push(Started(next));
+  };
+  rdzv_.Push(Started(MakeAssignment(1, 1, 2, 2, 2, 4)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 1);   // --max-restarts 0: the first own failure gives up
+  const std::string text = log.Text();
+  EXPECT_EQ(rdzv_.exited0(), std::vector<std::string>{"ranks 2..3"}) << text;
+  EXPECT_EQ(agent.restarts(), 1) << text;
+  EXPECT_NE(text.find("round 1: ranks 2..3 exited 0 before the job completed: their peers' "
+                      "collectives lost them"), std::string::npos) << text;
+  EXPECT_NE(rdzv_.gave_up().find("ranks 2..3 exited 0 before the job completed in round 1"),
+            std::string::npos) << rdzv_.gave_up();
+}
+
+TEST_F(AgentLoopTest, WorkersThatExitedZeroAreNotCountedWithoutTheRoundsMark) {
+  opts_.nproc = 1;
+  opts_.max_restarts = 0;
+  opts_.exclude_after = 0;
+  opts_.command = {"sh", "-c", "exit 0"};
+  rdzv_.on_success = [&](int64_t round) {
+    if (round == 1) {
+      rdzv_.Push(Started(MakeAssignment(2, 0, 2, 0, 1, 2)));   // e.g. a node joined meanwhile
+    } else {
+      rdzv_.Push(Simple(Event::Type::kJobComplete, round));
+    }
+  };
+  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StderrCapture log(dir_.path() + "/log");
+  Agent agent(opts_, rdzv_);
+  EXPECT_EQ(agent.Run(), 0);
+  EXPECT_EQ(agent.restarts(), 0) << log.Text();
+  EXPECT_EQ(rdzv_.exited0(), (std::vector<std::string>{"rank 0", "rank 0"}));
+  EXPECT_EQ(log.Text().find("before the job completed"), std::string::npos) << log.Text();
 }
 
 // Issue #32, nodes that keep failing: the --exclude-after-th own failure within the window, in
