@@ -124,9 +124,24 @@ void Dashboard::PollOnce() {
     }
   }
   state_.Update(now, status, scrapes);
-  // The goodput ledger: one range read of the job's ledger/ prefix (a few keys per node and
-  // round kept). Not tried when etcd just failed (that failure is shown already).
-  if (status.ok()) state_.UpdateLedger(rdzv::ReadLedger(*client_, options_.job_id, now));
+  // The goodput ledger: its records read again when they changed (one keys-only read of one
+  // key tells), summarised at every poll. Not tried when etcd just failed (that failure is
+  // shown already).
+  if (status.ok()) {
+    auto at = rdzv::LedgerFingerprint(*client_, options_.job_id);
+    if (!at.ok()) {
+      state_.UpdateLedger(at.status());
+    } else if (!ledger_ || *at != ledger_at_) {
+      auto records = rdzv::ReadLedgerRecords(*client_, options_.job_id);
+      if (records.ok()) {
+        ledger_ = std::move(records).value();
+        ledger_at_ = *at;
+      } else {
+        state_.UpdateLedger(records.status());
+      }
+    }
+    if (at.ok() && ledger_) state_.UpdateLedger(rdzv::Summarize(ledger_->parts, ledger_->ends, now));
+  }
   std::string json = state_.ToJson();
   MutexLock lock(mu_);
   json_ = std::move(json);

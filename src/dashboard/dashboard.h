@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -17,6 +18,7 @@
 #include "dashboard/http.h"
 #include "efdl/etcd.h"
 #include "efdl/status.h"
+#include "rendezvous/ledger.h"
 
 namespace efdl::dashboard {
 
@@ -58,6 +60,11 @@ class Dashboard {
   DashboardState state_;            // the poller's own (the poller thread, or Start before it)
   // Targets whose last scrape failed: not tried again before this wall time, and why it failed.
   std::map<std::string, std::pair<double, std::string>> retry_at_;
+  // The ledger's records as last read, and the fingerprint they were read at: a poll reads
+  // them again only when the fingerprint moved (a few keys per node and round; summarised
+  // again at every poll for the running job's clock).
+  std::optional<rdzv::LedgerRecords> ledger_;
+  std::pair<int64_t, int64_t> ledger_at_{-1, -1};
   mutable Mutex mu_;
   std::string json_ EFDL_GUARDED_BY(mu_);
   bool stopping_ EFDL_GUARDED_BY(mu_) = false;

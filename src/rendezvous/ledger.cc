@@ -367,19 +367,36 @@ std::string LedgerReport::ToText(size_t last_events) const {
   return out;
 }
 
-Result<LedgerReport> ReadLedger(etcd::Client& client, const std::string& job_id, double now) {
+Result<LedgerRecords> ReadLedgerRecords(etcd::Client& client, const std::string& job_id) {
   auto r = client.Range(LedgerPrefix(job_id), {.prefix = true});
   if (!r.ok()) return r.status().WithContext("cannot read the job's ledger");
-  std::vector<LedgerPart> parts;
-  std::vector<LedgerEnd> ends;
+  LedgerRecords out;
   for (const auto& kv : r->kvs) {
     if (kv.key.ends_with("/end")) {
-      if (auto e = LedgerEnd::Decode(kv.value); e.ok()) ends.push_back(*e);
+      if (auto e = LedgerEnd::Decode(kv.value); e.ok()) out.ends.push_back(*e);
     } else if (auto p = LedgerPart::Decode(kv.value); p.ok()) {
-      parts.push_back(*p);
+      out.parts.push_back(*p);
     }
   }
-  return Summarize(parts, ends, now);
+  return out;
+}
+
+Result<std::pair<int64_t, int64_t>> LedgerFingerprint(etcd::Client& client,
+                                                      const std::string& job_id) {
+  etcd::RangeOptions o{.prefix = true, .limit = 1, .keys_only = true};
+  o.sort_order = etcd::RangeOptions::SortOrder::kDescend;
+  o.sort_target = etcd::RangeOptions::SortTarget::kModRevision;
+  auto r = client.Range(LedgerPrefix(job_id), o);
+  if (!r.ok()) return r.status().WithContext("cannot read the job's ledger");
+  int64_t newest = 0;
+  for (const auto& kv : r->kvs) newest = std::max(newest, kv.mod_revision);
+  return std::make_pair(r->count, newest);
+}
+
+Result<LedgerReport> ReadLedger(etcd::Client& client, const std::string& job_id, double now) {
+  auto records = ReadLedgerRecords(client, job_id);
+  if (!records.ok()) return records.status();
+  return Summarize(records->parts, records->ends, now);
 }
 
 }  // namespace efdl::rdzv

@@ -123,6 +123,19 @@ struct LedgerReport {
 LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<LedgerEnd>& ends,
                        double now);
 
+// The job's ledger records as etcd holds them (damaged ones skipped).
+struct LedgerRecords {
+  std::vector<LedgerPart> parts;
+  std::vector<LedgerEnd> ends;
+};
+Result<LedgerRecords> ReadLedgerRecords(etcd::Client& client, const std::string& job_id);
+
+// What changes whenever the ledger does: its key count and its newest modification revision,
+// from one cheap read (keys only, one key). A poller reads the records again only when it moved.
+Result<std::pair<int64_t, int64_t>> LedgerFingerprint(etcd::Client& client,
+                                                      const std::string& job_id);
+
+// ReadLedgerRecords, then Summarize.
 Result<LedgerReport> ReadLedger(etcd::Client& client, const std::string& job_id, double now);
 
 }  // namespace efdl::rdzv

@@ -344,6 +344,22 @@ TEST(DashboardTest, ThePollerReadsTheLedgerFromEtcd) {
   ASSERT_EQ(j["ledger"]["events"].size(), 1u) << j["ledger"].dump();
   EXPECT_EQ(j["ledger"]["events"][0]["kind"], "crash");
   EXPECT_FALSE(j["ledger"]["complete"]);
+  // Polls that find the ledger unchanged read one key's name (its fingerprint), not the records:
+  // a poll costs less than the records' bytes (a job of 128 nodes keeps thousands of them).
+  int64_t ledger_bytes = 0;
+  for (const rdzv::LedgerPart& p : LedgerParts()) ledger_bytes += p.Encode().size();
+  const int64_t polls0 = j["polls"].get<int64_t>();
+  const int64_t read0 = raw->stats().bytes_read;
+  {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (json::parse((*d)->StateJson())["polls"].get<int64_t>() < polls0 + 6) {
+      ASSERT_LT(std::chrono::steady_clock::now(), until);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  const int64_t polls = json::parse((*d)->StateJson())["polls"].get<int64_t>() - polls0;
+  const int64_t per_poll = (raw->stats().bytes_read - read0) / std::max<int64_t>(1, polls - 1);
+  EXPECT_LT(per_poll, ledger_bytes / 2) << per_poll << " bytes per poll, ledger " << ledger_bytes;
   // The nodes end the job: a later poll reads the end records.
   const rdzv::LedgerEnd end{"a", 2, 300, "complete"};
   ASSERT_TRUE(raw->Put(rdzv::LedgerEndKey("j1", "a"), end.Encode()).ok());
