@@ -252,6 +252,7 @@ int Agent::RunUntilDone() {
     if (auto code = PollWorkers()) return *code;
     CheckHang();
     UpdateMetrics();
+    CheckStragglers();
     ServeFlushRequests();
     ServeInProcessFailures();
     if (spares_) {

@@ -27,6 +27,7 @@
 #include "common/net.h"
 #include "health/exclusion_rules.h"
 #include "health/hang_monitor.h"
+#include "health/straggler_rules.h"
 #include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
 #include "snapshot/arena_dir.h"
@@ -86,6 +87,9 @@ struct AgentOptions : JobSpec {
   // `efdl run --hang-timeout` (issue #32, src/health/hang_rules.h): < 0 auto (the default), 0
   // off, > 0 the running timeout in seconds.
   double hang_timeout_s = -1;
+  // Stragglers (issue #32 part 3, src/health/straggler_rules.h): --straggler-factor (0: off),
+  // --straggler-window, --evict-stragglers. Needs the progress board (HangDetectionOn).
+  health::StragglerPolicy stragglers;
   std::chrono::milliseconds poll_interval{std::chrono::milliseconds(50)};
   int out_fd = STDOUT_FILENO;              // where prefixed worker output goes
   int err_fd = STDERR_FILENO;
@@ -195,6 +199,15 @@ class Agent {
   void CheckHang();
   // This node's rank caused the hang: SIGKILL of its workers, a failure of this node.
   void EndHungWorkers(int64_t round, const std::string& detail);
+  // Stragglers (agent_straggler.cc, issue #32 part 3; docs/operations.md "Stragglers"): about
+  // every second samples the ranks' compute time from the board; every period publishes this
+  // node's summary, reads whether the judge named it (and, with --evict-stragglers, leaves
+  // for a cool-down); node rank 0 of the round judges. Cheap when nothing is due.
+  void CheckStragglers();
+  void JudgeStragglers(std::chrono::steady_clock::time_point now);
+  // The judge named this node: its exclusion (the record with cause "straggler", the
+  // cool-down of the exclusion rule), when the job can go on without it.
+  void EvictAsStraggler(const rdzv::StragglerRecord::Node& me);
   int Shutdown(int signal);
   // The node's metrics (options_.metrics) and its part of the goodput ledger (agent_observe.cc):
   // called on every loop turn, cheap.
@@ -315,6 +328,22 @@ class Agent {
   // Excluded (Exclude) until then: no round is expected before it; reset at the next round.
   std::optional<std::chrono::steady_clock::time_point> excluded_until_;
   std::optional<PendingFailure> pending_failure_;
+  // Stragglers (agent_straggler.cc): this node's ranks' compute-time samples of the round
+  // `compute_round_`, its summaries' number, when the next sample, summary and judgement are
+  // due; the judge (node rank 0 only) and when it named each straggler; whether the judge
+  // names this node now; this agent's straggler exclusions (the cool-down doubles).
+  health::ComputeWindow compute_window_;
+  int64_t compute_round_ = -1;
+  int64_t compute_seq_ = 0;
+  std::chrono::steady_clock::time_point next_compute_sample_{};
+  std::chrono::steady_clock::time_point next_compute_publish_{};
+  std::chrono::steady_clock::time_point next_judgement_{};
+  std::optional<health::StragglerJudge> judge_;
+  std::map<std::string, std::string> straggler_since_;
+  bool named_straggler_ = false;
+  bool straggler_min_noted_ = false;
+  bool straggler_read_warned_ = false;
+  int straggler_exclusions_ = 0;
   // Metrics: when the pause of the round change under way began; when this node's workers of
   // the new round started (their first progress report ends the pause); the restarts the
   // metrics counted; the next update of the slower gauges.

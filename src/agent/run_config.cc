@@ -358,6 +358,32 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
     }
     a.hang_timeout_s = t;
   }
+  // Stragglers (issue #32 part 3, src/health/straggler_rules.h).
+  if (!(f.straggler_factor == 0 || f.straggler_factor >= health::kMinFactor) ||
+      !std::isfinite(f.straggler_factor)) {
+    return Status::InvalidArgument(fmt::format(
+        "--straggler-factor {} must be 0 (straggler detection off) or at least {}: a node is "
+        "named a straggler when its slowest rank computes this many times the median of the "
+        "other nodes' ranks per step", f.straggler_factor, health::kMinFactor));
+  }
+  const double min_window = 1e-3 * static_cast<double>(
+      (health::kMinPeriod * health::kWindowsToName).count());
+  if (!(f.straggler_window_s >= min_window) || !std::isfinite(f.straggler_window_s) ||
+      f.straggler_window_s > kMaxSeconds) {
+    return Status::InvalidArgument(fmt::format(
+        "--straggler-window {} must be at least {:g} seconds: a node is named a straggler once "
+        "it was slow for this long ({} summaries)", f.straggler_window_s, min_window,
+        health::kWindowsToName));
+  }
+  a.stragglers.factor = f.straggler_factor;
+  a.stragglers.window = Millis(f.straggler_window_s);
+  a.stragglers.evict = f.evict_stragglers;
+  if (f.evict_stragglers && (f.straggler_factor == 0 || !HangDetectionOn(a) || f.launcher)) {
+    return Status::InvalidArgument(
+        "--evict-stragglers needs straggler detection, which reads the workers' progress "
+        "board: drop --straggler-factor 0, --hang-timeout 0 and --launcher, or drop "
+        "--evict-stragglers");
+  }
   auto metrics = metrics::ParseListen(f.metrics_port);
   if (!metrics.ok()) return metrics.status();
   plan.metrics = *metrics;

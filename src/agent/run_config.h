@@ -43,6 +43,9 @@ struct RunFlags {
   double exclude_cooldown_s = 300;           // --exclude-cooldown
   double stop_grace_s = 10;
   std::string hang_timeout = "auto";         // --hang-timeout: "auto", 0 (off) or seconds
+  double straggler_factor = 2.0;             // --straggler-factor (0: off)
+  double straggler_window_s = 30;            // --straggler-window
+  bool evict_stragglers = false;             // --evict-stragglers
   std::string metrics_port = "auto";         // --metrics-port: "auto", "off" or a port (0: any)
   std::string log_dir;
   std::string snapshot_dir = "efdl-snapshots";

@@ -232,6 +232,23 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
                 "interval between progress reports (600 s before a round's first), and never "
                 "for a program that does not report",
                 "EFDL_HANG_TIMEOUT");
+  OptionWithEnv(run, "--straggler-factor", f.straggler_factor,
+                "a node is named a STRAGGLER when its slowest rank's compute time per step (up "
+                "to its gradients being ready, not counting the wait for peers) is at least "
+                "this many times the median of the other nodes' ranks, and 10 ms more, for "
+                "--straggler-window: logged by node rank 0, shown by efdl status and the "
+                "metrics (efdl_straggler); 0: off (also off without a progress board: "
+                "--hang-timeout 0, --launcher)",
+                envvar::kStragglerFactor);
+  OptionWithEnv(run, "--straggler-window", f.straggler_window_s,
+                "seconds a node must be slow before it is named a straggler: 3 summaries of a "
+                "third of it each (at scale each summary takes at least nodes/100 s)",
+                envvar::kStragglerWindow);
+  run->add_flag("--evict-stragglers", f.evict_stragglers,
+                "a node named a straggler leaves the job for --exclude-cooldown (doubling with "
+                "each exclusion) while the job can go on without it (MIN other nodes), then "
+                "rejoins; off by default")
+      ->envname(envvar::kEvictStragglers);
   OptionWithEnv(run, "--metrics-port", f.metrics_port,
                 "port of this node's Prometheus metrics (http://ADDRESS:PORT/metrics, listed by "
                 "efdl status); auto: 9441, or the next free port up to 9472 when several agents "
@@ -275,7 +292,8 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   // tests/python/test_e2e_cli.py checks that the two agree).
   for (const char* name : {"--ttl", "--last-call", "--join-timeout", "--max-restarts",
                            "--exclude-after", "--exclude-window", "--exclude-cooldown",
-                           "--stop-grace", "--hang-timeout", "--metrics-port", "--snapshot-dir"}) {
+                           "--stop-grace", "--hang-timeout", "--straggler-factor",
+                           "--straggler-window", "--metrics-port", "--snapshot-dir"}) {
     run->get_option(name)->capture_default_str();
   }
   run->add_option("command", f.command, "the training command, after --")->expected(-1);

@@ -91,7 +91,11 @@
   X(kProgressBoard, PROGRESS_BOARD, "EFDL_PROGRESS_BOARD")                                      \
   X(kProgressSlot, PROGRESS_SLOT, "EFDL_PROGRESS_SLOT")                                         \
   X(kStackDir, STACK_DIR, "EFDL_STACK_DIR")                                                     \
-  X(kStackSignal, STACK_SIGNAL, "EFDL_STACK_SIGNAL")
+  X(kStackSignal, STACK_SIGNAL, "EFDL_STACK_SIGNAL")                                            \
+  /* stragglers: efdl run's flags (src/health/straggler_rules.h; src/cli/run_command.cc) */     \
+  X(kStragglerFactor, STRAGGLER_FACTOR, "EFDL_STRAGGLER_FACTOR")                                \
+  X(kStragglerWindow, STRAGGLER_WINDOW, "EFDL_STRAGGLER_WINDOW")                                \
+  X(kEvictStragglers, EVICT_STRAGGLERS, "EFDL_EVICT_STRAGGLERS")
 
 namespace efdl::envvar {
 

@@ -36,6 +36,8 @@ namespace efdl::health {
 
 using StragglerClock = std::chrono::steady_clock;
 
+// --straggler-factor is 0 (off) or at least this: closer to 1, noise between equal nodes is named.
+inline constexpr double kMinFactor = 1.2;
 // A slow node's excess per step over the reference must be at least this much.
 inline constexpr double kMinExcessSeconds = 0.01;
 // Consecutive slow summaries that name a straggler: --straggler-window is this many periods.

@@ -187,6 +187,14 @@ void AgentMetrics::Build(const std::string& job_id, const std::string& node_id) 
                             .Help("Seconds since a rank's last progress report")
                             .Labels(ids)
                             .Register(r);
+  rank_compute_ = &BuildGauge()
+                       .Name("efdl_rank_compute_seconds")
+                       .Help("A rank's compute time per step (to its gradients ready, without "
+                             "waiting for peers), median over the last straggler summary")
+                       .Labels(ids)
+                       .Register(r);
+  straggler_ = &gauge("efdl_straggler",
+                      "1 while the round's judge names this node a straggler (--straggler-factor)");
   persist_seconds_ = &BuildHistogram()
                           .Name("efdl_persist_seconds")
                           .Help("Time to write one snapshot from shared memory to storage")
@@ -325,6 +333,28 @@ void AgentMetrics::SetRankProgress(const std::vector<RankProgress>& ranks) {
     it = ranks_.erase(it);
   }
 }
+
+void AgentMetrics::SetRankCompute(const std::map<int, double>& compute_s) {
+  for (const auto& [rank, seconds] : compute_s) {
+    auto it = rank_compute_by_rank_.find(rank);
+    if (it == rank_compute_by_rank_.end()) {
+      it = rank_compute_by_rank_
+               .emplace(rank, &rank_compute_->Add({{"rank", std::to_string(rank)}}))
+               .first;
+    }
+    it->second->Set(seconds);
+  }
+  for (auto it = rank_compute_by_rank_.begin(); it != rank_compute_by_rank_.end();) {
+    if (compute_s.count(it->first)) {
+      ++it;
+      continue;
+    }
+    rank_compute_->Remove(it->second);
+    it = rank_compute_by_rank_.erase(it);
+  }
+}
+
+void AgentMetrics::SetStraggler(bool straggler) { straggler_->Set(straggler ? 1 : 0); }
 
 void AgentMetrics::ObservePersist(double seconds, uint64_t bytes, double committed_at) {
   persist_seconds_->Observe(seconds);

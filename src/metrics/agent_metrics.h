@@ -86,6 +86,11 @@ class AgentMetrics : public etcd::CallObserver {
   void ObservePause(std::string_view phase, double seconds);
   // This node's ranks (replaces the previous set: ranks of an earlier round are dropped).
   void SetRankProgress(const std::vector<RankProgress>& ranks);
+  // Stragglers (issue #32 part 3): this node's ranks' compute time per step in the last
+  // summary (global rank -> seconds; replaces the previous set), and whether the round's judge
+  // names this node a straggler now.
+  void SetRankCompute(const std::map<int, double>& compute_s);
+  void SetStraggler(bool straggler);
   // One snapshot written to storage (or a failed attempt) and its commit time (wall seconds).
   void ObservePersist(double seconds, uint64_t bytes, double committed_at);
   void CountPersistFailure();
@@ -126,6 +131,9 @@ class AgentMetrics : public etcd::CallObserver {
     prometheus::Gauge* age = nullptr;
   };
   std::map<int, RankGauges> ranks_;
+  prometheus::Family<prometheus::Gauge>* rank_compute_ = nullptr;
+  std::map<int, prometheus::Gauge*> rank_compute_by_rank_;
+  prometheus::Gauge* straggler_ = nullptr;
   prometheus::Histogram* persist_seconds_ = nullptr;
   prometheus::Counter* persisted_bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* persists_ = nullptr;

@@ -14,6 +14,9 @@ D is a hash of the model's parameter bytes. Options (environment):
   WORKER_BATCH             batch size per rank (default 16)
   WORKER_COMMIT_INTERVAL   commit every N steps (default 4)
   WORKER_STEP_TIME         seconds to sleep per step (default 0)
+  WORKER_SLOW_MS           a straggler on purpose: sleep this many ms more per step, before
+                           the forward pass (compute time; set on one node's agent only)
+  WORKER_SLOW_FILE         ... only while this file exists (checked every step)
   WORKER_CRASH_AT          rank WORKER_CRASH_RANK (default 1) SIGKILLs itself after step N, once
   WORKER_CRASH_MARKER      ... when this file does not exist yet (it is created first)
   WORKER_SAVE              rank 0 saves the final model's state_dict here
@@ -53,6 +56,8 @@ def main():
     epochs = env_int("WORKER_EPOCHS", 2)
     batch = env_int("WORKER_BATCH", 16)
     step_time = float(os.environ.get("WORKER_STEP_TIME", "0"))
+    slow_s = float(os.environ.get("WORKER_SLOW_MS", "0")) / 1000.0
+    slow_file = os.environ.get("WORKER_SLOW_FILE", "")
     crash_at = env_int("WORKER_CRASH_AT", -1)
     crash_rank = env_int("WORKER_CRASH_RANK", 1)
     marker = os.environ.get("WORKER_CRASH_MARKER", "")
@@ -78,6 +83,8 @@ def main():
         sampler = efdl.data.DistributedSampler(data, epoch=epoch,
                                                global_start_index=start.global_start_index)
         for x, y in DataLoader(data, batch_size=batch, sampler=sampler):
+            if slow_s and (not slow_file or os.path.exists(slow_file)):
+                time.sleep(slow_s)
             optimizer.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             optimizer.step()
