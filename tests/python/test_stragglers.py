@@ -14,7 +14,8 @@ forward pass (its compute time grows, its peers wait in the all-reduce instead).
   lists it as a straggler with its rank's compute time.
 - --evict-stragglers (and a 12 s window to keep the test short): the slow host is named and
   evicted (its exclusion record says "straggler"), the job goes on at world size 2, and the
-  throughput (samples per second, from the workers' STEP lines) rose; both are printed.
+  throughput (samples per second, from the workers' STEP lines) rose; both are printed. At
+  --nnodes 2:2 (MIN 2) the named node cannot be evicted: it says so once and stays.
 """
 
 import os
@@ -50,9 +51,9 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 world = pytest.fixture(host_jobs.world)
 
 
-def start(w, etcd, host, job, extra=(), env=None):
+def start(w, etcd, host, job, extra=(), env=None, nnodes="2:3"):
     return host_jobs.start_agent(w, etcd, host, job, extra=extra, env=dict(ENV, **(env or {})),
-                                 command=[cluster.PYTHON, STATE_WORKER])
+                                 command=[cluster.PYTHON, STATE_WORKER], nnodes=nnodes)
 
 
 def node_id(agent):
@@ -217,3 +218,22 @@ def test_evict_stragglers_removes_the_slow_node_and_throughput_rises(world):
     assert re.search(r"%s EXCLUDED at \S+ until \S+ \(a straggler, --evict-stragglers; "
                      r"exclusion 1\)" % re.escape(slow_id), text), text
     assert "evicted" in agents[2].output() and agents[2].proc.poll() is None
+
+
+def test_a_straggler_the_job_cannot_go_on_without_stays(world):
+    """--evict-stragglers only while MIN other nodes remain: at --nnodes 2:2 the named node says
+    so once and the job goes on with it."""
+    w, etcd, agents = world
+    job = "strag-min"
+    extra = ["--evict-stragglers", "--straggler-window", "12"]
+    agents.append(start(w, etcd, w.hosts[0], job, extra=extra, nnodes="2:2"))
+    agents.append(start(w, etcd, w.hosts[1], job, extra=extra, nnodes="2:2",
+                        env={"WORKER_SLOW_MS": str(SLOW_MS)}))
+    host_jobs.wait_world(agents, 2, 0.0, timeout=300, live=agents)
+    cluster.wait_for(lambda: "but the job cannot go on without it" in agents[1].output(), 60,
+                     "the straggler saying it stays")
+    line = [x for x in agents[1].output().splitlines() if "cannot go on without it" in x]
+    print(line)
+    assert len(line) == 1 and "(1 other node(s), --nnodes MIN 2): it stays" in line[0], line
+    assert "evicted" not in agents[1].output()
+    host_jobs.wait_world(agents, 2, time.monotonic(), timeout=30, live=agents)
