@@ -43,6 +43,12 @@ class Timer:
         for p in module.parameters():
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._on_grad))
+        # A backward pass that raised never runs its callbacks: the next forward pass starts
+        # the count again, so the measurement does not stop for good.
+        self._handles.append(module.register_forward_pre_hook(self._on_forward))
+
+    def _on_forward(self, module, inputs):
+        self._queued = False
 
     def detach(self):
         for h in self._handles:

@@ -114,3 +114,43 @@ def test_watch_is_once_per_model_and_nothing_outside_efdl_run(monkeypatch):
     other = _model()
     _progress.watch_compute(other)
     assert all(not p._backward_hooks for p in other.parameters())
+
+
+def test_a_backward_pass_that_raised_does_not_end_the_measurement():
+    """A backward pass that raises (after some gradient hooks fired) never runs its engine
+    callbacks; the next forward pass starts the count again, so later steps are measured."""
+    from efdl import _compute
+
+    class Boom(torch.autograd.Function):
+        fail = [False]
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if Boom.fail[0]:
+                Boom.fail[0] = False
+                raise RuntimeError("boom")
+            return g
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(Boom.apply(self.a(x)))   # b's hooks fire before Boom raises
+
+    net, times = Net(), []
+    t = _compute.watch(net, times.append)
+    x = torch.randn(3, 4)
+    net(x).sum().backward()          # the first: nothing before it to measure from
+    Boom.fail[0] = True
+    with pytest.raises(RuntimeError, match="boom"):
+        net(x).sum().backward()
+    net(x).sum().backward()
+    net(x).sum().backward()
+    t.detach()
+    assert len(times) == 2, times
