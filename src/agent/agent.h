@@ -204,7 +204,7 @@ class Agent {
   // node's summary, reads whether the judge named it (and, with --evict-stragglers, leaves
   // for a cool-down); node rank 0 of the round judges. Cheap when nothing is due.
   void CheckStragglers();
-  void JudgeStragglers(std::chrono::steady_clock::time_point now);
+  void JudgeStragglers();
   // The judge named this node: its exclusion (the record with cause "straggler", the
   // cool-down of the exclusion rule), when the job can go on without it.
   void EvictAsStraggler(const rdzv::StragglerRecord::Node& me);

@@ -102,15 +102,14 @@ void Agent::CheckStragglers() {
   }
   if (assignment_.node_rank == 0 && now >= next_judgement_) {
     next_judgement_ = now + period;
-    JudgeStragglers(now);
+    JudgeStragglers();
   } else if (assignment_.node_rank != 0 && judge_) {
     judge_.reset();   // no longer the judge (a new round placed this node elsewhere)
     straggler_since_.clear();
   }
 }
 
-void Agent::JudgeStragglers(std::chrono::steady_clock::time_point now) {
-  (void)now;
+void Agent::JudgeStragglers() {
   const health::StragglerPolicy& policy = options_.stragglers;
   if (!judge_) judge_.emplace(policy);
   auto all = rdzv_.ReadCompute();
