@@ -199,7 +199,8 @@ def test_a_real_prometheus_scrapes_three_hosts_through_a_crash(world):
                      "Seconds per step by rank", "Snapshot age", "Scrape targets up",
                      "Restarts counted and fencing", "Progress age by rank",
                      "etcd requests (p95 latency, errors)", "Goodput",
-                     "Job wall time by category"}
+                     "Job wall time by category", "Compute time per step by rank",
+                     "Stragglers"}
         assert must_show <= {p["title"] for p in panels}, [p["title"] for p in panels]
 
         def empty_panels():
