@@ -271,6 +271,14 @@ int Agent::RunUntilDone() {
   }
 }
 
+namespace {
+// This node's ranks of round `a`, as a log line names them: "rank 3", "ranks 2..3".
+std::string LocalRanks(const rdzv::Assignment& a) {
+  const int first = a.rank_offset, last = first + a.nproc - 1;
+  return first == last ? fmt::format("rank {}", first) : fmt::format("ranks {}..{}", first, last);
+}
+}  // namespace
+
 std::optional<int> Agent::PollWorkers() {
   if (!group_) return std::nullopt;
   switch (group_->Poll()) {
@@ -280,9 +288,7 @@ std::optional<int> Agent::PollWorkers() {
       EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group_->round(),
                     assignment_.nproc);
       PersistNewestSnapshot("reporting the workers' success");
-      const int first = assignment_.rank_offset, last = first + assignment_.nproc - 1;
-      exited0_ = {group_->round(), first == last ? fmt::format("rank {}", first)
-                                                 : fmt::format("ranks {}..{}", first, last)};
+      exited0_ = {group_->round(), LocalRanks(assignment_)};
       rdzv_.ReportWorkersExited0(group_->round(), exited0_->second);
       group_.reset();
       group_paused_ = false;
@@ -348,6 +354,12 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
         // A worker that failed on its own while pausing is this node's failure, as above.
         if (auto code = PollWorkers()) return *code;
         if (!group_) return std::nullopt;
+        if (!event.graceful && WaitForOwnExits()) {
+          // A worker ended by itself after all (its own exception, or a return while its peers
+          // trained): this node's failure or exit 0, reported as such (issue #32, blame).
+          if (auto code = PollWorkers()) return *code;
+          if (!group_) return std::nullopt;
+        }
         // Graceful: the next round's workers may start while these exit (after their final
         // snapshot, and when they hold no GPU memory). Not with --launcher: its one process
         // stands for workers of several local ranks, some of which may still be writing.
@@ -695,6 +707,25 @@ void Agent::CheckAgentStore() {
                 "node leads", port.status().message());
   rdzv_.OfferAgentStore(0);
   agent_store_.reset();
+}
+
+bool Agent::WaitForOwnExits() {
+  // A process whose program raised or returned closes its sockets as it tears down, and may
+  // still be tearing down (its traceback, its State's last flush, torch's exit) when its peers'
+  // collectives fail and the round closes: the stop's signals now would hide what it died of,
+  // and the node would count nothing. Wait a little for workers that are exiting; stop at once
+  // when one failed, when all exited, or when none exited by itself within kOwnExitWait.
+  const auto until = std::chrono::steady_clock::now() + kOwnExitWait;
+  auto step = std::chrono::milliseconds(1);
+  while (true) {
+    const WorkerGroup::State st = group_->Poll();
+    const bool some = group_->running() < static_cast<int>(group_->size());
+    if (st != WorkerGroup::State::kRunning) return true;
+    if (!some && std::chrono::steady_clock::now() >= until) return false;
+    if (std::chrono::steady_clock::now() >= until + kOwnExitWait) return some;
+    std::this_thread::sleep_for(step);
+    step = std::min(step * 2, std::chrono::milliseconds(10));
+  }
 }
 
 void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot,

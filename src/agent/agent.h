@@ -315,6 +315,11 @@ class Agent {
   // The round this node's workers all exited 0 in and their ranks ("rank 1", "ranks 2..3"),
   // until the next round starts: an assignment marked early_exit then counts it (issue #32).
   std::optional<std::pair<int64_t, std::string>> exited0_;
+  // At a round's close that was not graceful, before the stop's signals: whether a worker
+  // exited by itself (it waits up to kOwnExitWait for a first exit, and as long again for the
+  // rest, returning at once when one fails); PollWorkers then reports it.
+  bool WaitForOwnExits();
+  static constexpr std::chrono::milliseconds kOwnExitWait{1000};
   // When this node's workers of the newest round started (or continued in-process).
   std::chrono::steady_clock::time_point round_started_{};
   std::optional<std::chrono::steady_clock::time_point> hang_fallback_at_;

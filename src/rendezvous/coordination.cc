@@ -250,6 +250,11 @@ StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorCon
         all = a != v.acks.end() && a->second.round == round.round &&
               a->second.state == AckState::kAck;
       }
+      if (all && !round.graceful) {
+        // Only lost peers reported yet: give the node that caused it the window to say so.
+        const RoundCause cause = NameCause(v, round);
+        all = !cause.lost || cause.named;
+      }
       if (all || now >= v.last_progress + v.window) act.kind = StepAction::Kind::kFinalize;
       return act;
     }
@@ -412,6 +417,8 @@ RoundCause NameCause(const JobView& v, const RoundRecord& round) {
       missing.push_back({id, "stopped answering (it did not ack the next round)"});
     }
   }
+  cause.lost = !lost.empty();
+  cause.named = !own.empty() || !missing.empty() || !done.empty();
   if (lost.empty()) return cause;
   const std::string losers = fmt::format("{}", fmt::join(lost, ", "));
   auto more = [](size_t n) {

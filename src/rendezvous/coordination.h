@@ -129,9 +129,14 @@ RoundRecord BeginProposal(JobView& v, const RoundRecord& round, const Coordinato
 //     are told so in their next assignment (AssignRecord::early_exit) and count it.
 // Otherwise (no collective lost a peer: a graceful change, a join, an own failure reported
 // first) the proposal's reason stands: message is empty.
+// While no member's report names the cause (only lost peers so far), the proposal is not
+// decided before the liveness window after the last ack, even when every node acked: a node whose
+// workers were still exiting (0) when it acked reports that in the window (DecideStep).
 struct RoundCause {
   std::string message;
   std::vector<std::string> early_exit;
+  bool named = false;   // an own failure, a missing member or an early exit named the cause
+  bool lost = false;    // some member's collective lost a peer
 };
 RoundCause NameCause(const JobView& v, const RoundRecord& round);
 

@@ -153,6 +153,13 @@ void EtcdRendezvous::Withdraw(std::chrono::milliseconds cooldown) {
   Push(std::move(in));
 }
 
+void EtcdRendezvous::ReportRestarts(int restarts) {
+  counted_restarts_.store(restarts);
+  Input in;
+  in.type = Input::Type::kRestarts;
+  Push(std::move(in));
+}
+
 void EtcdRendezvous::ReportWorkersExited0(int64_t round, const std::string& ranks) {
   Input in;
   in.type = Input::Type::kWorkersSucceeded;
@@ -495,6 +502,22 @@ void EtcdRendezvous::Handle(Input& in) {
     case Input::Type::kWithdraw:
       WithdrawFor(in.delay);
       break;
+    case Input::Type::kRestarts: {
+      const int counted = counted_restarts_.load();
+      if (registration_.lease() == 0 || registration_.lease() != last_sent_lease_ ||
+          last_sent_.round == 0 || last_sent_.restarts == counted) {
+        break;
+      }
+      last_sent_.restarts = counted;
+      if (last_ack_.round == last_sent_.round) last_ack_.restarts = counted;
+      if (auto put = client_.Put(keys_.Ack(opt_.node_id), last_sent_.Encode(),
+                                 registration_.lease());
+          !put.ok()) {
+        EFDL_LOG_DEBUG("rdzv {}: restart count not written: {}", opt_.node_id,
+                       put.status().message());
+      }
+      break;
+    }
     case Input::Type::kPublishCompute:
       // Under the lease, so a node that is gone leaves no summary behind; none while it holds
       // no lease (withdrawn, fenced).

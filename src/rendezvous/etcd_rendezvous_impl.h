@@ -32,7 +32,7 @@ using TimePoint = Clock::time_point;
 struct Input {
   enum class Type {
     kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
-    kResync, kGaveUp, kWithdraw, kPublishCompute
+    kResync, kGaveUp, kWithdraw, kPublishCompute, kRestarts
   };
   Type type = Type::kRound;
   uint64_t generation = 0;              // watch inputs: the registration/watch set they belong to
@@ -87,7 +87,9 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
     return registration_.MayPublish(committed_at);
   }
   void OfferAgentStore(uint16_t port) override { agent_store_port_.store(port); }
-  void ReportRestarts(int restarts) override { counted_restarts_.store(restarts); }
+  // The count is in this node's ack (`efdl status` RESTARTS): the ack last sent is sent again
+  // with it (on the driver thread, after any ack queued before).
+  void ReportRestarts(int restarts) override;
   Status RecordLedger(const LedgerPart& part) override;
   Status RecordLedgerEnd(const LedgerEnd& end) override;
   Result<LedgerReport> ReadLedgerReport() override;
@@ -200,6 +202,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   // every ack until it starts its next round. prev_round 0: nothing to tell.
   AckRecord outcome_;
   AckRecord last_ack_;                  // the last kAck sent (re-sent with a late outcome)
+  AckRecord last_sent_;                 // the last ack of any state sent (round 0: none)
+  int64_t last_sent_lease_ = 0;         // ... under this lease (never re-sent under another)
   TimePoint last_wait_notice_{};
   TimePoint next_failed_check_{};
   std::optional<TimePoint> takeover_at_;

@@ -279,6 +279,8 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
     acked_round_ = round;
     last_ack_ = ack;
   }
+  last_sent_ = ack;
+  last_sent_lease_ = registration_.lease();
   auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
   if (!put.ok()) {
     EFDL_LOG_WARN("rdzv {}: cannot record '{}' for round {}: {}", opt_.node_id,
@@ -311,6 +313,8 @@ void EtcdRendezvous::NoteOutcome(int64_t round, const char* outcome, const std::
   const int counted = counted_restarts_.load();
   ack.restarts = counted >= 0 ? counted : restarts_;
   last_ack_ = ack;
+  last_sent_ = ack;
+  last_sent_lease_ = registration_.lease();
   auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
   if (!put.ok()) {
     EFDL_LOG_WARN("rdzv {}: cannot record the outcome of round {}: {}", opt_.node_id, round,

@@ -14,8 +14,9 @@ Environment: WORKER_STEPS (default 300), WORKER_STEP_TIME (seconds per step, 0.0
 WORKER_MODE (restart: the loop without efdl.elastic.run, State built after efdl.init()),
 WORKER_DEVICE (cpu; cuda: the model and batches on this process' first visible GPU, so
 efdl.elastic.run builds NCCL groups), WORKER_RAISE ("RANK:STEP": that rank raises ValueError at
-that step, every time it gets there, as a bug in the program would), WORKER_EXIT0 ("RANK:STEP":
-that rank returns from the program with status 0 at that step, once per job: WORKER_MARK_DIR).
+that step, every time it gets there, as a bug in the program would; "any:STEP": whatever rank
+this process holds, for a fault given to one node only), WORKER_EXIT0 ("RANK:STEP": that rank
+returns from the program with status 0 at that step, once per job: WORKER_MARK_DIR).
 """
 
 import json
@@ -43,7 +44,15 @@ def params_of(model):
 
 
 def rank_step(text):
-    return tuple(int(x) for x in text.split(":")) if text else None
+    """(rank, step) of "RANK:STEP"; rank None for "any"."""
+    if not text:
+        return None
+    rank, step = text.split(":")
+    return (None if rank == "any" else int(rank), int(step))
+
+
+def hits(fault, rank, step):
+    return fault is not None and fault[1] == step and fault[0] in (None, rank)
 
 
 RAISE = rank_step(os.environ.get("WORKER_RAISE"))
@@ -80,9 +89,9 @@ def main():
         world, rank = efdl.get_world_size(), efdl.get_rank()
         per_rank = GLOBAL_BATCH // world
         while state.step < STEPS:
-            if RAISE == (rank, state.step):
+            if hits(RAISE, rank, state.step):
                 raise ValueError("a bug in the program at step %d" % state.step)
-            if EXIT0 == (rank, state.step) and once("exit0"):
+            if hits(EXIT0, rank, state.step) and once("exit0"):
                 print("EXITING0 rank=%d step=%d" % (rank, state.step), flush=True)
                 sys.exit(0)
             start = (state.step * GLOBAL_BATCH) % len(DATA)
