@@ -48,7 +48,7 @@ import cluster  # noqa: E402
 PYTHON = cluster.PYTHON
 WORKER = os.path.join(HERE, "worker.py")
 LINE_RE = re.compile(r"^(?:\[rank \d+\] )?"
-                     r"(RESUME|STEP|COMMIT|ACK|DONE|HANGING|FAILING|PAUSING) (.*) t=([\d.]+)$")
+                     r"(RESUME|STEP|COMMIT|ACK|DONE|HANGING|FAILING|PAUSING|SLOWFIRST) (.*) t=([\d.]+)$")
 
 
 efdl_bin = cluster.efdl_bin

@@ -126,3 +126,23 @@ def test_an_announced_pause_longer_than_the_timeout_is_not_a_hang(make_job):
         assert "made no progress" not in text, job.dump()
     assert {e["round"] for e in job.events({"STEP"})} == {1}, job.dump()
     job.check_no_leftovers()
+
+
+def test_a_first_step_longer_than_the_timeout_is_not_a_hang(make_job):
+    # Every process's first step takes 1.5 x the timeout more (a compile), unannounced; steps
+    # after it take ~0.1 s, so it is >100x slower than the rest. Round 1's first step is not
+    # judged (the program has not reported yet); after node-c is killed the survivors' new
+    # processes are, and the grace before a round's first progress (hang_rules.h: 300 s under
+    # an explicit timeout) covers them.
+    job = make_job("hang-first", steps=40, nnodes="2:3",
+                   env=dict(ENV, FAULT_FIRST_STEP=str(TIMEOUT * 1.5)))
+    start(job)
+    job.wait_step(8, world=3)
+    job.kill_node("node-c")
+    job.check_finished(["node-a", "node-b"], timeout=180)
+    slow = job.events({"SLOWFIRST"})
+    assert {e["round"] for e in slow} >= {1} and max(e["round"] for e in slow) > 1, job.dump()
+    for name in ("node-a", "node-b"):
+        text = "\n".join(agent_lines(job, name))
+        assert "made no progress" not in text, job.dump()
+    job.check_no_leftovers()

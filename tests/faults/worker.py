@@ -35,6 +35,8 @@ environment so every node runs the same command line:
   FAULT_PAUSE        "STEP:SECONDS": every rank announces a pause (efdl.pause_expected) at that
                      step and sleeps that long, as an evaluation would (hang detection must not
                      fire); once per job
+  FAULT_FIRST_STEP   seconds the first step of each process takes on top (a compile, a cache
+                     warm-up), not announced to efdl
   FAULT_IGNORE_TERM  a rank, or "all": that rank ignores SIGTERM (installed before State, which
                      then keeps its hands off SIGTERM)
   FAULT_ANNOUNCE     1: also announce each commit in FAULT_MARK_DIR by creating
@@ -130,6 +132,7 @@ def main():
     hang = rank_step(os.environ.get("FAULT_HANG"))
     fail = rank_step(os.environ.get("FAULT_FAIL"))
     pause = os.environ.get("FAULT_PAUSE")
+    first_step_s = float(os.environ.get("FAULT_FIRST_STEP", "0"))
     pause_step, pause_s = (int(pause.split(":")[0]), float(pause.split(":")[1])) if pause else (
         None, 0.0)
     ignore_term = os.environ.get("FAULT_IGNORE_TERM")
@@ -172,6 +175,10 @@ def main():
         if fail is not None and (rank, state.step) == fail:
             say("FAILING", round=round_, rank=rank, step=state.step)
             sys.exit(3)
+        if first_step_s > 0:
+            say("SLOWFIRST", round=round_, rank=rank, step=state.step, seconds=int(first_step_s))
+            time.sleep(first_step_s)
+            first_step_s = 0
         # Deterministic data per (step, rank): a resumed step trains the same batch again.
         first = ((state.step * world + rank) % batches) * BATCH
         x, y = train[first:first + BATCH]
