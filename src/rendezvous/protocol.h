@@ -5,11 +5,15 @@
 //   P round          the one small record every node watches (~200 bytes, size independent of N):
 //                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, hp, as,
 //                    msg}; as: mp is the rank-0 node's agent store (src/agent/agent_store.h).
-//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts, ha}: this
-//                    node's place in round r (cr/cs/hosts/ha: Horovod's layout, see AssignRecord).
+//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts, ha, ee}:
+//                    this node's place in round r (cr/cs/hosts/ha: Horovod's layout, see
+//                    AssignRecord; ee: its workers' exit 0 broke the previous round, issue #32).
 //                    Each node watches only its own assign key.
-//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, as, rs (restarts)}.
+//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, as, rs (restarts),
+//                    pr, po, pd (what its workers did in round pr: done|failed|lost, and how)}.
 //                    Written by the node itself; only the coordinator watches the ack/ prefix.
+//                    The coordinator that forms a round names its cause from po (coordination.h
+//                    NameCause).
 //   P status         written by the coordinator once per round for `efdl status` (never watched).
 //   P complete       present once every member of a round reported success.
 //   P suspended/<node>  not lease-bound; {step (int or null), t, seq, epoch}: written by each
@@ -48,9 +52,9 @@
 // coordinator (field c) and watches nodes/ and ack/; a coordinator that loses a CAS re-reads
 // and steps down if c is no longer itself. Proposers other than the coordinator:
 //   - the first node to Join creates P round (create-only) and coordinates gathering;
-//   - a node whose workers failed (ReportWorkerFailure) proposes r+1 itself: the failure usually
-//     means a peer died, and that peer may be the coordinator, whose lease would take a TTL to
-//     expire. Redundant reports lose the CAS and just ack;
+//   - a node whose workers failed (ReportWorkerFailure, ReportLostPeer) proposes r+1 itself: the
+//     failure usually means a peer died, and that peer may be the coordinator, whose lease would
+//     take a TTL to expire. Redundant reports lose the CAS and just ack;
 //   - up to 3 deputies named in P round (the oldest other nodes) watch the coordinator's node
 //     key; when it is deleted, deputy j waits j x 250 ms, and, if P round still names the dead
 //     coordinator, takes over by CAS (no herd: N-4 nodes never wake up for it);
