@@ -263,9 +263,9 @@ Result<StragglerRecord> StragglerRecord::Decode(const std::string& text) {
           !Field(e, "since", n.since)) {
         return false;
       }
-      if (auto r = e.find("ranks"); r != e.end()) {
-        if (!r->is_array()) return false;
-        for (const auto& x : *r) {
+      if (auto ranks = e.find("ranks"); ranks != e.end()) {
+        if (!ranks->is_array()) return false;
+        for (const auto& x : *ranks) {
           if (!x.is_number_integer()) return false;
           n.ranks.push_back(x.get<int>());
         }
