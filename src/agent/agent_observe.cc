@@ -30,6 +30,17 @@ void Agent::BeginPause(std::chrono::steady_clock::time_point at) {
   SampleProgress();   // the last steps before the change: the next round may train them again
   pause_began_ = at;
   ledger_sign_ = WallOf(at);
+  // The round ends before every local rank reported progress (with the board: its part was
+  // not written yet): written now, so the ledger does not take its time for training.
+  if (hang_ && ledger_part_ && ledger_part_->progress == 0 &&
+      !ledger_part_->ended_before_progress) {
+    ledger_part_->ended_before_progress = true;
+    if (Status st = rdzv_.RecordLedger(*ledger_part_); !st.ok() && !ledger_warned_) {
+      ledger_warned_ = true;
+      EFDL_LOG_WARN("goodput ledger: {} (the job's events and goodput miss this node's parts)",
+                    st.message());
+    }
+  }
 }
 
 void Agent::SampleProgress() {

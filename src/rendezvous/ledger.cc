@@ -47,6 +47,7 @@ std::string LedgerPart::Encode() const {
             {"why", why},         {"graceful", graceful},  {"sign", sign},
             {"detect", detection_s}, {"start", start},   {"restored", restored},
             {"progress", progress}, {"step_samples", step_samples},
+            {"no_progress", ended_before_progress},
             {"step", step},       {"prev_step", prev_step}, {"prev_at", prev_at},
             {"step_s", step_s},    {"uncommitted", uncommitted},
             {"min_nodes", min_nodes}, {"joined", joined}};
@@ -62,7 +63,8 @@ Result<LedgerPart> LedgerPart::Decode(const std::string& text) {
       !Get(j, "why", p.why) || !Get(j, "graceful", p.graceful) || !Get(j, "sign", p.sign) ||
       !Get(j, "detect", p.detection_s) || !Get(j, "start", p.start) ||
       !Get(j, "progress", p.progress) || !Get(j, "restored", p.restored) ||
-      !Get(j, "step_samples", p.step_samples) || !Get(j, "step", p.step) ||
+      !Get(j, "step_samples", p.step_samples) ||
+      !Get(j, "no_progress", p.ended_before_progress) || !Get(j, "step", p.step) ||
       !Get(j, "prev_step", p.prev_step) || !Get(j, "prev_at", p.prev_at) ||
       !Get(j, "step_s", p.step_s) || !Get(j, "uncommitted", p.uncommitted) ||
       !Get(j, "min_nodes", p.min_nodes) || !Get(j, "joined", p.joined) || p.round <= 0) {
@@ -140,6 +142,7 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     // node that made MIN joined); 0: not below MIN.
     double enough_at = 0;
     bool seen_progress = false;
+    bool no_training = false;   // every node's ranks broke before their first progress
     LedgerEvent event;
     double step_s = 0;
   };
@@ -151,7 +154,9 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     int64_t prev_step = -1, step = -1, uncommitted = -1;
     double sign = 0, detection = 0;
     bool all_restored = true;
+    r.no_training = true;
     for (const LedgerPart* p : ps) {
+      r.no_training = r.no_training && p->ended_before_progress;
       r.start = std::max(r.start, p->start);
       if (p->progress > 0) {
         r.progress = std::max(r.progress, p->progress);
@@ -264,7 +269,6 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
     }
     // Start-up or restore: the workers started until every rank progressed.
     const double restore_from = t;
-    const double progress_at = r.seen_progress ? r.progress : r.start;
     // The training of this round ends at the next round's first sign (or its start, for a
     // change no node saw coming: a suspended job's new agents), or the job's end.
     double train_end = job_end;
@@ -274,6 +278,10 @@ LedgerReport Summarize(const std::vector<LedgerPart>& parts, const std::vector<L
       auto e = end_of_round.find(r.round);
       if (next.sign <= 0 && e != end_of_round.end()) train_end = std::min(train_end, e->second);
     }
+    // A round that broke before any progress trained nothing: all of it was restore.
+    const double progress_at = r.seen_progress ? r.progress
+                               : r.no_training ? std::max(train_end, t)
+                                               : r.start;
     add(first ? "startup" : "restore", std::min(progress_at, std::max(train_end, t)));
     if (!first) {
       // The State's restore, then the first step (when every node said where one ends).

@@ -45,6 +45,9 @@ struct LedgerPart {
   double start = 0;                // wall s: this node's workers of the round started
   double restored = 0;             // wall s: every local rank's State restored (0: unseen)
   double progress = 0;             // wall s: every local rank reported progress (0: unseen)
+  // The round ended before every local rank reported progress (a failure at its first step):
+  // written at that end, so that its time is not taken for training.
+  bool ended_before_progress = false;
   int64_t step = -1;               // the first step reported in the round (-1: unknown)
   int64_t prev_step = -1;          // the last step reported in the previous round
   double prev_at = 0;              // wall s of that report

@@ -141,6 +141,32 @@ TEST(LedgerTest, SamplesTrainedAgainAreTheStepsTimesTheSamplesPerStepOfThePrevio
   EXPECT_NE(r.ToJson().find("\"samples_lost\": null"), std::string::npos);
 }
 
+TEST(LedgerTest, ARoundThatBrokeBeforeAnyProgressTrainedNothingItsTimeIsRestore) {
+  // Round 2 (a, b) starts at 203 and breaks before any rank reported progress (the parts are
+  // written at that end); round 3 begins with its sign at 249.
+  std::vector<LedgerPart> v = Parts();
+  for (auto& p : v) {
+    if (p.round == 2) {
+      p.progress = 0;
+      p.step = -1;
+      p.ended_before_progress = true;
+    }
+  }
+  std::vector<LedgerEnd> ends = {{"a", 3, 300, "complete"}};
+  const LedgerReport r = Summarize(v, ends, 999);
+  ASSERT_EQ(r.events.size(), 2u);
+  EXPECT_DOUBLE_EQ(r.events[0].restore_s, 249 - 203.0);   // all of round 2
+  EXPECT_DOUBLE_EQ(r.events[0].first_step_s, 0);
+  // Training: round 1 (102 -> 200.5, less what round 2 trains again: none, it never stepped)
+  // and round 3 (251 -> 300); round 2's 46 s are restore, not training.
+  EXPECT_NEAR(r.totals.seconds.at("training"), (200.5 - 102) + (300 - 251), 2.0);
+  EXPECT_NEAR(r.totals.seconds.at("restore"), 46 + 1, 1e-9);
+  EXPECT_NEAR(Sum(r.totals), r.totals.wall_s, 1e-6);
+  auto decoded = LedgerPart::Decode(v[3].Encode());
+  ASSERT_TRUE(decoded.ok());
+  EXPECT_TRUE(decoded->ended_before_progress);
+}
+
 TEST(LedgerTest, ARoundThatWaitedForNodesBelowMinCountsTheWaitAsWaiting) {
   // MIN 3: c crashes at 200 (a and b stay), d joins at 230, round 2 starts at 232.
   std::vector<LedgerPart> v;
