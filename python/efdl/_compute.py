@@ -17,16 +17,27 @@ DDP's own end-of-backward callback (queued when its last bucket was launched), w
 the all-reduce. Each measured step adds its nanoseconds to the rank's progress slot
 (progress_board.h) as a running total the agent samples.
 
+A collective outside backward (the Horovod layer's optimizer reduces the gradients in step())
+tells its waits to waited(): the waits between the previous backward's end and this step's
+gradients ready are taken off the compute time.
+
 Not measured: the first backward pass of a process (no previous end), a program whose
-collective is not inside backward (the Horovod layer's optimizer; then the wait is counted as
-compute and every rank looks the same), and programs without State that do not call
-efdl.watch_compute(model).
+collective is outside backward and does not say its waits (a hand-written all-reduce), and
+programs without State that do not call efdl.watch_compute(model).
 """
 
 import time
 import weakref
 
 _watched = weakref.WeakKeyDictionary()   # module -> its Timer (one per model)
+# Nanoseconds this process waited in collectives outside backward (the Horovod layer's), a
+# running total the Timers read at their marks.
+_waits = [0]
+
+
+def waited(ns):
+    """A collective outside backward waited `ns` for its peers (not compute time)."""
+    _waits[0] += ns
 
 
 class Timer:
@@ -36,6 +47,8 @@ class Timer:
         self._sink = sink
         self._ready = 0        # monotonic ns of the last gradient hook in this backward pass
         self._end = 0          # monotonic ns at the end of the previous backward pass
+        self._ready_waits = 0  # _waits at those two moments
+        self._end_waits = 0
         self._queued = False
         self._handles = []
 
@@ -57,6 +70,7 @@ class Timer:
 
     def _on_grad(self, grad):
         self._ready = time.monotonic_ns()
+        self._ready_waits = _waits[0]
         if not self._queued:
             self._queued = True
             try:
@@ -74,8 +88,9 @@ class Timer:
         end = time.monotonic_ns()
         self._queued = False
         if self._end and self._ready > self._end:
-            self._sink(self._ready - self._end)
+            self._sink(max(0, self._ready - self._end - (self._ready_waits - self._end_waits)))
         self._end = end
+        self._end_waits = _waits[0]
 
 
 def watch(module, sink):

@@ -154,3 +154,56 @@ def test_a_backward_pass_that_raised_does_not_end_the_measurement():
     net(x).sum().backward()
     t.detach()
     assert len(times) == 2, times
+
+
+def _hvd_worker(rank, port, out):
+    """The Horovod layer reduces the gradients in optimizer.step(), outside backward: its waits
+    for peers are taken off the compute time (efdl._compute.waited)."""
+    import time
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=2)
+    import efdl.backend.horovod.torch as hvd
+    from efdl import _compute
+    hvd.init()
+    model = _model()
+    times = []
+    _compute.watch(model, times.append)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        if rank == 1:
+            time.sleep(SLOW_S)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    out.put((rank, times))
+    hvd.shutdown()
+    dist.destroy_process_group()
+
+
+def test_the_horovod_layers_wait_in_step_is_not_compute_time():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_hvd_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert len(results[0]) == STEPS - 1 and len(results[1]) == STEPS - 1, results
+    fast = statistics.median(results[0]) / 1e9
+    slow = statistics.median(results[1]) / 1e9
+    print("Horovod layer, median compute per step: rank 0 %.4f s, rank 1 (sleeps %.2f s) %.4f s"
+          % (fast, SLOW_S, slow))
+    assert slow >= SLOW_S * 0.9, slow
+    assert fast < SLOW_S / 2, fast

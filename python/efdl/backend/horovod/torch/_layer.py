@@ -13,6 +13,7 @@ accepted and ignored). Thread-safety: call from one thread per process, like tor
 
 import contextlib
 import importlib
+import time
 import warnings
 import weakref
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from efdl import _compute
 from efdl.backend.horovod.torch import _group
 
 __all__ = [
@@ -211,7 +213,10 @@ class _Handle:
     def wait(self):
         if not self._done:
             if self._work is not None:
+                t0 = time.monotonic_ns()
                 self._work.wait()
+                # Waiting for peers is not this rank's compute time (straggler detection).
+                _compute.waited(time.monotonic_ns() - t0)
             self._result = self._finish()
             self._done = True
         return self._result
