@@ -71,21 +71,27 @@ def _worker(rank, port, out):
     dist.destroy_process_group()
 
 
-def test_compute_time_is_per_rank_and_the_hooks_change_no_result():
+def _two_ranks(target):
+    """Runs target(rank, port, queue) in two spawned processes; returns {rank: what it put}
+    (each puts (rank, ...))."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        results = dict((r, rest) for r, *rest in [out.get(timeout=120) for _ in procs])
+        return dict((r, rest) for r, *rest in [out.get(timeout=120) for _ in procs])
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def test_compute_time_is_per_rank_and_the_hooks_change_no_result():
+    results = _two_ranks(_worker)
     for rank in (0, 1):
         times, same, same_hooked = results[rank]
         assert same, "rank %d: the watched model differs from its twin trained without" % rank
@@ -186,20 +192,7 @@ def _hvd_worker(rank, port, out):
 
 
 def test_the_horovod_layers_wait_in_step_is_not_compute_time():
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_hvd_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = {r: rest[0] for r, rest in _two_ranks(_hvd_worker).items()}
     assert len(results[0]) == STEPS - 1 and len(results[1]) == STEPS - 1, results
     fast = statistics.median(results[0]) / 1e9
     slow = statistics.median(results[1]) / 1e9
