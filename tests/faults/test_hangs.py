@@ -68,7 +68,9 @@ def check_blame(job, culprit, rank, cause):
             continue
         text = "\n".join(agent_lines(job, other))
         assert "restart 1 of" not in text, "node %s counted a failure\n%s" % (other, job.dump())
-        if "made no progress" in text:   # it detected the hang too: stacks, never its fault
+        # It detected the hang too (its own detection line, not the round's close reason that
+        # quotes the culprit's): stacks, never its fault.
+        if "on node %s made no progress" % other in text:
             assert "its Python stack" in text, job.dump()
             assert "the hang is this node's" not in text, job.dump()
     assert "restart 1 of" in out, "the culprit's node did not count its failure\n" + job.dump()
