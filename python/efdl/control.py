@@ -151,6 +151,11 @@ class ControlClient:
         (sent before the process group is torn down, which may take a while)."""
         self._send_quiet({"type": Msg.FAILED, "round": self.round, "message": str(message)[:1000]})
 
+    def notify_returned(self):
+        """The program returned (or exited 0) on this rank: sent before its process group is
+        torn down, so that the agent blames a failure of a rank beside it on this early exit."""
+        self._send_quiet({"type": Msg.RETURNED, "round": self.round})
+
     def notify_paused(self, step, snapshot):
         """This worker left the current round (its process group is destroyed) and waits for
         the next; `snapshot`: it took a snapshot of `step` at the pause (False: it goes back to

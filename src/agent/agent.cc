@@ -302,12 +302,27 @@ std::optional<int> Agent::PollWorkers() {
   // these workers' collectives (a failure of that node, not of this one).
   const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
   WorkerExit failure = *group_->first_failure();
+  std::optional<WorkerExit> early = EarlyExit0();
+  if (!early && group_->running() > 0 &&
+      !CollateralCause(false, group_->stderr_tail(failure.rank)).empty()) {
+    // A lost peer, and another rank of this node still runs: the peer lost may be that rank,
+    // which returned and is still tearing down (its exit is often reaped after the failure it
+    // caused). Give it a moment to exit by itself before the stop's signals.
+    early = AwaitOwnExit0();
+  }
   BeginPause(std::chrono::steady_clock::now());
   std::string detail =
       fmt::format("rank {} {}", failure.rank, DescribeWaitStatus(failure.wait_status));
   EFDL_LOG_WARN("round {}: {}; stopping this node's other workers", round, detail);
   // The round is broken for every node: peers wait in collectives that cannot complete.
   StopWorkers(/*graceful=*/false, fmt::format("{} on node {}", detail, options_.node_id));
+  if (early) {
+    // A rank of this node returned first: the failures after it are its peers' collectives
+    // losing it, this node's failure whatever their output says.
+    pending_failure_.reset();
+    BlameEarlyExit0(round, *early);
+    return std::nullopt;
+  }
   pending_failure_ = PendingFailure{round,
                                     assignment_.nnodes,
                                     detail,
@@ -359,6 +374,12 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
           // trained): this node's failure or exit 0, reported as such (issue #32, blame).
           if (auto code = PollWorkers()) return *code;
           if (!group_) return std::nullopt;
+          // One of several returned while the others live on (paused in-process after their
+          // collective lost it, a lost peer so far).
+          if (const auto early = EarlyExit0();
+              early && (!pending_failure_ || !pending_failure_->collateral.empty())) {
+            BlameEarlyExit0(group_->round(), *early);
+          }
         }
         // Graceful: the next round's workers may start while these exit (after their final
         // snapshot, and when they hold no GPU memory). Not with --launcher: its one process
@@ -707,6 +728,40 @@ void Agent::CheckAgentStore() {
                 "node leads", port.status().message());
   rdzv_.OfferAgentStore(0);
   agent_store_.reset();
+}
+
+std::optional<WorkerExit> Agent::EarlyExit0() const {
+  if (!group_) return std::nullopt;
+  if (group_->exited0_early()) return group_->exited0_early();
+  // In-process, the worker says so before its exit closes its sockets: ahead of the failure of
+  // the collectives that lose it, which may come before its exit is reaped.
+  const std::vector<int> returned = control_->ReturnedRanks(group_->round());
+  if (returned.empty() || static_cast<int>(returned.size()) >= static_cast<int>(group_->size())) {
+    return std::nullopt;   // none, or all of them: the job's end
+  }
+  const int local = returned.front();
+  return WorkerExit{local, assignment_.rank_offset + local, 0};
+}
+
+std::optional<WorkerExit> Agent::AwaitOwnExit0() {
+  const auto until = std::chrono::steady_clock::now() + kOwnExitWait;
+  auto step = std::chrono::milliseconds(1);
+  while (group_->running() > 0 && !group_->first_exited0() &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(step);
+    step = std::min(step * 2, std::chrono::milliseconds(10));
+    group_->Poll();
+  }
+  return group_->first_exited0();
+}
+
+void Agent::BlameEarlyExit0(int64_t round, const WorkerExit& early) {
+  const std::string detail =
+      fmt::format("rank {} exited 0 before the job completed", early.rank);
+  EFDL_LOG_WARN("round {}: {} while this node's other ranks trained: the collectives lost it; "
+                "this node's failure", round, detail);
+  pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+  rdzv_.ReportWorkerFailure(round, detail);
 }
 
 bool Agent::WaitForOwnExits() {

@@ -167,6 +167,15 @@ class Agent {
   // Each returns an exit code when the agent must end.
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
+  // A rank of this node that returned (exit 0) while the others still trained: reaped so
+  // (WorkerGroup::exited0_early) or, in-process, said so ("returned"). nullopt: none.
+  std::optional<WorkerExit> EarlyExit0() const;
+  // After a failure that looks like a lost peer while other workers of this node run: waits up to
+  // kOwnExitWait for them to exit by themselves; the first that exited 0, if any.
+  std::optional<WorkerExit> AwaitOwnExit0();
+  // `early` (a rank of this node) returned while the node's other ranks trained: their
+  // collectives lost it. Records it as this node's failure of `round` and reports it.
+  void BlameEarlyExit0(int64_t round, const WorkerExit& early);
   std::optional<int> StartRound(const rdzv::Assignment& assignment);
   // A failure of the round that closed (pending_failure_), counted as this node's own unless it
   // was collateral or came with a node leaving; the exclusion rule (exclusion_rules.h) then

@@ -108,6 +108,13 @@ void Agent::ServeInProcessFailures() {
     // A report of an older round, or of one whose close already paused the workers, is news
     // the rendezvous already has.
     if (!group_ || group_paused_ || f.round != group_->round() || pending_failure_) continue;
+    // A rank of this node that returned while the others trained broke their collective: this
+    // node's failure (an exit, usually reaped before the collective's error reached us).
+    group_->Poll();
+    if (const auto early = EarlyExit0(); early && !group_->first_failure()) {
+      BlameEarlyExit0(f.round, *early);
+      continue;
+    }
     const std::string detail = fmt::format("rank {}: a collective failed ({})", f.rank,
                                            f.message);
     // Under efdl.elastic.run the worker itself is alive: its collective failed because a peer

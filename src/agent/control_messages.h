@@ -18,6 +18,7 @@
   X(kFailed, FAILED, "failed")                                                     \
   X(kPaused, PAUSED, "paused")                                                     \
   X(kFlush, FLUSH, "flush")                                                        \
+  X(kReturned, RETURNED, "returned")                                               \
   /* agent -> worker */                                                            \
   X(kWelcome, WELCOME, "welcome")                                                  \
   X(kStop, STOP, "stop")                                                           \

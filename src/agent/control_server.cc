@@ -115,6 +115,7 @@ void ControlServer::SetRound(int64_t round) {
   stopping_.erase(stopping_.begin(), stopping_.lower_bound(round - 1));  // keep it bounded
   released_.erase(released_.begin(), released_.lower_bound(round - 1));
   paused_.erase(paused_.begin(), paused_.lower_bound(round - 1));
+  returned_.erase(returned_.begin(), returned_.lower_bound(round - 1));
 }
 
 bool ControlServer::IsConnected(int64_t round, int local_rank) const {
@@ -156,6 +157,12 @@ std::vector<int> ControlServer::InProcessRanks(int64_t round) const {
 std::vector<int> ControlServer::RequestPause(int64_t round, bool graceful,
                                              const std::string& reason) {
   return SendToRound(control::kPause, round, graceful, reason, /*in_process_only=*/true);
+}
+
+std::vector<int> ControlServer::ReturnedRanks(int64_t round) const {
+  MutexLock lock(mutex_);
+  auto it = returned_.find(round);
+  return it == returned_.end() ? std::vector<int>{} : it->second;
 }
 
 std::vector<int> ControlServer::PausedRanks(int64_t round) const {
@@ -303,6 +310,11 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
       failures_.push_back({round, client.rank, client.local_rank,
                            message.empty() ? "no detail given" : message});
     }
+    return true;
+  }
+  if (type == control::kReturned) {
+    auto& ranks = returned_[client.round];
+    if (client.said_hello && ranks.size() < kMaxPendingFlushes) ranks.push_back(client.local_rank);
     return true;
   }
   if (type == control::kPaused) {

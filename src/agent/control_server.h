@@ -81,6 +81,9 @@ class ControlServer {
   // it a worker of `new_round` from now on. False when no such worker is connected.
   bool AssignRound(int64_t round, int local_rank, int64_t new_round,
                    const std::map<std::string, std::string>& env);
+  // Local ranks of `round` whose program returned (or exited 0) in-process ("returned"): a
+  // collective failure after it on this node was this node's early exit (issue #32, blame).
+  std::vector<int> ReturnedRanks(int64_t round) const;
   // The failures reported ("failed") since the last call, oldest first.
   std::vector<InProcessFailure> TakeInProcessFailures();
   // The newest step a worker reported as persisted to storage ("persisted"), if any.
@@ -129,6 +132,7 @@ class ControlServer {
   std::map<int64_t, std::vector<int>> stopping_ EFDL_GUARDED_BY(mutex_);   // by round
   std::map<int64_t, std::vector<int>> released_ EFDL_GUARDED_BY(mutex_);   // by round
   std::map<int64_t, std::vector<int>> paused_ EFDL_GUARDED_BY(mutex_);     // by round
+  std::map<int64_t, std::vector<int>> returned_ EFDL_GUARDED_BY(mutex_);   // by round
   std::vector<InProcessFailure> failures_ EFDL_GUARDED_BY(mutex_);        // not yet taken
   std::vector<FlushRequest> flushes_ EFDL_GUARDED_BY(mutex_);             // not yet taken
   uint64_t next_connection_ EFDL_GUARDED_BY(mutex_) = 1;

@@ -174,6 +174,9 @@ bool WorkerGroup::ReapOne(Worker& w) {
   if (!WaitStatusSuccess(*st) && !first_failure_) {
     first_failure_ = WorkerExit{w.spec.local_rank, w.spec.rank, *st};
   }
+  if (WaitStatusSuccess(*st) && !first_exited0_) {
+    first_exited0_ = WorkerExit{w.spec.local_rank, w.spec.rank, *st};
+  }
   return true;
 }
 
@@ -181,7 +184,17 @@ WorkerGroup::State WorkerGroup::Poll() {
   bool all_done = true;
   for (Worker& w : workers_) all_done = ReapOne(w) && all_done;
   if (first_failure_) return State::kFailed;
-  return all_done ? State::kSucceeded : State::kRunning;
+  if (all_done) return State::kSucceeded;
+  if (!exited0_early_) {
+    // Reaped (with status 0: no failure so far) while another still runs.
+    for (const Worker& w : workers_) {
+      if (w.reaped) {
+        exited0_early_ = WorkerExit{w.spec.local_rank, w.spec.rank, 0};
+        break;
+      }
+    }
+  }
+  return State::kRunning;
 }
 
 int WorkerGroup::running() const {

@@ -104,6 +104,12 @@ class WorkerGroup {
   State Poll();
   // The first worker seen exiting non-zero.
   const std::optional<WorkerExit>& first_failure() const { return first_failure_; }
+  // The first worker Poll() saw exited 0 while another worker of the group still ran and none
+  // had failed: at a job's end every worker exits 0 soon after, but when a failure follows, the
+  // program returned early on that rank and its peers' collectives lost it (issue #32, blame).
+  const std::optional<WorkerExit>& exited0_early() const { return exited0_early_; }
+  // The first worker reaped with status 0, whenever (after a failure too).
+  const std::optional<WorkerExit>& first_exited0() const { return first_exited0_; }
   int running() const;
   std::vector<pid_t> pids() const;
 
@@ -167,6 +173,8 @@ class WorkerGroup {
   std::vector<Worker> workers_;
   std::vector<Stream> streams_;     // touched only by the output thread once it runs
   std::optional<WorkerExit> first_failure_;
+  std::optional<WorkerExit> exited0_early_;
+  std::optional<WorkerExit> first_exited0_;
   StopPolicy stop_policy_;                              // of the last Stop()
   std::chrono::steady_clock::time_point stop_start_{};
   mutable Mutex connect_error_mu_;

@@ -87,6 +87,11 @@ TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRou
   EXPECT_EQ(failures[0].rank, 5);
   EXPECT_EQ(failures[0].message, "Connection reset");
   EXPECT_TRUE(server_->TakeInProcessFailures().empty()) << "taken once";
+  // A rank whose program returned says so, for its own round too.
+  EXPECT_TRUE(server_->ReturnedRanks(3).empty());
+  ASSERT_TRUE(c.SendJson({{"type", "returned"}, {"round", 99}}));
+  ASSERT_TRUE(WaitUntil([&] { return server_->ReturnedRanks(3) == std::vector<int>{1}; }));
+  EXPECT_TRUE(server_->ReturnedRanks(99).empty());
   EXPECT_EQ(server_->newest_step(), std::optional<int64_t>(18));
 
   EXPECT_TRUE(server_->AssignRound(3, 1, 4, {{"RANK", "9"}, {"WORLD_SIZE", "10"}}));

@@ -74,6 +74,29 @@ TEST_F(WorkerGroupTest, AllWorkersExitingZeroIsSuccess) {
   EXPECT_FALSE(g->first_failure().has_value());
 }
 
+TEST_F(WorkerGroupTest, AWorkerThatExited0WhileAnotherRanIsRecordedAndAFailureAfterItToo) {
+  // Rank 11 returns at once; rank 10 fails a moment later (its collective lost rank 11).
+  auto g = StartOk(Options({"sh", "-c", "if [ $TEST_RANK = 11 ]; then exit 0; fi; sleep 0.5; "
+                                        "exit 1"}, 2));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(WaitUntil([&] { g->Poll(); return g->exited0_early().has_value(); }));
+  EXPECT_EQ(g->exited0_early()->rank, 11);
+  EXPECT_EQ(g->first_exited0()->rank, 11);
+  EXPECT_EQ(WaitDone(*g), WorkerGroup::State::kFailed);
+  EXPECT_EQ(g->first_failure()->rank, 10);
+  EXPECT_EQ(g->exited0_early()->rank, 11);
+
+  // Exiting 0 after a failure: not early, but still the first exit 0.
+  auto late = StartOk(Options({"sh", "-c", "if [ $TEST_RANK = 10 ]; then exit 1; fi; sleep 0.5; "
+                                           "exit 0"}, 2));
+  ASSERT_TRUE(late);
+  EXPECT_EQ(WaitDone(*late), WorkerGroup::State::kFailed);
+  ASSERT_TRUE(WaitUntil([&] { late->Poll(); return late->running() == 0; }));
+  EXPECT_FALSE(late->exited0_early().has_value());
+  ASSERT_TRUE(late->first_exited0().has_value());
+  EXPECT_EQ(late->first_exited0()->rank, 11);
+}
+
 TEST_F(WorkerGroupTest, NonZeroExitIsReportedWithRankAndStatus) {
   auto g = StartOk(Options({"sh", "-c", "if [ $TEST_RANK = 11 ]; then exit 3; fi; sleep 30"}, 2));
   ASSERT_TRUE(g);

@@ -11,6 +11,8 @@ restart path), by real agents on one real etcd with real gloo DDP workers
 - under efdl.elastic.run, a node whose program raises ValueError every round: that node's
   agent logs its worker's failures, counts them and is excluded after --exclude-after 2; the
   healthy nodes never count a failure, give up or get excluded, and finish the job.
+A fourth case runs two nodes of two processes: one rank of a node returns early while the rank
+beside it trains on; that node counts it, though its other rank's failure looks like a lost peer.
 Short settings as in test_e2e_elastic_run.py (--ttl 3, --last-call 1, --stop-grace 3).
 """
 
@@ -134,6 +136,43 @@ def test_a_rank_that_exits_0_before_the_job_completed_is_blamed_on_its_node(job,
         assert not re.search(r"restart \d+ ", out), out
         assert "workers of node %s failed" % p.name not in out, out
         assert "exited 0 before the job completed: their peers" not in out, out
+
+
+@pytest.mark.parametrize("mode", ["in-process", "restart"])
+def test_one_of_a_nodes_ranks_exiting_0_early_is_blamed_on_its_node(job, mode):
+    """Two nodes of two processes: rank 1 returns at step 30 while rank 0 beside it trains on.
+    Rank 0's collective then fails on a lost peer (it exits 1, or waits in-process) like the other
+    node's ranks: without the early exit's record that failure looked collateral on both nodes
+    and nobody counted anything."""
+    marks = os.path.join(job.dir, "marks")
+    os.makedirs(marks)
+    env = mode_env(mode, {"WORKER_STEPS": "100", "WORKER_STEP_TIME": "0.03",
+                          "WORKER_EXIT0": "1:30", "WORKER_MARK_DIR": marks})
+    agents = [job.start_agent(n, env=env, nnodes="2:2", nproc=2,
+                              extra=["--no-prestart"], command=[cluster.PYTHON, WORKER])
+              for n in NODES[:2]]
+    job.wait_for_world(4, agents=agents, timeout=120)
+    exiting = None
+    deadline = time.monotonic() + 90
+    while exiting is None:
+        exiting = next((a for a in agents if "] EXITING0 rank=1 " in a.output()), None)
+        assert time.monotonic() < deadline, outputs(agents)
+        time.sleep(0.05)
+    peer = next(a for a in agents if a is not exiting)
+    wait_line(exiting, r"round \d+: rank 1 exited 0 before the job completed while this node's "
+                       r"other ranks trained", 60, agents)
+    wait_line(exiting, r"restart 1 (of \d+ )?after rank 1 exited 0 before the job completed", 30, agents)
+    st = status(job)
+    restarts = {m["id"]: m["restarts"] for m in st["members"]}
+    assert restarts == {exiting.name: 1, peer.name: 0}, (st, outputs(agents))
+    for a in agents:
+        assert a.wait(120) == 0, outputs(agents)
+    events = json.loads(efdl(job, "events", "--json"))["events"]
+    assert any("workers of node %s failed: rank 1 exited 0 before the job completed"
+               % exiting.name in e["why"] for e in events), events
+    out = agent_lines(peer)
+    assert not re.search(r"restart \d+ ", out), out
+    assert "workers of node %s failed" % peer.name not in out, out
 
 
 @pytest.mark.parametrize("mode", ["in-process", "restart"])

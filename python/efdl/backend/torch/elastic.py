@@ -125,9 +125,15 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
                 sys.stderr.flush()
         failure = None
         try:
-            return func(state, *args, **kwargs)
+            result = func(state, *args, **kwargs)
+            control.notify_returned()
+            return result
         except RoundChangeInterrupt:
             pass
+        except SystemExit as e:
+            if e.code in (None, 0):
+                control.notify_returned()
+            raise
         except Exception as e:  # noqa: BLE001 - only collective failures are kept (below)
             if not (is_collective_failure(e) or control.pause_request() is not None):
                 raise
