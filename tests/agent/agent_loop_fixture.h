@@ -18,6 +18,7 @@
 #include "common/net.h"
 #include "queued_rendezvous.h"
 #include "test_util.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::agent::testing {
 
@@ -165,12 +166,11 @@ class StderrCapture {
   int saved_ = -1;
 };
 
-class AgentLoopTest : public ::testing::Test {
+class AgentLoopTest : public TempDirTest {
  protected:
+  AgentLoopTest() : TempDirTest("efdl-agent-test") {}
   void SetUp() override {
-    auto dir = TempDir::Create("efdl-agent-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
     out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     opts_.job_id = "job-1";
     opts_.node_id = "node-a";
@@ -184,7 +184,6 @@ class AgentLoopTest : public ::testing::Test {
   void TearDown() override { ::close(out_fd_); }
   std::string Out() const { return ReadFile(dir_.path() + "/out"); }
 
-  TempDir dir_;
   int out_fd_ = -1;
   AgentOptions opts_;
   ScriptedRendezvous rdzv_;

@@ -14,6 +14,7 @@
 #include "agent/control_server.h"
 #include "common/net.h"
 #include "test_util.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::agent {
 namespace {
@@ -23,12 +24,11 @@ using testing::ReadFile;
 using testing::WaitUntil;
 using Clock = std::chrono::steady_clock;
 
-class WorkerGroupTest : public ::testing::Test {
+class WorkerGroupTest : public TempDirTest {
  protected:
+  WorkerGroupTest() : TempDirTest("efdl-wg-test") {}
   void SetUp() override {
-    auto dir = TempDir::Create("efdl-wg-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
     out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     err_fd_ = ::open((dir_.path() + "/err").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
   }
@@ -61,7 +61,6 @@ class WorkerGroupTest : public ::testing::Test {
     WaitUntil([&] { return (s = g.Poll()) != WorkerGroup::State::kRunning; });
     return s;
   }
-  TempDir dir_;
   int out_fd_ = -1;
   int err_fd_ = -1;
 };

@@ -14,16 +14,16 @@
 #include "snapshot/env.h"
 #include "snapshot/hash.h"
 #include "snapshot/snapshot_file.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::snapshot {
 namespace {
 
-class SnapshotHmacTest : public ::testing::Test {
+class SnapshotHmacTest : public TempDirTest {
  protected:
+  SnapshotHmacTest() : TempDirTest("efdl-hmac") {}
   void SetUp() override {
-    auto dir = TempDir::Create("efdl-hmac");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
     auto a = security::NewSecret();
     auto b = security::NewSecret();
     ASSERT_TRUE(a.ok() && b.ok());
@@ -76,7 +76,6 @@ class SnapshotHmacTest : public ::testing::Test {
   }
 
   static constexpr int64_t kCount = 4096;
-  TempDir dir_;
   std::string secret_a_, secret_b_;
 };
 

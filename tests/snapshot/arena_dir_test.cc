@@ -16,6 +16,7 @@
 #include "efdl/snapshot.h"
 #include "snapshot/arena.h"
 #include "snapshot/arena_dir.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::snapshot {
 namespace {
@@ -111,13 +112,9 @@ TEST(ArenaRoom, NotEnoughRoomIsOneLineWithSizeFreeAndVariable) {
   EXPECT_EQ(s.message().find('\n'), std::string::npos);
 }
 
-class ArenaDirTest : public ::testing::Test {
+class ArenaDirTest : public TempDirTest {
  protected:
-  void SetUp() override {
-    auto d = TempDir::Create("arena-dir-test");
-    ASSERT_TRUE(d.ok());
-    dir_ = std::move(d).value();
-  }
+  ArenaDirTest() : TempDirTest("arena-dir-test") {}
   void TearDown() override {
     for (pid_t pid : children_) {
       ::kill(pid, SIGKILL);
@@ -165,7 +162,6 @@ class ArenaDirTest : public ::testing::Test {
   }
   std::string d() const { return dir_.path(); }
 
-  TempDir dir_;
   std::vector<pid_t> children_;
 };
 

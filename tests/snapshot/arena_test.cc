@@ -7,16 +7,16 @@
 
 #include "common/net.h"
 #include "snapshot/arena.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::snapshot {
 namespace {
 
-class ArenaTest : public ::testing::Test {
+class ArenaTest : public TempDirTest {
  protected:
+  ArenaTest() : TempDirTest("efdl-arena-test") {}
   void SetUp() override {
-    auto dir = TempDir::Create("efdl-arena-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
     path_ = dir_.path() + "/test.arena";
   }
   std::unique_ptr<SnapshotArena> NewArena(int slots = 2) {
@@ -35,7 +35,6 @@ class ArenaTest : public ::testing::Test {
     a.Publish(*slot, seq, static_cast<int64_t>(seq) * 10, m.size(), 1024);
     return *slot;
   }
-  TempDir dir_;
   std::string path_;
 };
 

@@ -8,18 +8,18 @@
 #include "snapshot/layout.h"
 #include "snapshot/snapshot_file.h"
 #include "snapshot/store.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::cli {
 namespace {
 
 namespace snap = efdl::snapshot;
 
-class SnapshotsCommandTest : public ::testing::Test {
+class SnapshotsCommandTest : public TempDirTest {
  protected:
+  SnapshotsCommandTest() : TempDirTest("efdl-snapcli-test") {}
   void SetUp() override {
-    auto dir = TempDir::Create("efdl-snapcli-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
     snap::SnapshotStore store(nullptr, dir_.path() + "/job1", 5);
     for (uint64_t seq = 1; seq <= 3; ++seq) {
       snap::Manifest m;
@@ -48,7 +48,6 @@ class SnapshotsCommandTest : public ::testing::Test {
     *out = ::testing::internal::GetCapturedStdout();
     return rc;
   }
-  TempDir dir_;
 };
 
 TEST_F(SnapshotsCommandTest, ListShowsEverySnapshotNewestFirst) {

@@ -11,6 +11,7 @@
 #include "snapshot/layout.h"
 #include "snapshot/store.h"
 #include "tests/snapshot/fault_env.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::snapshot {
 namespace {
@@ -35,15 +36,10 @@ Status WriteOne(SnapshotStore& store, uint64_t seq, uint8_t fill) {
   return store.Write(m, data.data(), ChecksumOfRegion(m.tensors, data.data(), nullptr));
 }
 
-class StoreTest : public ::testing::Test {
+class StoreTest : public TempDirTest {
  protected:
-  void SetUp() override {
-    auto dir = TempDir::Create("efdl-store-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
-  }
+  StoreTest() : TempDirTest("efdl-store-test") {}
   std::string Dir() const { return dir_.path() + "/job"; }
-  TempDir dir_;
   FaultEnv env_;
 };
 

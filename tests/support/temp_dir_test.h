@@ -1,0 +1,31 @@
+// A GoogleTest fixture whose every test starts with a fresh temporary directory `dir_`, removed
+// with everything in it when the fixture is destroyed (after the derived fixture's own members).
+// A derived fixture names its directory's prefix and, with its own SetUp, begins with
+// `ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());`.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+
+#include "common/net.h"
+
+namespace efdl {
+
+class TempDirTest : public ::testing::Test {
+ protected:
+  explicit TempDirTest(std::string prefix) : prefix_(std::move(prefix)) {}
+  void SetUp() override {
+    auto dir = TempDir::Create(prefix_);
+    ASSERT_TRUE(dir.ok());
+    dir_ = std::move(dir).value();
+  }
+
+  TempDir dir_;
+
+ private:
+  std::string prefix_;
+};
+
+}  // namespace efdl
