@@ -16,15 +16,8 @@
 namespace efdl::agent {
 namespace {
 
-using namespace std::chrono_literals;
-using rdzv::Assignment;
-using rdzv::Event;
-using testing::AgentLoopTest;
-using testing::MakeAssignment;
-using testing::ReadFile;
-using testing::Simple;
-using testing::Started;
-using testing::WaitUntil;
+// The fixture, its scripted Rendezvous and helpers (agent_loop_fixture.h, test_util.h).
+using namespace testing;
 
 // A worker that takes round changes in-process: it writes "pid round rank" to
 // DIR/worker.<local rank> at the start of each round it takes part in and prints a line; at a
@@ -108,7 +101,7 @@ TEST_F(AgentLoopTest, AnInProcessWorkerThatDoesNotPauseWithinTheGraceIsReplacedB
       "    while True: time.sleep(1)\n");
   const std::string w0 = dir_.path() + "/worker.0";
   testing::StderrCapture log(dir_.path() + "/agent.log");
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
     if (WaitUntil([&] { return RoundLines(w0).size() == 1; }, 20s)) {
@@ -172,7 +165,7 @@ TEST_F(AgentLoopTest, AWorkerThatFailsInsteadOfPausingIsThisNodesFailure) {
       "    while c.pause_request() is None: time.sleep(0.002)\n"
       "    sys.exit(3)\n");
   const std::string w0 = dir_.path() + "/worker.0";
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
     if (WaitUntil([&] { return RoundLines(w0).size() == 1; }, 20s)) {
@@ -195,7 +188,7 @@ TEST_F(AgentLoopTest, PausedWorkersOfANodeThatBecomesAStandbyAreStopped) {
   opts_.nproc = 1;
   opts_.command = InProcessWorker(dir_.path());
   const std::string w0 = dir_.path() + "/worker.0";
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   int pid = 0;
   std::thread script([&] {

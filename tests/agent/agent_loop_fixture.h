@@ -184,6 +184,22 @@ class AgentLoopTest : public TempDirTest {
   void TearDown() override { ::close(out_fd_); }
   std::string Out() const { return ReadFile(dir_.path() + "/out"); }
 
+  // Script pieces for rounds of one-worker nodes with this node the first of `nodes`: round 1;
+  // after each failed round the next one at the same place; a round's success completes the job.
+  void StartRoundOne(int nodes = 2) {
+    rdzv_.Push(Started(MakeAssignment(1, 0, nodes, 0, 1, nodes)));
+  }
+  void NextRoundAfterEachFailure(int nodes = 2) {
+    rdzv_.on_failure = [this, nodes](int64_t round, const std::string&) {
+      rdzv_.Push(Started(MakeAssignment(round + 1, 0, nodes, 0, 1, nodes)));
+    };
+  }
+  void CompleteTheJobAtASuccess() {
+    rdzv_.on_success = [this](int64_t round) {
+      rdzv_.Push(Simple(Event::Type::kJobComplete, round));
+    };
+  }
+
   int out_fd_ = -1;
   AgentOptions opts_;
   ScriptedRendezvous rdzv_;

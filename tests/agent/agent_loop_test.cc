@@ -22,22 +22,13 @@
 namespace efdl::agent {
 namespace {
 
-using namespace std::chrono_literals;
-using rdzv::Assignment;
-using rdzv::Event;
-using testing::AgentLoopTest;
-using testing::MakeAssignment;
-using testing::ReadFile;
-using testing::ScriptedRendezvous;
-using testing::Simple;
-using testing::Started;
-using testing::StderrCapture;
-using testing::WaitUntil;
+// The fixture, its scripted Rendezvous and helpers (agent_loop_fixture.h, test_util.h).
+using namespace testing;
 
 TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
   opts_.nproc = 2;
   opts_.command = {"sh", "-c", "env | sort > " + dir_.path() + "/env.$RANK"};
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  CompleteTheJobAtASuccess();
   rdzv_.Push(Started(MakeAssignment(4, 1, 2, 3, 2, 5)));
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 0);
@@ -66,7 +57,7 @@ TEST_F(AgentLoopTest, WorkersGetTheirPlaceAndCompletionExitsZero) {
 
 TEST_F(AgentLoopTest, InARoundThatMeetsInAnAgentStoreEveryRankIsItsClientUnderTheRoundNumber) {
   opts_.command = {"sh", "-c", "env | sort > " + dir_.path() + "/env.$RANK"};
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  CompleteTheJobAtASuccess();
   Assignment a = MakeAssignment(7, 1, 2, 1, 1, 2);
   a.agent_store = true;
   rdzv_.Push(Started(a));
@@ -120,10 +111,8 @@ TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
   opts_.command = {"sh", "-c",
                    "echo 'RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] "
                    "Connection closed by peer [127.0.0.1]:4242' >&2; exit 1"};
-  rdzv_.on_failure = [&](int64_t round, const std::string&) {
-    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 2, 0, 1, 2)));
-  };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  NextRoundAfterEachFailure();
+  StartRoundOne();
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 1);
@@ -151,10 +140,8 @@ TEST_F(AgentLoopTest, AWorkersOwnExceptionAfterAnEarlierLostPeerIsItsOwnFailure)
                    "Connection closed by peer [127.0.0.1]:4242' >&2; "
                    "echo 'Traceback (most recent call last):' >&2; "
                    "echo 'ValueError: bad batch' >&2; exit 1"};
-  rdzv_.on_failure = [&](int64_t round, const std::string&) {
-    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 2, 0, 1, 2)));
-  };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  NextRoundAfterEachFailure();
+  StartRoundOne();
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 1);
@@ -207,7 +194,7 @@ TEST_F(AgentLoopTest, WorkersThatExitedZeroAreNotCountedWithoutTheRoundsMark) {
       rdzv_.Push(Simple(Event::Type::kJobComplete, round));
     }
   };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StartRoundOne();
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 0);
@@ -229,9 +216,7 @@ TEST_F(AgentLoopTest, ANodeWhoseOwnWorkersKeepFailingIsExcludedThenRejoins) {
   opts_.command = {"sh", "-c",
                    "echo $EFDL_ROUND >> " + ran + "; if [ $EFDL_ROUND -lt 3 ]; then "
                    "echo 'ValueError: bad host' >&2; exit 7; fi; exit 0"};
-  rdzv_.on_failure = [&](int64_t round, const std::string&) {
-    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 3, 0, 1, 3)));
-  };
+  NextRoundAfterEachFailure(3);
   std::thread later;
   rdzv_.on_withdraw = [&](std::chrono::milliseconds) {
     // Announced before the withdrawal took effect: stale, never started.
@@ -241,8 +226,8 @@ TEST_F(AgentLoopTest, ANodeWhoseOwnWorkersKeepFailingIsExcludedThenRejoins) {
       rdzv_.Push(Started(MakeAssignment(9, 2, 3, 2, 1, 3)));
     });
   };
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne(3);
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   const int code = agent.Run();
@@ -279,15 +264,13 @@ TEST_F(AgentLoopTest, CollateralFailuresNeverExcludeTheNode) {
                    "if [ $EFDL_ROUND -lt 6 ]; then echo 'RuntimeError: [../third_party/gloo/"
                    "gloo/transport/tcp/pair.cc:598] Connection closed by peer "
                    "[127.0.0.1]:4242' >&2; exit 1; fi; exit 0"};
-  rdzv_.on_failure = [&](int64_t round, const std::string&) {
-    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 3, 0, 1, 3)));
-  };
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  NextRoundAfterEachFailure(3);
+  CompleteTheJobAtASuccess();
   // Were it excluded, the script would have nothing more for it: end the run then.
   rdzv_.on_withdraw = [&](std::chrono::milliseconds) {
     rdzv_.Push(Simple(Event::Type::kFailed, 0, false, "excluded"));
   };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  StartRoundOne(3);
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 0);
@@ -313,8 +296,8 @@ TEST_F(AgentLoopTest, ACollateralStreakEndsWhenTheJobsNodeCountChanges) {
     const int nodes = round < 5 ? 3 : 2;
     rdzv_.Push(Started(MakeAssignment(round + 1, 0, nodes, 0, 1, nodes)));
   };
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne(3);
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 0) << log.Text();
@@ -333,10 +316,8 @@ TEST_F(AgentLoopTest, PeerConnectFailuresAreExplainedOnceAcrossRestarts) {
   opts_.command = {"sh", "-c",
                    "echo 'RuntimeError: [pair.cc:799] connect [127.0.1.1]:4321: Connection "
                    "refused' >&2; exit 1"};
-  rdzv_.on_failure = [&](int64_t round, const std::string&) {
-    rdzv_.Push(Started(MakeAssignment(round + 1, 0, 2, 0, 1, 2)));
-  };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  NextRoundAfterEachFailure();
+  StartRoundOne();
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 1);
@@ -365,8 +346,8 @@ TEST_F(AgentLoopTest, PeerConnectFailureThatCameWithANodeLeavingIsNotExplained) 
   rdzv_.on_failure = [&](int64_t, const std::string&) {
     rdzv_.Push(Started(MakeAssignment(2, 0, 2, 0, 1, 2)));  // 3 nodes -> 2
   };
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne(3);
   StderrCapture log(dir_.path() + "/log");
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 0);
@@ -384,8 +365,8 @@ TEST_F(AgentLoopTest, FailureThatCameWithANodeLeavingIsNotCounted) {
   rdzv_.on_failure = [&](int64_t, const std::string&) {
     rdzv_.Push(Started(MakeAssignment(2, 0, 2, 0, 1, 2)));  // 3 nodes -> 2
   };
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 3, 0, 1, 3)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne(3);
   Agent agent(opts_, rdzv_);
   EXPECT_EQ(agent.Run(), 0);
   EXPECT_EQ(agent.restarts(), 0);
@@ -403,7 +384,7 @@ TEST_F(AgentLoopTest, AWorkerThatFailedRightBeforeAPeersClosingIsStillReported) 
   const std::string go = dir_.path() + "/go";
   opts_.command = {"sh", "-c", "echo about to fail $$.; while [ ! -e " + go +
                                    " ]; do sleep 0.01; done; exit 3"};
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
     const std::string said = "about to fail ";
@@ -432,8 +413,8 @@ TEST_F(AgentLoopTest, RoundClosingStopsWorkersAndTheNextRoundRestartsThem) {
   opts_.nproc = 1;
   opts_.command = {"sh", "-c", "echo \"started round $EFDL_ROUND restart $EFDL_RESTART_COUNT\"; "
                                "if [ $EFDL_ROUND = 1 ]; then exec sleep 30; fi"};
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
     ASSERT_TRUE(WaitUntil([&] { return Out().find("started round 1") != std::string::npos; }));
@@ -463,8 +444,8 @@ TEST_F(AgentLoopTest, GracefulClosingReachesConnectedWorkersThroughTheSocket) {
       "while not c.stop_requested(): time.sleep(0.002)\n"
       "c.notify_stopping(123)\n"
       "open('" + marker + "', 'w').write(c.stop_request().reason)\n");
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
     ASSERT_TRUE(WaitUntil([&] { return Out().find("connected") != std::string::npos; }, 20s));
@@ -555,7 +536,7 @@ TEST_F(AgentLoopTest, StandbyRunsNoWorkersUntilTakenIn) {
   Assignment standby;
   standby.round = 5;
   standby.standby = true;
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  CompleteTheJobAtASuccess();
   rdzv_.Push(Started(standby));
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
@@ -571,8 +552,8 @@ TEST_F(AgentLoopTest, StandbyRunsNoWorkersUntilTakenIn) {
 TEST_F(AgentLoopTest, FencedNodeStopsItsWorkersAndCanRejoin) {
   opts_.nproc = 1;
   opts_.command = {"sh", "-c", "echo pid $$ round $EFDL_ROUND; if [ $EFDL_ROUND = 1 ]; then exec sleep 30; fi"};
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
-  rdzv_.Push(Started(MakeAssignment(1, 0, 2, 0, 1, 2)));
+  CompleteTheJobAtASuccess();
+  StartRoundOne();
   Agent agent(opts_, rdzv_);
   std::thread script([&] {
     ASSERT_TRUE(WaitUntil([&] { return Out().find("round 1") != std::string::npos; }));
@@ -639,7 +620,7 @@ TEST_F(AgentLoopTest, LauncherModeStartsOneProcessPerNodeAndStopsItsWholeGroup) 
   opts_.command = {"sh", "-c", "env | sort > " + d + "/env.$EFDL_ROUND.$RANK; "
                                "if [ $EFDL_ROUND = 2 ]; then exit 0; fi; "
                                "sleep 300 & echo $! > " + d + "/child; wait"};
-  rdzv_.on_success = [&](int64_t round) { rdzv_.Push(Simple(Event::Type::kJobComplete, round)); };
+  CompleteTheJobAtASuccess();
   rdzv_.Push(Started(MakeAssignment(1, 1, 2, 1, 2, 3)));
   Agent agent(opts_, rdzv_);
   pid_t child = 0;
