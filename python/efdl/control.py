@@ -176,8 +176,10 @@ class ControlClient:
                 if isinstance(env, dict):
                     env = {str(k): str(v) for k, v in env.items()}
                     self.round = int(message["round"])
-                    self.rank = _int_or(env.get(Env.RANK), self.rank)
-                    self.local_rank = _int_or(env.get(Env.LOCAL_RANK), self.local_rank)
+                    # The place's typed fields (the agent's), the environment's otherwise.
+                    self.rank = _int_or(message.get("rank", env.get(Env.RANK)), self.rank)
+                    self.local_rank = _int_or(message.get("local_rank", env.get(Env.LOCAL_RANK)),
+                                              self.local_rank)
                     self._pause = None
                     return env
             if self._stop is not None:

@@ -531,9 +531,9 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
     spec.local_rank = lr;
     spec.rank = a.rank_offset + lr;
     spec.env = options_.launcher
-                   ? LauncherEnvironment(options_, a, restart_count)
-                   : WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
-    spec.env[envvar::kArenaHolder] = holder_lock_->holder();
+                   ? LauncherEnvironment(options_, a, restart_count, holder_lock_->holder())
+                   : WorkerEnvironment(options_, a, lr, restart_count, socket_path_,
+                                       holder_lock_->holder());
     spec.log_path = WorkerLogPath(a.round, spec.rank);
     wg.workers.push_back(std::move(spec));
   }
@@ -665,8 +665,8 @@ void Agent::StartSparePool() {
   rdzv::Assignment typical;
   typical.nproc = options_.nproc;
   for (int lr = 0; lr < options_.nproc; ++lr) {
-    so.start_env[lr] = WorkerEnvironment(options_, typical, lr, 0, socket_path_);
-    so.start_env[lr][envvar::kArenaHolder] = holder_lock_->holder();
+    so.start_env[lr] =
+        WorkerEnvironment(options_, typical, lr, 0, socket_path_, holder_lock_->holder());
   }
   auto pool = SparePool::Create(std::move(so));
   if (!pool.ok()) {

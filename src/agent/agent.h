@@ -116,7 +116,8 @@ inline bool HangDetectionOn(const AgentOptions& options) {
 std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
                                                      const rdzv::Assignment& assignment,
                                                      int local_rank, int restart_count,
-                                                     const std::string& control_socket);
+                                                     const std::string& control_socket,
+                                                     const std::string& arena_holder = {});
 
 // The environment of the one process per node of `efdl run --launcher`: node-level values for
 // an inner launcher (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR/PORT, WORLD_SIZE = all
@@ -125,7 +126,8 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
 // and would each claim a local rank the agent does not know.
 std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& options,
                                                        const rdzv::Assignment& assignment,
-                                                       int restart_count);
+                                                       int restart_count,
+                                                       const std::string& arena_holder = {});
 
 class Agent {
  public:

@@ -82,9 +82,9 @@ bool Agent::ContinueInProcess(const rdzv::Assignment& a, int restart_count) {
   if (why.empty()) {
     group_->Renumber(a.round, ranks, log_paths);
     for (int lr = 0; lr < n && why.empty(); ++lr) {
-      auto env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_);
-      env[envvar::kArenaHolder] = holder_lock_->holder();
-      if (!control_->AssignRound(old_round, lr, a.round, env)) {
+      const auto env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_,
+                                         holder_lock_->holder());
+      if (!control_->AssignRound(old_round, lr, a.round, a.rank_offset + lr, env)) {
         why = fmt::format("local rank {} could not be reached", lr);
       }
     }

@@ -171,9 +171,11 @@ std::vector<int> ControlServer::PausedRanks(int64_t round) const {
   return it == paused_.end() ? std::vector<int>{} : it->second;
 }
 
-bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round,
+bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round, int new_rank,
                                 const std::map<std::string, std::string>& env) {
-  std::string line = Line({{"type", control::kRound}, {"round", new_round}, {"env", env}});
+  // The place itself as typed fields; `env` is what a worker started for it would get.
+  std::string line = Line({{"type", control::kRound}, {"round", new_round}, {"rank", new_rank},
+                           {"local_rank", local_rank}, {"env", env}});
   MutexLock lock(mutex_);
   for (auto& [fd, c] : clients_) {
     if (!c.said_hello || !c.in_process || c.round != round || c.local_rank != local_rank) {
@@ -181,8 +183,7 @@ bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round
     }
     SendLocked(fd, line);
     c.round = new_round;
-    auto rank = env.find(envvar::kRank);
-    if (rank != env.end()) c.rank = std::atoi(rank->second.c_str());
+    c.rank = new_rank;
     return true;
   }
   return false;

@@ -76,10 +76,11 @@ class ControlServer {
   std::vector<int> RequestPause(int64_t round, bool graceful, const std::string& reason);
   // Local ranks that said "paused" for `round` (connected or not since).
   std::vector<int> PausedRanks(int64_t round) const;
-  // Sends the in-process worker of `round` with `local_rank` its place in `new_round` (a
-  // "round" line carrying `env`, the environment a worker started for it would get), and counts
+  // Sends the in-process worker of `round` with `local_rank` its place in `new_round`, global
+  // rank `new_rank` (a "round" line with those typed fields and `env`, the environment a worker
+  // started for it would get), and counts
   // it a worker of `new_round` from now on. False when no such worker is connected.
-  bool AssignRound(int64_t round, int local_rank, int64_t new_round,
+  bool AssignRound(int64_t round, int local_rank, int64_t new_round, int new_rank,
                    const std::map<std::string, std::string>& env);
   // Local ranks of `round` whose program returned (or exited 0) in-process ("returned"): a
   // collective failure after it on this node was this node's early exit (issue #32, blame).

@@ -57,8 +57,10 @@ void AddSocketInterface(const AgentOptions& options, std::map<std::string, std::
 // What a worker and a --launcher process both get: the job's ids and the round, the snapshot
 // directory, the thread count and the socket interface.
 void AddCommon(const AgentOptions& options, const rdzv::Assignment& a, int restart_count,
-               std::map<std::string, std::string>& env) {
+               const std::string& arena_holder, std::map<std::string, std::string>& env) {
   env[envvar::kJobId] = options.job_id;
+  // The agent's arena holder lock (snapshot/holder_lock.h): which agent's arenas these are.
+  if (!arena_holder.empty()) env[envvar::kArenaHolder] = arena_holder;
   env[envvar::kNodeId] = options.node_id;
   env[envvar::kRound] = std::to_string(a.round);
   env[envvar::kRestartCount] = std::to_string(restart_count);
@@ -85,7 +87,8 @@ void AddCommon(const AgentOptions& options, const rdzv::Assignment& a, int resta
 std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options,
                                                      const rdzv::Assignment& a, int local_rank,
                                                      int restart_count,
-                                                     const std::string& control_socket) {
+                                                     const std::string& control_socket,
+                                                     const std::string& arena_holder) {
   const int rank = a.rank_offset + local_rank;
   std::map<std::string, std::string> env = {
       {envvar::kRank, std::to_string(rank)},
@@ -126,14 +129,15 @@ std::map<std::string, std::string> WorkerEnvironment(const AgentOptions& options
   if (!options.snapshot_dir.empty()) env[envvar::kAgentPersists] = "1";
   // The job's records live in a shared etcd (--etcd): starting it over needs `efdl reset --etcd`.
   if (options.shared_etcd) env[envvar::kSharedEtcd] = "1";
-  AddCommon(options, a, restart_count, env);
+  AddCommon(options, a, restart_count, arena_holder, env);
   AddHorovodEnvironment(options, a, local_rank, env);
   return env;
 }
 
 std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& options,
                                                        const rdzv::Assignment& a,
-                                                       int restart_count) {
+                                                       int restart_count,
+                                                       const std::string& arena_holder) {
   std::map<std::string, std::string> env = {
       {envvar::kNnodes, std::to_string(a.nnodes)},
       {envvar::kNodeRank, std::to_string(a.node_rank)},
@@ -146,7 +150,7 @@ std::map<std::string, std::string> LauncherEnvironment(const AgentOptions& optio
       {envvar::kLocalRank, "0"},
       {envvar::kLauncher, "1"},
   };
-  AddCommon(options, a, restart_count, env);
+  AddCommon(options, a, restart_count, arena_holder, env);
   return env;
 }
 

@@ -94,14 +94,16 @@ TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRou
   EXPECT_TRUE(server_->ReturnedRanks(99).empty());
   EXPECT_EQ(server_->newest_step(), std::optional<int64_t>(18));
 
-  EXPECT_TRUE(server_->AssignRound(3, 1, 4, {{"RANK", "9"}, {"WORLD_SIZE", "10"}}));
+  EXPECT_TRUE(server_->AssignRound(3, 1, 4, 9, {{"RANK", "9"}, {"WORLD_SIZE", "10"}}));
   json next = c.ReadJson();
   EXPECT_EQ(next["type"], "round");
   EXPECT_EQ(next["round"], 4);
+  EXPECT_EQ(next["rank"], 9);
+  EXPECT_EQ(next["local_rank"], 1);
   EXPECT_EQ(next["env"]["RANK"], "9");
   EXPECT_EQ(server_->InProcessRanks(4), std::vector<int>{1});
-  EXPECT_FALSE(server_->AssignRound(3, 1, 5, {})) << "it belongs to round 4 now";
-  EXPECT_FALSE(server_->AssignRound(3, 0, 4, {})) << "the plain worker is never assigned";
+  EXPECT_FALSE(server_->AssignRound(3, 1, 5, 9, {})) << "it belongs to round 4 now";
+  EXPECT_FALSE(server_->AssignRound(3, 0, 4, 8, {})) << "the plain worker is never assigned";
   EXPECT_EQ(server_->RequestStop(4, true, "standby"), std::vector<int>{1});
   EXPECT_EQ(c.ReadJson()["type"], "stop");
 }
