@@ -116,20 +116,6 @@ class ScriptedRendezvous : public QueuedRendezvous {
   std::vector<std::chrono::milliseconds> withdrawals_;
 };
 
-inline Assignment MakeAssignment(int64_t round, int node_rank, int nnodes, int rank_offset, int nproc,
-                          int world) {
-  Assignment a;
-  a.round = round;
-  a.node_rank = node_rank;
-  a.nnodes = nnodes;
-  a.rank_offset = rank_offset;
-  a.nproc = nproc;
-  a.world_size = world;
-  a.master_addr = "127.0.0.1";
-  a.master_port = 29555;
-  return a;
-}
-
 inline Event Started(const Assignment& a) {
   Event e;
   e.type = Event::Type::kRoundStarted;

@@ -3,6 +3,7 @@
 
 #include "agent/agent.h"
 #include "agent/run_config.h"
+#include "test_util.h"
 
 namespace efdl::agent {
 namespace {
@@ -78,16 +79,7 @@ TEST(FragmentedRunConfigTest, LauncherFlagReachesTheAgent) {
 }
 
 rdzv::Assignment SecondNodeOfOnePlusTwo() {
-  rdzv::Assignment a;
-  a.round = 4;
-  a.node_rank = 1;
-  a.nnodes = 2;
-  a.rank_offset = 1;
-  a.nproc = 2;
-  a.world_size = 3;
-  a.master_addr = "10.0.0.1";
-  a.master_port = 29400;
-  return a;
+  return testing::MakeAssignment(4, 1, 2, 1, 2, 3, "10.0.0.1", 29400);
 }
 
 AgentOptions Options() {

@@ -110,14 +110,7 @@ TEST(HorovodEnvironmentTest, OnePlusTwoRoundMatchesHorovodsNumbering) {
 TEST(HorovodEnvironmentTest, UniformRoundTakesCrossPlaceFromTheNodeRank) {
   AgentOptions opts;
   opts.node_id = "n2";
-  Assignment a;
-  a.round = 2;
-  a.node_rank = 2;
-  a.nnodes = 3;
-  a.rank_offset = 4;
-  a.nproc = 2;
-  a.world_size = 6;
-  a.master_addr = "10.0.0.1";
+  Assignment a = testing::MakeAssignment(2, 2, 3, 4, 2, 6, "10.0.0.1", /*master_port=*/0);
   a.horovod_port = 0;   // no server offered: no rendezvous address either
   auto env = WorkerEnvironment(opts, a, 1, 0, "/tmp/sock");
   EXPECT_EQ(env["HOROVOD_RANK"], "5");

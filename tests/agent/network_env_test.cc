@@ -19,16 +19,7 @@ namespace {
 using testing::WaitUntil;
 
 rdzv::Assignment TwoNodes() {
-  rdzv::Assignment a;
-  a.round = 3;
-  a.nnodes = 2;
-  a.node_rank = 1;
-  a.rank_offset = 2;
-  a.nproc = 2;
-  a.world_size = 4;
-  a.master_addr = "10.77.0.11";
-  a.master_port = 29400;
-  return a;
+  return testing::MakeAssignment(3, 1, 2, 2, 2, 4, "10.77.0.11", 29400);
 }
 
 // Unsets the variables for the test and restores what the environment had.

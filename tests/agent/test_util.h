@@ -6,12 +6,15 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 #include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "rendezvous/rendezvous.h"
 
 namespace efdl::agent::testing {
 
@@ -20,6 +23,17 @@ inline std::string ReadFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// A round's place: this node `node_rank` of `nnodes`, its first global rank and worker count, the
+// world size, and the rank-0 node's address.
+inline rdzv::Assignment MakeAssignment(int64_t round, int node_rank, int nnodes, int rank_offset,
+                                       int nproc, int world,
+                                       std::string master_addr = "127.0.0.1",
+                                       uint16_t master_port = 29555) {
+  return {.round = round, .node_rank = node_rank, .nnodes = nnodes, .rank_offset = rank_offset,
+          .nproc = nproc, .world_size = world, .master_addr = std::move(master_addr),
+          .master_port = master_port};
 }
 
 // Polls `pred` until it holds or `timeout` passes; returns its last value.
