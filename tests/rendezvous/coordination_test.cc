@@ -325,14 +325,23 @@ RoundRecord FailureProposalOfFive() {
   return r;
 }
 
-TEST(CoordinationBlameTest, ANodeThatStoppedAnsweringIsTheCauseNotTheSurvivorThatReported) {
-  const auto cfg = Config(1, 3);
-  JobView v = BrokenRoundFour();
-  const RoundRecord round = FailureProposalOfFive();
-  OnAck(v, round, "b", AckWith(5, kOutcomeLost, "rank 1 exited with status 1"), cfg, {});
-  OnAck(v, round, "a", AckWith(5, kOutcomeLost, "rank 0 exited with status 1"), cfg, {});
+// The blame cases: round 5 proposed after round 4 of a, b, c broke (MIN 1, MAX 3); a case acks
+// with the nodes' outcomes of round 4 and decides the proposal's end.
+class CoordinationBlameTest : public ::testing::Test {
+ protected:
+  void Acked(const char* node, const char* outcome, const std::string& detail = "") {
+    OnAck(v_, round_, node, AckWith(5, outcome, detail), cfg_, {});
+  }
+  const CoordinatorConfig cfg_ = Config(1, 3);
+  JobView v_ = BrokenRoundFour();
+  const RoundRecord round_ = FailureProposalOfFive();
+};
+
+TEST_F(CoordinationBlameTest, ANodeThatStoppedAnsweringIsTheCauseNotTheSurvivorThatReported) {
+  Acked("b", kOutcomeLost, "rank 1 exited with status 1");
+  Acked("a", kOutcomeLost, "rank 0 exited with status 1");
   // c (SIGKILLed: its lease still runs) never acks; the window ends the proposal.
-  FinalizeAction act = DecideFinalize(v, round, cfg);
+  FinalizeAction act = DecideFinalize(v_, round_, cfg_);
   ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
   EXPECT_EQ(act.next.message,
             "node c stopped answering (it did not ack the next round); the collectives of "
@@ -342,43 +351,34 @@ TEST(CoordinationBlameTest, ANodeThatStoppedAnsweringIsTheCauseNotTheSurvivorTha
   for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
 }
 
-TEST(CoordinationBlameTest, ANodeWhoseLeaseEndedDuringTheProposalIsGone) {
-  const auto cfg = Config(1, 3);
-  JobView v = BrokenRoundFour();
-  const RoundRecord round = FailureProposalOfFive();
-  OnAck(v, round, "b", AckWith(5, kOutcomeLost), cfg, {});
-  OnNodeGone(v, round, "c");
-  OnAck(v, round, "a", AckWith(5, kOutcomeLost), cfg, {});
-  FinalizeAction act = DecideFinalize(v, round, cfg);
+TEST_F(CoordinationBlameTest, ANodeWhoseLeaseEndedDuringTheProposalIsGone) {
+  Acked("b", kOutcomeLost);
+  OnNodeGone(v_, round_, "c");
+  Acked("a", kOutcomeLost);
+  FinalizeAction act = DecideFinalize(v_, round_, cfg_);
   ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
   EXPECT_EQ(act.next.message,
             "node c is gone (its lease ended or it left); the collectives of node(s) a, b lost "
             "it");
   // A new round formed: its members are what the next cause looks at.
-  AssignmentsWritten(v, act);
-  EXPECT_EQ(v.formed_round, 5);
-  EXPECT_TRUE(v.gone_members.empty());
+  AssignmentsWritten(v_, act);
+  EXPECT_EQ(v_.formed_round, 5);
+  EXPECT_TRUE(v_.gone_members.empty());
 }
 
-TEST(CoordinationBlameTest, AMembersOwnFailureIsTheCauseWhicheverReportCameFirst) {
-  const auto cfg = Config(1, 3);
-  JobView v = BrokenRoundFour();
-  const RoundRecord round = FailureProposalOfFive();
-  OnAck(v, round, "b", AckWith(5, kOutcomeLost, "rank 1 exited with status 1"), cfg, {});
-  OnAck(v, round, "c", AckWith(5, kOutcomeFailed, "rank 2 exited with status 1"), cfg, {});
-  FinalizeAction act = DecideFinalize(v, round, cfg);   // a did not answer: c's failure counts
+TEST_F(CoordinationBlameTest, AMembersOwnFailureIsTheCauseWhicheverReportCameFirst) {
+  Acked("b", kOutcomeLost, "rank 1 exited with status 1");
+  Acked("c", kOutcomeFailed, "rank 2 exited with status 1");
+  FinalizeAction act = DecideFinalize(v_, round_, cfg_);   // a did not answer: c's failure counts
   ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
   EXPECT_EQ(act.next.message, "workers of node c failed: rank 2 exited with status 1");
 }
 
-TEST(CoordinationBlameTest, WorkersThatExitedZeroWhileTheirPeersTrainedAreTheCause) {
-  const auto cfg = Config(1, 3);
-  JobView v = BrokenRoundFour();
-  const RoundRecord round = FailureProposalOfFive();
-  OnAck(v, round, "b", AckWith(5, kOutcomeLost, "rank 1 exited with status 1"), cfg, {});
-  OnAck(v, round, "a", AckWith(5, kOutcomeDone, "rank 0"), cfg, {});
-  OnAck(v, round, "c", AckWith(5, kOutcomeLost, "rank 2 exited with status 1"), cfg, {});
-  FinalizeAction act = DecideFinalize(v, round, cfg);
+TEST_F(CoordinationBlameTest, WorkersThatExitedZeroWhileTheirPeersTrainedAreTheCause) {
+  Acked("b", kOutcomeLost, "rank 1 exited with status 1");
+  Acked("a", kOutcomeDone, "rank 0");
+  Acked("c", kOutcomeLost, "rank 2 exited with status 1");
+  FinalizeAction act = DecideFinalize(v_, round_, cfg_);
   ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
   EXPECT_EQ(act.next.message,
             "workers of node a failed: rank 0 exited 0 before the job completed; the "
@@ -387,7 +387,7 @@ TEST(CoordinationBlameTest, WorkersThatExitedZeroWhileTheirPeersTrainedAreTheCau
   for (const auto& w : act.writes) EXPECT_EQ(w.second.early_exit, w.first == "a") << w.first;
 }
 
-TEST(CoordinationBlameTest, NoCollectiveLostAPeerTheProposalsReasonStandsAndNobodyExitedEarly) {
+TEST_F(CoordinationBlameTest, NoCollectiveLostAPeerTheProposalsReasonStandsAndNobodyExitedEarly) {
   const auto cfg = Config(1, 4);
   // A node joined while a's workers had exited 0 and b's were still finishing (the job's end):
   // a graceful change names nobody.
@@ -417,23 +417,20 @@ TEST(CoordinationBlameTest, NoCollectiveLostAPeerTheProposalsReasonStandsAndNobo
   for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
 }
 
-TEST(CoordinationBlameTest, AnOutcomeOfAnOlderRoundSaysNothingAboutThisOne) {
-  const auto cfg = Config(1, 3);
-  JobView v = BrokenRoundFour();
-  const RoundRecord round = FailureProposalOfFive();
+TEST_F(CoordinationBlameTest, AnOutcomeOfAnOlderRoundSaysNothingAboutThisOne) {
   AckRecord old = AckWith(5, kOutcomeDone, "rank 0");
   old.prev_round = 3;   // a's workers exited 0 in round 3, not in the round that broke
-  OnAck(v, round, "a", old, cfg, {});
-  OnAck(v, round, "b", AckWith(5, kOutcomeLost), cfg, {});
-  OnAck(v, round, "c", AckWith(5, kOutcomeLost), cfg, {});
-  FinalizeAction act = DecideFinalize(v, round, cfg);
+  OnAck(v_, round_, "a", old, cfg_, {});
+  Acked("b", kOutcomeLost);
+  Acked("c", kOutcomeLost);
+  FinalizeAction act = DecideFinalize(v_, round_, cfg_);
   ASSERT_EQ(act.kind, FinalizeAction::Kind::kForm);
   EXPECT_EQ(act.next.message, "the collectives of node(s) b, c lost a peer; no node named the "
                               "cause");
   for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
 }
 
-TEST(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFailed) {
+TEST_F(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFailed) {
   const RoundRecord round = Round(4, Phase::kActive);
   const auto cfg = Config(1, 3);
   JobView v = ActiveView({"a", "b"});
@@ -445,7 +442,7 @@ TEST(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFail
   EXPECT_EQ(v.reround_why, "the workers of node b lost a peer");
 }
 
-TEST(CoordinationBlameTest, AFailureProposalOfALostPeerDoesNotSayTheReportersWorkersFailed) {
+TEST_F(CoordinationBlameTest, AFailureProposalOfALostPeerDoesNotSayTheReportersWorkersFailed) {
   RoundRecord active = Round(4, Phase::kActive);
   const RoundRecord own = FailureProposal(active, "b", "rank 1 exited with status 1");
   EXPECT_EQ(own.message, "workers of node b failed: rank 1 exited with status 1");
@@ -456,7 +453,7 @@ TEST(CoordinationBlameTest, AFailureProposalOfALostPeerDoesNotSayTheReportersWor
   EXPECT_FALSE(lost.graceful);
 }
 
-TEST(CoordinationBlameTest, ATakeoverKnowsTheFormedRoundAndItsVanishedMembers) {
+TEST_F(CoordinationBlameTest, ATakeoverKnowsTheFormedRoundAndItsVanishedMembers) {
   JobSnapshot snap;
   snap.nodes = {{"a", Node(1)}, {"b", Node(2)}};
   snap.assigns = {{"a", 5, AssignRecord{4, 0, 0, false}}, {"b", 6, AssignRecord{4, 1, 1, false}},

@@ -100,16 +100,15 @@ TEST(RecordsTest, AnAckCarriesTheNodesOutcomeOfItsLastRoundAndAnAssignmentTheEar
   EXPECT_FALSE(AssignRecord::Decode(R"({"r":1,"sb":true,"ee":1})").ok());
 }
 
+// An active round's record as the coordinator writes it (RecordsTest's two round trips).
+RoundRecord ActiveRound7() {
+  return {.round = 7, .phase = Phase::kActive, .coordinator = "n1", .deputies = {"n2", "n3"},
+          .world_size = 12, .nnodes = 3, .master_addr = "10.0.0.1", .master_port = 29500,
+          .message = {}};
+}
+
 TEST(RecordsTest, RoundTripAndRejectGarbage) {
-  RoundRecord r;
-  r.round = 7;
-  r.phase = Phase::kActive;
-  r.coordinator = "n1";
-  r.deputies = {"n2", "n3"};
-  r.world_size = 12;
-  r.nnodes = 3;
-  r.master_addr = "10.0.0.1";
-  r.master_port = 29500;
+  RoundRecord r = ActiveRound7();
   auto back = RoundRecord::Decode(r.Encode());
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->round, 7);
@@ -213,15 +212,7 @@ TEST(HorovodLayoutTest, RecordsRoundTripAndRejectDamagedLayouts) {
   EXPECT_TRUE(ack_back->agent_store);
   EXPECT_FALSE(AckRecord::Decode(R"({"r":1,"st":"ack","as":1})").ok());
 
-  RoundRecord r;
-  r.round = 7;
-  r.phase = Phase::kActive;
-  r.coordinator = "n1";
-  r.deputies = {"n2", "n3"};
-  r.world_size = 12;
-  r.nnodes = 3;
-  r.master_addr = "10.0.0.1";
-  r.master_port = 29500;
+  RoundRecord r = ActiveRound7();
   r.horovod_port = 29501;
   auto round_back = RoundRecord::Decode(r.Encode());
   ASSERT_TRUE(round_back.ok());

@@ -24,6 +24,17 @@ using Clock = std::chrono::steady_clock;
 class RealEtcdTest : public testing::RealEtcdRendezvousTest {
  protected:
   RealEtcdTest() : RealEtcdRendezvousTest("itest", 300ms) {}
+  // Nodes a, b and c (MIN 2, MAX 3) joined and in their first round, a the coordinator.
+  void JoinThreeWithACoordinating(std::vector<std::unique_ptr<Rendezvous>>& nodes) {
+    for (auto id : {"a", "b", "c"}) {
+      nodes.push_back(NewEtcdRendezvous(*client_, Opts(id, 2, 3)));
+      ASSERT_TRUE(nodes.back()->Join().ok());
+    }
+    for (auto& n : nodes) ASSERT_TRUE(Next(*n, Event::Type::kRoundStarted));
+    auto st = ReadJobStatus(*client_, "itest");
+    ASSERT_TRUE(st.ok());
+    ASSERT_EQ(st->coordinator, "a");
+  }
 };
 
 TEST_F(RealEtcdTest, FormsThenReroundsAfterLeaveAndAfterPeerReportedCrash) {
@@ -124,14 +135,7 @@ TEST_F(RealEtcdTest, NodesJoiningAtTheSameMomentFormOneRoundWithEveryNode) {
 
 TEST_F(RealEtcdTest, CoordinatorLeavingGracefullyHandsOverAndTheChangeStaysGraceful) {
   std::vector<std::unique_ptr<Rendezvous>> nodes;
-  for (auto id : {"a", "b", "c"}) {
-    nodes.push_back(NewEtcdRendezvous(*client_, Opts(id, 2, 3)));
-    ASSERT_TRUE(nodes.back()->Join().ok());
-  }
-  for (auto& n : nodes) ASSERT_TRUE(Next(*n, Event::Type::kRoundStarted));
-  auto st = ReadJobStatus(*client_, "itest");
-  ASSERT_TRUE(st.ok());
-  ASSERT_EQ(st->coordinator, "a");
+  ASSERT_NO_FATAL_FAILURE(JoinThreeWithACoordinating(nodes));
   auto t0 = Clock::now();
   nodes[0]->Leave();   // SIGTERM on the coordinator's agent
   for (int i = 1; i < 3; ++i) {
@@ -144,7 +148,7 @@ TEST_F(RealEtcdTest, CoordinatorLeavingGracefullyHandsOverAndTheChangeStaysGrace
     EXPECT_EQ(e->assignment.node_rank, i - 1);
   }
   EXPECT_LT(Clock::now() - t0, 3s) << "must not wait for a's 10 s lease";
-  st = ReadJobStatus(*client_, "itest");
+  auto st = ReadJobStatus(*client_, "itest");
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->coordinator, "b");
   EXPECT_EQ(st->members.size(), 2u);
@@ -157,14 +161,7 @@ TEST_F(RealEtcdTest, CoordinatorLeavingGracefullyHandsOverAndTheChangeStaysGrace
 // time, it learns within seconds (not at the end of its cool-down) that the job completed.
 TEST_F(RealEtcdTest, AnExcludedNodeWithdrawsForItsCooldownThenRegistersAgain) {
   std::vector<std::unique_ptr<Rendezvous>> nodes;
-  for (auto id : {"a", "b", "c"}) {
-    nodes.push_back(NewEtcdRendezvous(*client_, Opts(id, 2, 3)));
-    ASSERT_TRUE(nodes.back()->Join().ok());
-  }
-  for (auto& n : nodes) ASSERT_TRUE(Next(*n, Event::Type::kRoundStarted));
-  auto st = ReadJobStatus(*client_, "itest");
-  ASSERT_TRUE(st.ok());
-  ASSERT_EQ(st->coordinator, "a");
+  ASSERT_NO_FATAL_FAILURE(JoinThreeWithACoordinating(nodes));
 
   ExclusionRecord rec;
   rec.reason = "rank 0 exited with status 1 in round 1; 3 of this node's own worker failures";
@@ -182,7 +179,7 @@ TEST_F(RealEtcdTest, AnExcludedNodeWithdrawsForItsCooldownThenRegistersAgain) {
     EXPECT_EQ(e->assignment.world_size, 2);
   }
   EXPECT_LT(Clock::now() - t0, 2s) << "the others must not wait for a's lease";
-  st = ReadJobStatus(*client_, "itest");
+  auto st = ReadJobStatus(*client_, "itest");
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->members.size(), 2u);
   EXPECT_TRUE(st->waiting.empty() && st->standbys.empty());
