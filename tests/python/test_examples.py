@@ -153,6 +153,9 @@ def test_demo_quick_survives_crash_join_and_leave_and_cleans_up(tmp_path):
     assert re.search(r"^goodput \d+\.\d% of ", out, re.M), out[-3000:]
     assert re.search(r"live page of the job: http://127\.0\.0\.1:\d+/", out), out[-6000:]
     assert not processes_naming(summary["job"])
+    # Hang detection is on by default (issue #32): never fired in the demo's agents.
+    for log in (out_dir / "logs").glob("*.log"):
+        assert "made no progress" not in log.read_text(errors="replace"), log
     # Its directories, and those of its agents (the crashed node's included), are gone.
     assert not demo_leftovers() - before, demo_leftovers() - before
 
@@ -230,6 +233,8 @@ def test_example_trains_under_a_one_node_efdl_run(tmp_path, script):
                    "--epochs", "1"], timeout=90, cwd=str(tmp_path),
                   EFDL_SHM_DIR=str(tmp_path / "shm"))
     assert rc == 0, out[-4000:]
+    # Hang detection is on by default (issue #32): it must never fire on the examples.
+    assert "made no progress" not in out, out[-4000:]
     if script in ("train_ddp_state.py", "train_elastic_run.py"):
         assert re.search(r"^\[rank 0\] training complete: 1438 samples, test accuracy", out,
                          re.M), out[-4000:]
