@@ -474,40 +474,48 @@ class Job:
         assert proc.returncode == 0, proc.stderr
         return int(json.loads(proc.stdout)["header"]["revision"])
 
-    def etcd_puts_since(self, rev, timeout=30):
-        """Every PUT under the job's keys after etcd revision `rev` up to the revision current
+    def etcd_history(self, rev, timeout=30):
+        """Every event under the job's keys after etcd revision `rev` up to the revision current
         now, from etcd's own history (a watch from rev + 1: values since overwritten or deleted
-        show too): [(key, value, mod_revision)]."""
+        show too): ([(PUT|DELETE, key, value, mod_revision)], the last revision the watch
+        reached, the revision current when called)."""
         upto = self.etcd_revision()
         if upto <= rev:
-            return []
+            return [], rev, upto
         proc = subprocess.Popen(["etcdctl", "--endpoints", self.c.endpoint, "watch", "--prefix",
                                  "--rev=%d" % (rev + 1), "-w", "json", "/efdl/%s/" % self.c.job],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env=dict(cluster.base_env(), ETCDCTL_API="3"))
         timer = threading.Timer(timeout, proc.kill)
         timer.start()
-        puts, seen = [], rev
+        events, seen = [], rev
         try:
             for line in proc.stdout:
                 if not line.startswith("{"):
                     continue
                 for ev in json.loads(line).get("Events") or []:
                     kv = ev["kv"]
-                    seen = max(seen, int(kv["mod_revision"]))
-                    if ev.get("type", 0) == 0 and int(kv["mod_revision"]) <= upto:
-                        puts.append((base64.b64decode(kv["key"]).decode(),
-                                     base64.b64decode(kv.get("value", "")).decode(),
-                                     int(kv["mod_revision"])))
+                    mod = int(kv["mod_revision"])
+                    seen = max(seen, mod)
+                    if mod <= upto:
+                        events.append(("DELETE" if ev.get("type", 0) == 1 else "PUT",
+                                       base64.b64decode(kv["key"]).decode(),
+                                       base64.b64decode(kv.get("value", "")).decode(), mod))
                 if seen >= upto:
                     break
         finally:
             timer.cancel()
             proc.kill()
             proc.wait()
+        return events, seen, upto
+
+    def etcd_puts_since(self, rev, timeout=30):
+        """Every PUT under the job's keys after etcd revision `rev` up to the revision current
+        now (etcd_history): [(key, value, mod_revision)]; the history must reach that revision."""
+        events, seen, upto = self.etcd_history(rev, timeout)
         assert seen >= upto, "etcd's history after revision %d ended at %d, not %d" % (
             rev, seen, upto)
-        return puts
+        return [(key, value, mod) for kind, key, value, mod in events if kind == "PUT"]
 
     def check_no_stale_etcd_writes(self, rev, current_round, node, rejoined_round):
         """After etcd revision `rev` (taken while round `current_round` trained without node

@@ -36,7 +36,6 @@ import json
 import os
 import re
 import subprocess
-import threading
 import time
 
 import pytest
@@ -82,34 +81,8 @@ def round_record(job):
 def history(job, rev):
     """Every event under the job's keys after etcd revision `rev` up to the current one, from
     etcd's own history: [(PUT|DELETE, key, mod_revision)]."""
-    upto = job.etcd_revision()
-    if upto <= rev:
-        return []
-    proc = subprocess.Popen(["etcdctl", "--endpoints", job.c.endpoint, "watch", "--prefix",
-                             "--rev=%d" % (rev + 1), "-w", "json", "/efdl/%s/" % job.c.job],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(cluster.base_env(), ETCDCTL_API="3"))
-    timer = threading.Timer(30, proc.kill)
-    timer.start()
-    events, seen = [], rev
-    try:
-        for line in proc.stdout:
-            if not line.startswith("{"):
-                continue
-            for ev in json.loads(line).get("Events") or []:
-                kv = ev["kv"]
-                mod = int(kv["mod_revision"])
-                seen = max(seen, mod)
-                if mod <= upto:
-                    events.append(("DELETE" if ev.get("type", 0) == 1 else "PUT",
-                                   base64.b64decode(kv["key"]).decode(), mod))
-            if seen >= upto:
-                break
-    finally:
-        timer.cancel()
-        proc.kill()
-        proc.wait()
-    return events
+    events, _, _ = job.etcd_history(rev)
+    return [(kind, key, mod) for kind, key, _, mod in events]
 
 
 def efdl_status(job):
