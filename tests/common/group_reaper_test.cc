@@ -14,6 +14,8 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -92,10 +94,25 @@ Owner StartOwner(bool with_reaper) {
   return o;
 }
 
-void KillOwner(const Owner& o) {
-  ::kill(o.pid, SIGKILL);
+void KillOwner(pid_t owner) {
+  ::kill(owner, SIGKILL);
   int status = 0;
-  ::waitpid(o.pid, &status, 0);
+  ::waitpid(owner, &status, 0);
+}
+void KillOwner(const Owner& o) { KillOwner(o.pid); }
+
+// In a forked owner: a reaper, and `argv` spawned with it and without PR_SET_PDEATHSIG (only the
+// reaper can end it). The owner exits 2 or 3 when either does not start.
+std::pair<std::unique_ptr<GroupReaper>, Subprocess> ReaperAndChild(std::vector<std::string> argv) {
+  auto reaper = GroupReaper::Start();
+  if (!reaper.ok()) ::_exit(2);
+  SpawnOptions o;
+  o.argv = std::move(argv);
+  o.die_with_parent = false;
+  o.reaper = reaper->get();
+  auto child = Subprocess::Spawn(o);
+  if (!child.ok()) ::_exit(3);
+  return {std::move(reaper).value(), std::move(child).value()};
 }
 
 TEST(GroupReaperTest, WhatAWorkerStartedDiesWhenItsOwnerIsKilled) {
@@ -151,15 +168,8 @@ TEST(GroupReaperTest, ASubprocessListsItsGroupFromTheStartAndWhenMoved) {
   pid_t owner = ::fork();
   if (owner == 0) {
     ::close(report[0]);
-    auto reaper = GroupReaper::Start();
-    if (!reaper.ok()) ::_exit(2);
-    SpawnOptions o;
-    o.argv = {"sleep", "600"};
-    o.die_with_parent = false;
-    o.reaper = reaper->get();
-    auto p = Subprocess::Spawn(o);
-    if (!p.ok()) ::_exit(3);
-    Subprocess moved = std::move(*p);
+    auto [reaper, spawned] = ReaperAndChild({"sleep", "600"});
+    Subprocess moved = std::move(spawned);
     pid_t child = moved.pid();
     if (::write(report[1], &child, sizeof(child)) != sizeof(child)) ::_exit(4);
     while (true) ::pause();
@@ -169,9 +179,7 @@ TEST(GroupReaperTest, ASubprocessListsItsGroupFromTheStartAndWhenMoved) {
   ASSERT_EQ(::read(report[0], &child, sizeof(child)), static_cast<ssize_t>(sizeof(child)));
   ::close(report[0]);
   ASSERT_TRUE(Alive(child));
-  ::kill(owner, SIGKILL);
-  int status = 0;
-  ::waitpid(owner, &status, 0);
+  KillOwner(owner);
   EXPECT_TRUE(GoneWithin(child, 5s)) << "the Subprocess's group was not listed";
   ::kill(-child, SIGKILL);  // only if the check failed
 }
@@ -199,19 +207,14 @@ TEST(GroupReaperTest, ListedDirectoriesGoWhenTheOwnerIsKilled) {
   pid_t owner = ::fork();
   if (owner == 0) {
     ::close(report[0]);
-    auto reaper = GroupReaper::Start();
-    if (!reaper.ok()) ::_exit(2);
-    SpawnOptions o;   // writes into the listed directory until killed
-    o.argv = {"sh", "-c", "while :; do date > \"$0/writer\"; sleep 0.01; done", listed};
-    o.die_with_parent = false;
-    o.reaper = reaper->get();
-    auto writer = Subprocess::Spawn(o);
-    if (!writer.ok()) ::_exit(3);
-    if (!(*reaper)->AddDirectory(listed).ok() || !(*reaper)->AddDirectory(unlisted).ok() ||
-        !(*reaper)->RemoveDirectory(unlisted).ok()) {
+    // The writer writes into the listed directory until killed.
+    auto [reaper, writer] = ReaperAndChild(
+        {"sh", "-c", "while :; do date > \"$0/writer\"; sleep 0.01; done", listed});
+    if (!reaper->AddDirectory(listed).ok() || !reaper->AddDirectory(unlisted).ok() ||
+        !reaper->RemoveDirectory(unlisted).ok()) {
       ::_exit(4);
     }
-    pid_t pids[2] = {writer->pid(), (*reaper)->pid()};
+    pid_t pids[2] = {writer.pid(), reaper->pid()};
     if (::write(report[1], pids, sizeof(pids)) != sizeof(pids)) ::_exit(5);
     while (true) ::pause();
   }
@@ -226,9 +229,7 @@ TEST(GroupReaperTest, ListedDirectoriesGoWhenTheOwnerIsKilled) {
   }
   std::this_thread::sleep_for(100ms);
   ASSERT_TRUE(fs::exists(listed + "/writer"));
-  ::kill(owner, SIGKILL);
-  int status = 0;
-  ::waitpid(owner, &status, 0);
+  KillOwner(owner);
   EXPECT_TRUE(GoneWithin(pids[0], 5s)) << "the writer outlived its owner";
   EXPECT_TRUE(GoneWithin(pids[1], 5s)) << "the reaper did not finish";
   EXPECT_FALSE(fs::exists(listed)) << "the listed directory outlived its killed owner";

@@ -19,6 +19,12 @@ TEST(ExpiryGrace, IsAFifthOfTheTtlAtMostOneSecond) {
   EXPECT_EQ(ExpiryGrace(0), 200ms);  // treated as 1 s
 }
 
+// The first renewal of a lease granted at kT0 with a TTL of 5 s: sent at once, answered at once.
+void RenewAtT0(LeaseClock& c) {
+  ASSERT_TRUE(c.Advance(kT0, true).send_renewal);
+  ASSERT_EQ(c.OnAnswer(kT0, 5), LeaseClock::Answer::kRenewed);
+}
+
 TEST(LeaseClock, RenewsAtOnceThenEveryThirdOfTheTtlAfterEachAnswer) {
   LeaseClock c(6, kT0 + 6s, kT0);
   auto t = c.Advance(kT0, true);
@@ -47,8 +53,7 @@ TEST(LeaseClock, ResendsEvery500MsWhileUnansweredAndCountsFromTheOldestSend) {
 
 TEST(LeaseClock, EtcdUnreachableThroughTheGraceLosesTheLeaseAtItsEndAndNotBefore) {
   LeaseClock c(5, kT0 + 5s, kT0);
-  ASSERT_TRUE(c.Advance(kT0, true).send_renewal);
-  ASSERT_EQ(c.OnAnswer(kT0, 5), LeaseClock::Answer::kRenewed);
+  ASSERT_NO_FATAL_FAILURE(RenewAtT0(c));
   c.OnStreamDown(kT0 + 1s);
   auto t = c.Advance(kT0 + 1s, false);
   EXPECT_FALSE(t.lost);
@@ -68,8 +73,7 @@ TEST(LeaseClock, EtcdBackInsideTheGraceIsAskedAtOnceAndKeepsTheLease) {
   // etcd restarted and serving 300 ms after the local expiry (it extended the lease when it
   // came back): the renewal sent on the new stream is answered inside the grace.
   LeaseClock c(5, kT0 + 5s, kT0);
-  ASSERT_TRUE(c.Advance(kT0, true).send_renewal);
-  ASSERT_EQ(c.OnAnswer(kT0, 5), LeaseClock::Answer::kRenewed);
+  ASSERT_NO_FATAL_FAILURE(RenewAtT0(c));
   c.OnStreamDown(kT0 + 1600ms);
   ASSERT_TRUE(c.Advance(kT0 + 5s, false).grace_started);
   EXPECT_TRUE(c.Advance(kT0 + 5300ms, true).send_renewal) << "at once on the new stream";
@@ -82,8 +86,7 @@ TEST(LeaseClock, StreamBackJustBeforeTheExpiryAndAnsweredWithinTheGraceKeepsTheL
   // The etcd-restart case: the stream came back 100 ms before the local expiry; the renewal sent
   // on it is answered 600 ms after the expiry (etcd extended the lease when it restarted).
   LeaseClock c(5, kT0 + 5s, kT0);
-  ASSERT_TRUE(c.Advance(kT0, true).send_renewal);
-  ASSERT_EQ(c.OnAnswer(kT0, 5), LeaseClock::Answer::kRenewed);
+  ASSERT_NO_FATAL_FAILURE(RenewAtT0(c));
   c.OnStreamDown(kT0 + 1s);
   EXPECT_FALSE(c.Advance(kT0 + 3s, false).lost);
   auto t = c.Advance(kT0 + 4900ms, true);  // stream up again
@@ -102,8 +105,7 @@ TEST(LeaseClock, StreamBackJustBeforeTheExpiryAndAnsweredWithinTheGraceKeepsTheL
 
 TEST(LeaseClock, ReachableEtcdThatDoesNotAnswerWithinTheGraceLosesTheLeaseAtItsEnd) {
   LeaseClock c(5, kT0 + 5s, kT0);
-  ASSERT_TRUE(c.Advance(kT0, true).send_renewal);
-  ASSERT_EQ(c.OnAnswer(kT0, 5), LeaseClock::Answer::kRenewed);
+  ASSERT_NO_FATAL_FAILURE(RenewAtT0(c));
   // Renewals from 1.666 s on are sent on a live stream and never answered (a frozen member).
   for (auto at = kT0 + 1666ms; at < kT0 + 5s; at += 100ms) EXPECT_FALSE(c.Advance(at, true).lost);
   auto t = c.Advance(kT0 + 5s, true);
@@ -115,8 +117,7 @@ TEST(LeaseClock, ReachableEtcdThatDoesNotAnswerWithinTheGraceLosesTheLeaseAtItsE
 
 TEST(LeaseClock, StreamBreakingDuringTheGraceDoesNotShortenOrExtendIt) {
   LeaseClock c(5, kT0 + 5s, kT0);
-  ASSERT_TRUE(c.Advance(kT0, true).send_renewal);
-  ASSERT_EQ(c.OnAnswer(kT0, 5), LeaseClock::Answer::kRenewed);
+  ASSERT_NO_FATAL_FAILURE(RenewAtT0(c));
   ASSERT_TRUE(c.Advance(kT0 + 5s, true).grace_started);
   c.OnStreamDown(kT0 + 5200ms);
   EXPECT_FALSE(c.Advance(kT0 + 5200ms, false).lost);

@@ -121,6 +121,20 @@ class ArenaDirTest : public TempDirTest {
       ::waitpid(pid, nullptr, 0);
     }
   }
+  // As holder "h" of job "j": takes the dead holder's node arena over (exactly one adopted) and
+  // opens it; `*lock`, this holder's lock, is the caller's to hold.
+  void AdoptTheDeadHoldersArena(std::unique_ptr<HolderLock>* lock,
+                                std::unique_ptr<SnapshotArena>* arena) {
+    auto mine = HolderLock::Acquire(d(), "j", "h", "test");
+    ASSERT_TRUE(mine.ok());
+    *lock = std::move(mine).value();
+    auto entries = ScanArenaDir(d(), HolderLockHeld);
+    ASSERT_EQ(ApplyAdoption(d(), PlanAdoption(entries, "j", (*lock)->holder(), d()),
+                            (*lock)->holder()), 1);
+    auto opened = SnapshotArena::Open(ArenaPath(d(), "j", (*lock)->holder(), "node"));
+    ASSERT_TRUE(opened.ok());
+    *arena = std::move(opened).value();
+  }
   // A child process that holds `path` locked (exclusive) until killed.
   void HoldInChild(const std::string& path) {
     int ready[2];
@@ -257,14 +271,10 @@ TEST_F(ArenaDirTest, AdoptionDropsASlotThatFailsItsChecksum) {
     ASSERT_TRUE((*arena)->Checksum(slots[0].slot, slots[0].seq));  // committed with one
     (*arena)->data_area(slots[0].slot)[100] ^= 0x40;  // the dying writer scribbled on seq 2
   }
-  auto mine = HolderLock::Acquire(d(), "j", "h", "test");
-  ASSERT_TRUE(mine.ok());
-  auto entries = ScanArenaDir(d(), HolderLockHeld);
-  ASSERT_EQ(ApplyAdoption(d(), PlanAdoption(entries, "j", (*mine)->holder(), d()),
-                          (*mine)->holder()), 1);
-  auto arena = SnapshotArena::Open(ArenaPath(d(), "j", (*mine)->holder(), "node"));
-  ASSERT_TRUE(arena.ok());
-  auto slots = (*arena)->ReadySlots();
+  std::unique_ptr<HolderLock> mine;
+  std::unique_ptr<SnapshotArena> arena;
+  ASSERT_NO_FATAL_FAILURE(AdoptTheDeadHoldersArena(&mine, &arena));
+  auto slots = arena->ReadySlots();
   ASSERT_EQ(slots.size(), 1u);  // seq 2 dropped, seq 1 (intact) left to restore
   EXPECT_EQ(slots[0].seq, 1u);
 }
@@ -281,14 +291,10 @@ TEST_F(ArenaDirTest, WithoutCommitChecksumsAnAdoptedSlotIsKeptUnverified) {
     ASSERT_EQ(slots.size(), 2u);
     EXPECT_FALSE((*arena)->Checksum(slots[0].slot, slots[0].seq));
   }
-  auto mine = HolderLock::Acquire(d(), "j", "h", "test");
-  ASSERT_TRUE(mine.ok());
-  auto entries = ScanArenaDir(d(), HolderLockHeld);
-  ASSERT_EQ(ApplyAdoption(d(), PlanAdoption(entries, "j", (*mine)->holder(), d()),
-                          (*mine)->holder()), 1);
-  auto arena = SnapshotArena::Open(ArenaPath(d(), "j", (*mine)->holder(), "node"));
-  ASSERT_TRUE(arena.ok());
-  EXPECT_EQ((*arena)->ReadySlots().size(), 2u);
+  std::unique_ptr<HolderLock> mine;
+  std::unique_ptr<SnapshotArena> arena;
+  ASSERT_NO_FATAL_FAILURE(AdoptTheDeadHoldersArena(&mine, &arena));
+  EXPECT_EQ(arena->ReadySlots().size(), 2u);
 }
 
 TEST_F(ArenaDirTest, OrphanLocksGoHeldOrUsedOnesStay) {
