@@ -61,7 +61,9 @@ import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "examples"))
+sys.path.insert(0, os.path.join(REPO, "tests", "python", "workers"))
 import efdl.backend.torch as efdl  # noqa: E402
+import fault_marks  # noqa: E402
 from digits import DigitsCNN, load_digits_datasets  # noqa: E402
 
 BATCH = 16
@@ -76,14 +78,7 @@ def rank_step(spec):
 
 def once(name):
     """True the first time a one-shot fault `name` fires in this job (marker file)."""
-    marks = os.environ.get("FAULT_MARK_DIR")
-    if not marks:
-        return True
-    try:
-        os.close(os.open(os.path.join(marks, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
+    return fault_marks.once(os.environ.get("FAULT_MARK_DIR"), name)
 
 
 def say(kind, **fields):

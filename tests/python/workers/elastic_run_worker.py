@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 import efdl.backend.torch as efdl
 
+import fault_marks
+
 STEPS = int(os.environ.get("WORKER_STEPS", "300"))
 STEP_TIME = float(os.environ.get("WORKER_STEP_TIME", "0.03"))
 GLOBAL_BATCH = int(os.environ.get("WORKER_GLOBAL_BATCH", "12"))
@@ -60,14 +62,7 @@ EXIT0 = rank_step(os.environ.get("WORKER_EXIT0"))
 
 
 def once(name):
-    marks = os.environ.get("WORKER_MARK_DIR")
-    if not marks:
-        return True
-    try:
-        os.close(os.open(os.path.join(marks, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
+    return fault_marks.once(os.environ.get("WORKER_MARK_DIR"), name)
 
 
 def main():
