@@ -98,6 +98,19 @@ def test_zero_redundancy_optimizer_is_refused_not_corrupted_by_a_world_size_chan
         assert os.listdir(job_dir / ("shm-%d" % node)) == []
 
 
+# What the scripts below use to try one construction: out[name] is its TypeError's line, or
+# "accepted".
+ATTEMPT = textwrap.dedent("""
+    out = {}
+
+    def attempt(name, make):
+        try:
+            make()
+            out[name] = "accepted"
+        except TypeError as e:
+            out[name] = str(e)
+""")
+
 # One rank in a gloo group (a ZeroRedundancyOptimizer needs one): each attempt's error line, or
 # "accepted"; the sharded optimizers refused at construction, at the setter and through
 # Horovod's TorchState; the replicated ones (also Horovod's DistributedOptimizer) accepted.
@@ -110,15 +123,7 @@ ATTEMPTS = textwrap.dedent("""
     efdl.init(timeout=60)
     hvd.init()
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    out = {}
-
-    def attempt(name, make):
-        try:
-            make()
-            out[name] = "accepted"
-        except TypeError as e:
-            out[name] = str(e)
-
+""") + ATTEMPT + textwrap.dedent("""
     zero_adam = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                         lr=0.01)
     zero_sgd = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
@@ -251,15 +256,7 @@ FSDP = textwrap.dedent("""
     kw = {"device_id": torch.cuda.current_device()} if torch.cuda.is_available() else {}
     outer = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     inner = torch.nn.Sequential(FSDP(torch.nn.Linear(4, 3), **kw), torch.nn.Linear(3, 2))
-    out = {}
-
-    def attempt(name, make):
-        try:
-            make()
-            out[name] = "accepted"
-        except TypeError as e:
-            out[name] = str(e)
-
+""") + ATTEMPT + textwrap.dedent("""
     wrapped = FSDP(outer, **kw)
     attempt("fsdp_model", lambda: efdl.State(wrapped, step=0))
     attempt("fsdp_submodule", lambda: efdl.State(inner, step=0))
