@@ -11,6 +11,7 @@
 #include "snapshot/layout.h"
 #include "snapshot/snapshot_file.h"
 #include "snapshot/store.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::agent {
 namespace {
@@ -96,47 +97,45 @@ int RunSuspended(AgentOptions options, SuspendingRendezvous& rdzv) {
   return agent.Run();
 }
 
-TEST(AgentSuspend, ReportsTheNewestStepInStorageAndExitsZero) {
-  auto tmp = TempDir::Create("efdl-suspend-test");
-  ASSERT_TRUE(tmp.ok());
-  WriteSnapshot(tmp->path() + "/sj", 1, 40);
-  WriteSnapshot(tmp->path() + "/sj", 2, 45);
+// Each case's snapshot directory is its own temporary directory.
+class AgentSuspend : public TempDirTest {
+ protected:
+  AgentSuspend() : TempDirTest("efdl-suspend-test") {}
+};
+
+TEST_F(AgentSuspend, ReportsTheNewestStepInStorageAndExitsZero) {
+  WriteSnapshot(dir_.path() + "/sj", 1, 40);
+  WriteSnapshot(dir_.path() + "/sj", 2, 45);
   SuspendingRendezvous rdzv;
   auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(RunSuspended(Options(tmp->path()), rdzv), 0);
+  EXPECT_EQ(RunSuspended(Options(dir_.path()), rdzv), 0);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "SIGTERM, not the grace period";
   ASSERT_EQ(rdzv.reported.size(), 1u);
   EXPECT_EQ(rdzv.reported[0], std::optional<int64_t>(45));
   EXPECT_EQ(rdzv.leaves, 1);
 }
 
-TEST(AgentSuspend, PerRankSnapshotsReportTheOldestRanksNewestStep) {
-  auto tmp = TempDir::Create("efdl-suspend-test");
-  ASSERT_TRUE(tmp.ok());
-  WriteSnapshot(tmp->path() + "/sj/rank-0", 1, 30);
-  WriteSnapshot(tmp->path() + "/sj/rank-1", 1, 25);
+TEST_F(AgentSuspend, PerRankSnapshotsReportTheOldestRanksNewestStep) {
+  WriteSnapshot(dir_.path() + "/sj/rank-0", 1, 30);
+  WriteSnapshot(dir_.path() + "/sj/rank-1", 1, 25);
   SuspendingRendezvous rdzv;
-  EXPECT_EQ(RunSuspended(Options(tmp->path()), rdzv), 0);
+  EXPECT_EQ(RunSuspended(Options(dir_.path()), rdzv), 0);
   ASSERT_EQ(rdzv.reported.size(), 1u);
   EXPECT_EQ(rdzv.reported[0], std::optional<int64_t>(25));
 }
 
-TEST(AgentSuspend, WithoutASnapshotStillStopsAndReportsNone) {
-  auto tmp = TempDir::Create("efdl-suspend-test");
-  ASSERT_TRUE(tmp.ok());
+TEST_F(AgentSuspend, WithoutASnapshotStillStopsAndReportsNone) {
   SuspendingRendezvous rdzv;
-  EXPECT_EQ(RunSuspended(Options(tmp->path()), rdzv), 0);
+  EXPECT_EQ(RunSuspended(Options(dir_.path()), rdzv), 0);
   ASSERT_EQ(rdzv.reported.size(), 1u);
   EXPECT_FALSE(rdzv.reported[0].has_value());
   EXPECT_EQ(rdzv.leaves, 1);
 }
 
-TEST(AgentSuspend, AJobSuspendedBeforeTheStartIsRefused) {
-  auto tmp = TempDir::Create("efdl-suspend-test");
-  ASSERT_TRUE(tmp.ok());
+TEST_F(AgentSuspend, AJobSuspendedBeforeTheStartIsRefused) {
   SuspendingRendezvous rdzv(Status::FailedPrecondition(
       "job sj is suspended at step 45; run `efdl resume --job sj` to continue"));
-  Agent agent(Options(tmp->path()), rdzv);
+  Agent agent(Options(dir_.path()), rdzv);
   EXPECT_EQ(agent.Run(), 1);
   EXPECT_TRUE(rdzv.reported.empty());
 }
