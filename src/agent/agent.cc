@@ -120,7 +120,10 @@ std::string Seconds(std::chrono::milliseconds d) {
 
 Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
     : options_(std::move(options)), rdzv_(rendezvous),
-      own_failures_(ExclusionPolicyOf(options_)) {}
+      own_failures_(ExclusionPolicyOf(options_)),
+      stragglers_({options_.stragglers, options_.job_id, options_.node_id, options_.min_nodes,
+                   options_.exclude_cooldown, options_.metrics},
+                  rendezvous) {}
 
 Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.

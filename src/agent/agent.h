@@ -21,6 +21,7 @@
 #include "agent/agent_store.h"
 #include "agent/control_server.h"
 #include "agent/spare_pool.h"
+#include "agent/straggler_watch.h"
 #include "agent/worker_group.h"
 #include "common/group_reaper.h"
 #include "common/job_spec.h"
@@ -211,14 +212,11 @@ class Agent {
   // This node's rank caused the hang: SIGKILL of its workers, a failure of this node.
   void EndHungWorkers(int64_t round, const std::string& detail);
   // Stragglers (agent_straggler.cc, issue #32 part 3; docs/operations.md "Stragglers"): about
-  // every second samples the ranks' compute time from the board; every period publishes this
-  // node's summary, reads whether the judge named it (and, with --evict-stragglers, leaves
-  // for a cool-down); node rank 0 of the round judges. Cheap when nothing is due.
+  // every second hands the round's progress reports to stragglers_ (cheap when nothing is due);
+  // when it says this node is evicted, EvictAsStraggler records the exclusion (cause
+  // "straggler"), withdraws from the job for the cool-down and stops the workers.
   void CheckStragglers();
-  void JudgeStragglers();
-  // The judge named this node: its exclusion (the record with cause "straggler", the
-  // cool-down of the exclusion rule), when the job can go on without it.
-  void EvictAsStraggler(const rdzv::StragglerRecord::Node& me);
+  void EvictAsStraggler(const StragglerWatch::Eviction& eviction);
   int Shutdown(int signal);
   // The node's metrics (options_.metrics) and its part of the goodput ledger (agent_observe.cc):
   // called on every loop turn, cheap.
@@ -344,22 +342,8 @@ class Agent {
   // Excluded (Exclude) until then: no round is expected before it; reset at the next round.
   std::optional<std::chrono::steady_clock::time_point> excluded_until_;
   std::optional<PendingFailure> pending_failure_;
-  // Stragglers (agent_straggler.cc): this node's ranks' compute-time samples of the round
-  // `compute_round_`, its summaries' number, when the next sample, summary and judgement are
-  // due; the judge (node rank 0 only) and when it named each straggler; whether the judge
-  // names this node now; this agent's straggler exclusions (the cool-down doubles).
-  health::ComputeWindow compute_window_;
-  int64_t compute_round_ = -1;
-  int64_t compute_seq_ = 0;
-  std::chrono::steady_clock::time_point next_compute_sample_{};
-  std::chrono::steady_clock::time_point next_compute_publish_{};
-  std::chrono::steady_clock::time_point next_judgement_{};
-  std::optional<health::StragglerJudge> judge_;
-  std::map<std::string, std::string> straggler_since_;
-  bool named_straggler_ = false;
-  bool straggler_min_noted_ = false;
-  bool straggler_read_warned_ = false;
-  int straggler_exclusions_ = 0;
+  // Straggler detection (straggler_watch.h): samples, summaries, the judge, eviction.
+  StragglerWatch stragglers_;
   // Metrics: when the pause of the round change under way began; when this node's workers of
   // the new round started (their first progress report ends the pause); the restarts the
   // metrics counted; the next update of the slower gauges.
