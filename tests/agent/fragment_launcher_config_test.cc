@@ -8,6 +8,8 @@
 namespace efdl::agent {
 namespace {
 
+using testing::ExpectVars;
+
 RunFlags Fragmented(int world_size, int nproc) {
   RunFlags f;
   f.etcd_endpoints = {"127.0.0.1:2379"};
@@ -94,33 +96,22 @@ AgentOptions Options() {
 
 TEST(LauncherEnvironmentTest, NodeLevelValuesAreRightForMixedNodeSizes) {
   auto env = LauncherEnvironment(Options(), SecondNodeOfOnePlusTwo(), 2);
-  EXPECT_EQ(env["NNODES"], "2");
-  EXPECT_EQ(env["NODE_RANK"], "1");
-  EXPECT_EQ(env["NPROC_PER_NODE"], "2");
-  EXPECT_EQ(env["WORLD_SIZE"], "3");
-  EXPECT_EQ(env["RANK"], "1");   // the node's first global rank, not node rank x procs (= 2)
-  EXPECT_EQ(env["MASTER_ADDR"], "10.0.0.1");
-  EXPECT_EQ(env["MASTER_PORT"], "29400");
-  EXPECT_EQ(env["EFDL_NUM_MAX_WORKERS"], "3");
-  EXPECT_EQ(env["EFDL_ROUND"], "4");
-  EXPECT_EQ(env["EFDL_RESTART_COUNT"], "2");
-  EXPECT_EQ(env["LOCAL_RANK"], "0");
+  ExpectVars(env, {{"NNODES", "2"}, {"NODE_RANK", "1"}, {"NPROC_PER_NODE", "2"},
+                   {"WORLD_SIZE", "3"},
+                   {"RANK", "1"},   // the node's first global rank, not node rank x procs (= 2)
+                   {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"},
+                   {"EFDL_NUM_MAX_WORKERS", "3"}, {"EFDL_ROUND", "4"}, {"EFDL_RESTART_COUNT", "2"},
+                   {"LOCAL_RANK", "0"}});
   EXPECT_EQ(env.count("EFDL_CONTROL_SOCKET"), 0u);
   EXPECT_EQ(env.count("LOCAL_WORLD_SIZE"), 0u);
 }
 
 TEST(LauncherEnvironmentTest, PerProcessEnvironmentHasTheSpecSection6Variables) {
   auto env = WorkerEnvironment(Options(), SecondNodeOfOnePlusTwo(), 1, 0, "/tmp/x.sock");
-  EXPECT_EQ(env["WORLD_SIZE"], "3");
-  EXPECT_EQ(env["RANK"], "2");
-  EXPECT_EQ(env["LOCAL_RANK"], "1");
-  EXPECT_EQ(env["MASTER_ADDR"], "10.0.0.1");
-  EXPECT_EQ(env["MASTER_PORT"], "29400");
-  EXPECT_EQ(env["EFDL_NUM_MAX_WORKERS"], "3");
-  EXPECT_EQ(env["NNODES"], "2");
-  EXPECT_EQ(env["NODE_RANK"], "1");
-  EXPECT_EQ(env["NPROC_PER_NODE"], "2");
-  EXPECT_EQ(env["EFDL_CONTROL_SOCKET"], "/tmp/x.sock");
+  ExpectVars(env, {{"WORLD_SIZE", "3"}, {"RANK", "2"}, {"LOCAL_RANK", "1"},
+                   {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"},
+                   {"EFDL_NUM_MAX_WORKERS", "3"}, {"NNODES", "2"}, {"NODE_RANK", "1"},
+                   {"NPROC_PER_NODE", "2"}, {"EFDL_CONTROL_SOCKET", "/tmp/x.sock"}});
 }
 
 }  // namespace

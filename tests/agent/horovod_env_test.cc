@@ -25,6 +25,7 @@ namespace {
 using namespace std::chrono_literals;
 using rdzv::Assignment;
 using rdzv::Event;
+using testing::ExpectVars;
 using testing::ReadFile;
 using testing::WaitUntil;
 
@@ -113,10 +114,8 @@ TEST(HorovodEnvironmentTest, UniformRoundTakesCrossPlaceFromTheNodeRank) {
   Assignment a = testing::MakeAssignment(2, 2, 3, 4, 2, 6, "10.0.0.1", /*master_port=*/0);
   a.horovod_port = 0;   // no server offered: no rendezvous address either
   auto env = WorkerEnvironment(opts, a, 1, 0, "/tmp/sock");
-  EXPECT_EQ(env["HOROVOD_RANK"], "5");
-  EXPECT_EQ(env["HOROVOD_LOCAL_SIZE"], "2");
-  EXPECT_EQ(env["HOROVOD_CROSS_RANK"], "2");
-  EXPECT_EQ(env["HOROVOD_CROSS_SIZE"], "3");
+  ExpectVars(env, {{"HOROVOD_RANK", "5"}, {"HOROVOD_LOCAL_SIZE", "2"}, {"HOROVOD_CROSS_RANK", "2"},
+                   {"HOROVOD_CROSS_SIZE", "3"}});
   EXPECT_EQ(env.count("HOROVOD_GLOO_RENDEZVOUS_ADDR"), 0u);
   EXPECT_EQ(env.count("HOROVOD_GLOO_RENDEZVOUS_PORT"), 0u);
   EXPECT_EQ(env.count("HOROVOD_GLOO_IFACE"), 0u);

@@ -16,6 +16,7 @@
 namespace efdl::agent {
 namespace {
 
+using testing::ExpectVars;
 using testing::WaitUntil;
 
 rdzv::Assignment TwoNodes() {
@@ -53,10 +54,8 @@ TEST_F(NetworkEnvTest, WorkersAndLauncherGetTheInterfaceOfTheAdvertiseAddress) {
   o.gloo_iface = "eth0";
   for (int lr = 0; lr < 2; ++lr) {
     auto env = WorkerEnvironment(o, TwoNodes(), lr, 0, "/tmp/s");
-    EXPECT_EQ(env["GLOO_SOCKET_IFNAME"], "eth0");
-    EXPECT_EQ(env["NCCL_SOCKET_IFNAME"], "eth0");
-    EXPECT_EQ(env["HOROVOD_GLOO_IFACE"], "eth0");
-    EXPECT_EQ(env["MASTER_ADDR"], "10.77.0.11");
+    ExpectVars(env, {{"GLOO_SOCKET_IFNAME", "eth0"}, {"NCCL_SOCKET_IFNAME", "eth0"},
+                     {"HOROVOD_GLOO_IFACE", "eth0"}, {"MASTER_ADDR", "10.77.0.11"}});
   }
   auto launcher = LauncherEnvironment(o, TwoNodes(), 0);
   EXPECT_EQ(launcher["GLOO_SOCKET_IFNAME"], "eth0");
@@ -84,34 +83,36 @@ TEST_F(NetworkEnvTest, ValuesTheUserSetInTheAgentsEnvironmentAreKept) {
   EXPECT_EQ(launcher["NCCL_SOCKET_IFNAME"], "eth0");
 }
 
+// ParsePeerConnectError finds the peer's `address` in `line`, and its `port` when one is given.
+void ExpectPeer(const std::string& line, const std::string& address,
+                const std::string& port = "") {
+  auto peer = ParsePeerConnectError(line);
+  ASSERT_TRUE(peer.has_value()) << line;
+  EXPECT_EQ(peer->address, address);
+  if (!port.empty()) {
+    EXPECT_EQ(peer->port, port);
+  }
+}
+
 TEST(PeerConnectErrorTest, GlooNcclAndStoreLinesNameTheAddressTried) {
-  auto gloo = ParsePeerConnectError(
+  ASSERT_NO_FATAL_FAILURE(ExpectPeer(
       "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:799] connect "
-      "[127.0.1.1]:35161: Connection refused");
-  ASSERT_TRUE(gloo.has_value());
-  EXPECT_EQ(gloo->address, "127.0.1.1");
-  EXPECT_EQ(gloo->port, "35161");
-  auto gloo6 = ParsePeerConnectError(
-      "[pair.cc:799] connect [fd00::10]:4000: No route to host");
-  ASSERT_TRUE(gloo6.has_value());
-  EXPECT_EQ(gloo6->address, "fd00::10");
-  auto nccl = ParsePeerConnectError(
+      "[127.0.1.1]:35161: Connection refused",
+      "127.0.1.1", "35161"));
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectPeer("[pair.cc:799] connect [fd00::10]:4000: No route to host", "fd00::10"));
+  ASSERT_NO_FATAL_FAILURE(ExpectPeer(
       "node:123:456 [0] NCCL WARN socketStartConnect: Connect to 10.0.0.2<41235> failed : "
-      "Software caused connection abort");
-  ASSERT_TRUE(nccl.has_value());
-  EXPECT_EQ(nccl->address, "10.0.0.2");
-  EXPECT_EQ(nccl->port, "41235");
-  auto store = ParsePeerConnectError(
+      "Software caused connection abort",
+      "10.0.0.2", "41235"));
+  ASSERT_NO_FATAL_FAILURE(ExpectPeer(
       "[W socket.cpp:663] [c10d] The client socket has failed to connect to [trainer-1]:29400 "
-      "(errno: 111 - Connection refused).");
-  ASSERT_TRUE(store.has_value());
-  EXPECT_EQ(store->address, "trainer-1");
-  EXPECT_EQ(store->port, "29400");
-  auto timeout = ParsePeerConnectError(
+      "(errno: 111 - Connection refused).",
+      "trainer-1", "29400"));
+  ASSERT_NO_FATAL_FAILURE(ExpectPeer(
       "torch.distributed.DistStoreError: The client socket has timed out after 60s while "
-      "trying to connect to (10.0.0.1, 29500).");
-  ASSERT_TRUE(timeout.has_value());
-  EXPECT_EQ(timeout->address, "10.0.0.1");
+      "trying to connect to (10.0.0.1, 29500).",
+      "10.0.0.1"));
   for (const char* other : {"step 12 loss 0.3", "connected to 10.0.0.1:80", "Connection refused",
                             "reconnecting in 1s", ""}) {
     EXPECT_FALSE(ParsePeerConnectError(other).has_value()) << other;

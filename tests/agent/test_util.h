@@ -8,11 +8,15 @@
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <initializer_list>
+#include <map>
 #include <sstream>
 #include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "rendezvous/rendezvous.h"
 
@@ -34,6 +38,13 @@ inline rdzv::Assignment MakeAssignment(int64_t round, int node_rank, int nnodes,
   return {.round = round, .node_rank = node_rank, .nnodes = nnodes, .rank_offset = rank_offset,
           .nproc = nproc, .world_size = world, .master_addr = std::move(master_addr),
           .master_port = master_port};
+}
+
+// Expects each variable of `want` in a worker's or launcher's environment with its value, one
+// EXPECT_EQ(env[name], value) a variable.
+inline void ExpectVars(std::map<std::string, std::string>& env,
+                       std::initializer_list<std::pair<std::string, std::string>> want) {
+  for (const auto& [name, value] : want) EXPECT_EQ(env[name], value) << name;
 }
 
 // Polls `pred` until it holds or `timeout` passes; returns its last value.
