@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <mutex>
@@ -161,6 +162,15 @@ struct TwoNodeRound {
   std::optional<Event> ea, eb;
 };
 
+// Nodes `ids` of a MIN:MAX job, started one after the other (the first coordinates).
+template <size_t N>
+std::array<std::unique_ptr<Node>, N> StartNodes(MemoryEtcd& db, const char* const (&ids)[N],
+                                                int min, int max) {
+  std::array<std::unique_ptr<Node>, N> nodes;
+  for (size_t i = 0; i < N; ++i) nodes[i] = Start(db, Opts(ids[i], min, max));
+  return nodes;
+}
+
 int64_t LeaseOf(MemoryEtcd& db, const std::string& node) {
   auto kv = db.Get(JobKeys("job1").Node(node));
   return kv.ok() && kv->has_value() ? (*kv)->lease : 0;
@@ -216,8 +226,7 @@ TEST(RendezvousTest, HeterogeneousNprocGivesContiguousRanks) {
 
 TEST(RendezvousTest, ScaleOutBelowMaxClosesGracefullyAndNewcomerGoesLast) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 2, 3));
-  auto b = Start(db, Opts("b", 2, 3));
+  auto [a, b] = StartNodes(db, {"a", "b"}, 2, 3);
   auto ra = a->Started();
   ASSERT_TRUE(ra && b->Started());
   auto c = Start(db, Opts("c", 2, 3));
@@ -286,9 +295,8 @@ TEST(RendezvousTest, GracefulLeaveReroundsAtOnceAndKeepsRelativeOrder) {
 
 TEST(RendezvousTest, CoordinatorLeavingIsReplacedByItsDeputy) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 2, 3));  // first to join: the coordinator
-  auto b = Start(db, Opts("b", 2, 3));
-  auto c = Start(db, Opts("c", 2, 3));
+  // a joins first: the coordinator
+  auto [a, b, c] = StartNodes(db, {"a", "b", "c"}, 2, 3);
   ASSERT_TRUE(a->Started() && b->Started() && c->Started());
   auto t0 = Clock::now();
   a->rdzv->Leave();
@@ -313,9 +321,8 @@ TEST(RendezvousTest, CoordinatorLeavingIsReplacedByItsDeputy) {
 
 TEST(RendezvousTest, WorkerFailureReroundsFastWhenTheDeadPeerIsTheCoordinator) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 2, 3));  // coordinator and rank 0; its lease TTL is 10 s
-  auto b = Start(db, Opts("b", 2, 3));
-  auto c = Start(db, Opts("c", 2, 3));
+  // a: the coordinator and rank 0; its lease TTL is 10 s
+  auto [a, b, c] = StartNodes(db, {"a", "b", "c"}, 2, 3);
   auto rb = b->Started();
   ASSERT_TRUE(a->Started() && rb && c->Started());
   a->client.Cut();  // dead without a word: its lease lives on
@@ -394,8 +401,7 @@ TEST(RendezvousTest, NewcomersTakeOverWhenTheWholeRoundDiedBeforeItsLeasesExpire
     db.PauseKeepAlive(LeaseOf(db, x->id), true);
   }
   ASSERT_NE(LeaseOf(db, "a"), 0);   // still registered: a join sees a live coordinator
-  auto c = Start(db, Opts("c", 2, 2));
-  auto d = Start(db, Opts("d", 2, 2));
+  auto [c, d] = StartNodes(db, {"c", "d"}, 2, 2);
   auto ec = c->Started(8s);
   auto ed = d->Started(8s);
   ASSERT_TRUE(ec && ed);
@@ -450,8 +456,7 @@ TEST(RendezvousTest, BelowMinFailsAfterJoinTimeoutWithClearMessage) {
 
 TEST(RendezvousTest, SurvivorsBelowMinWaitThenFormWhenANodeComes) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 2, 3));
-  auto b = Start(db, Opts("b", 2, 3));
+  auto [a, b] = StartNodes(db, {"a", "b"}, 2, 3);
   ASSERT_TRUE(a->Started() && b->Started());
   b->rdzv->Leave();
   ASSERT_TRUE(a->Next(Event::Type::kRoundClosing));
@@ -466,9 +471,7 @@ TEST(RendezvousTest, SurvivorsBelowMinWaitThenFormWhenANodeComes) {
 
 TEST(RendezvousTest, FencedNodeNeverRejoinsItsRoundAndComesBackAsNewMember) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 2, 3));
-  auto b = Start(db, Opts("b", 2, 3));
-  auto c = Start(db, Opts("c", 2, 3));
+  auto [a, b, c] = StartNodes(db, {"a", "b", "c"}, 2, 3);
   auto first = b->Started();
   ASSERT_TRUE(a->Started() && first && c->Started());
   auto wall_now = [] {
@@ -503,8 +506,7 @@ TEST(RendezvousTest, FencedNodeNeverRejoinsItsRoundAndComesBackAsNewMember) {
 
 TEST(RendezvousTest, CompletionReachesMembersStandbysAndLateAgents) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 1, 2));
-  auto b = Start(db, Opts("b", 1, 2));
+  auto [a, b] = StartNodes(db, {"a", "b"}, 1, 2);
   auto ra = a->Started();
   ASSERT_TRUE(ra && b->Started());
   auto s = Start(db, Opts("s", 1, 2));
@@ -527,8 +529,7 @@ TEST(RendezvousTest, CompletionReachesMembersStandbysAndLateAgents) {
 
 TEST(RendezvousTest, StatusShowsMembersStandbysRestartsAndEvents) {
   MemoryEtcd db;
-  auto a = Start(db, Opts("a", 1, 2));
-  auto b = Start(db, Opts("b", 1, 2));
+  auto [a, b] = StartNodes(db, {"a", "b"}, 1, 2);
   auto ra = a->Started();
   ASSERT_TRUE(ra && b->Started());
   auto s = Start(db, Opts("s", 1, 2));
