@@ -71,21 +71,33 @@ def efdl_cli(*argv, env=None, timeout=60):
                           timeout=timeout)
 
 
-def test_a_node_killed_whole_and_restarted_resumes_from_memory(cluster, tmp_path):
+def held_back_storage(tmp_path, steps):
+    """(shared-memory dir, storage dir, environment) of a one-node run of `steps` steps that
+    commits 1 MB every 10 steps; its storage is written once and then held back, so a restore
+    from it would go far back."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    storage = str(tmp_path / "storage")
-    # Storage is written once and then held back: a restore from it would go far back.
     env = {"EFDL_SHM_DIR": str(shm), "EFDL_PERSIST_MIN_INTERVAL_MS": "600000",
            "SUSPEND_WORKER_MB": "1", "SUSPEND_WORKER_INTERVAL": "10",
-           "SUSPEND_WORKER_SLEEP_MS": "5", "SUSPEND_WORKER_STEPS": "600"}
+           "SUSPEND_WORKER_SLEEP_MS": "5", "SUSPEND_WORKER_STEPS": str(steps)}
+    return shm, str(tmp_path / "storage"), env
+
+
+def kill_whole_after(agent, step):
+    """SIGKILLs the agent's whole process group once a worker reached `step`, waits until its
+    workers are gone and returns the last step they reached."""
+    wait_for(lambda: any(s[4] >= step for s in agent.steps()), 120, "step %d" % step)
+    agent.signal_group(signal.SIGKILL)
+    agent.proc.wait(timeout=30)
+    wait_for(lambda: not agent.worker_pids(), 10, "the workers to die")
+    return max(s[4] for s in agent.steps())
+
+
+def test_a_node_killed_whole_and_restarted_resumes_from_memory(cluster, tmp_path):
+    shm, storage, env = held_back_storage(tmp_path, 600)
     argv = default_flags_argv(cluster, storage)
     first = start(cluster, "first", argv, env)
-    wait_for(lambda: any(s[4] >= 140 for s in first.steps()), 120, "step 140")
-    first.signal_group(signal.SIGKILL)
-    first.proc.wait(timeout=30)
-    wait_for(lambda: not first.worker_pids(), 10, "the workers to die")
-    last = max(s[4] for s in first.steps())
+    last = kill_whole_after(first, 140)
     assert last < 590, "the first run got too far before the kill: %d" % last
     arenas = [f for f in shm_files(shm) if f.endswith(".arena")]
     assert len(arenas) == 1, shm_files(shm)
@@ -108,19 +120,10 @@ def test_a_node_killed_whole_and_restarted_resumes_from_memory(cluster, tmp_path
 def test_adoption_of_an_earlier_holders_arena(cluster, tmp_path):
     """The restarted agent gets another holder index than its dead predecessor (a live agent of
     the same job holds index 0 meanwhile): it adopts the dead arena by renaming it."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    storage = str(tmp_path / "storage")
-    env = {"EFDL_SHM_DIR": str(shm), "EFDL_PERSIST_MIN_INTERVAL_MS": "600000",
-           "SUSPEND_WORKER_MB": "1", "SUSPEND_WORKER_INTERVAL": "10",
-           "SUSPEND_WORKER_SLEEP_MS": "5", "SUSPEND_WORKER_STEPS": "400"}
+    shm, storage, env = held_back_storage(tmp_path, 400)
     argv = default_flags_argv(cluster, storage)
     first = start(cluster, "first", argv, env)
-    wait_for(lambda: any(s[4] >= 50 for s in first.steps()), 120, "step 50")
-    first.signal_group(signal.SIGKILL)
-    first.proc.wait(timeout=30)
-    wait_for(lambda: not first.worker_pids(), 10, "the workers to die")
-    last = max(s[4] for s in first.steps())
+    last = kill_whole_after(first, 50)
     [arena] = [f for f in shm_files(shm) if f.endswith(".arena")]
     # Someone else (alive) now holds index 0 of this job's holder on this host.
     lock_path = shm / (arena.rsplit("-", 1)[0] + ".lock")
