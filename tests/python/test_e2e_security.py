@@ -86,25 +86,8 @@ def agent_argv(etcd, job, node, out_dir, password_file, user="job"):
 
 
 def test_two_node_job_over_tls_with_auth_shares_the_job_secret(secure_etcd, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    agents = [subprocess.Popen(agent_argv(secure_etcd, "secjob", "n%d" % i, out,
-                                          secure_etcd["password"]),
-                               env=cluster.base_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-              for i in range(2)]
-    try:
-        outputs = [a.communicate(timeout=90)[0] for a in agents]
-    finally:
-        for a in agents:
-            kill_group(a)
-    for a, text in zip(agents, outputs):
-        assert a.returncode == 0, text[-3000:]
-        assert "world=2" in text, text[-3000:]
-    secrets = {(out / ("secret.n%d" % i)).read_text().strip() for i in range(2)}
-    assert len(secrets) == 1, secrets
-    secret = secrets.pop()
-    assert re.fullmatch(r"[0-9a-f]{64}", secret)
+    secret, outputs = run_two_node_job(secure_etcd, "secjob", "job", secure_etcd["password"],
+                                       tmp_path / "out", nodes=["n0", "n1"], timeout=90)
     stored = subprocess.run(secure_etcd["ctl"] + ["get", "--print-value-only",
                                                   "/efdl/secjob/secret"],
                             env=secure_etcd["env"], capture_output=True, text=True, timeout=30)
@@ -138,27 +121,29 @@ def password_file(tmp_path, job):
     return path
 
 
-def run_two_node_job(etcd, job, user, password, out_dir):
-    """Runs a 2-node job to completion; returns the secret both nodes' workers got."""
+def run_two_node_job(etcd, job, user, password, out_dir, nodes=None, timeout=120):
+    """Runs a 2-node job to completion, its agents' nodes `nodes` (by default <job>-n0 and
+    <job>-n1) with their workers' files in `out_dir`; returns the secret both nodes' workers
+    got and the agents' outputs."""
+    nodes = nodes or ["%s-n%d" % (job, i) for i in range(2)]
     out_dir.mkdir()
-    agents = [subprocess.Popen(agent_argv(etcd, job, "%s-n%d" % (job, i), out_dir, password,
-                                          user=user),
+    agents = [subprocess.Popen(agent_argv(etcd, job, node, out_dir, password, user=user),
                                env=cluster.base_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-              for i in range(2)]
+              for node in nodes]
     try:
-        outputs = [a.communicate(timeout=120)[0] for a in agents]
+        outputs = [a.communicate(timeout=timeout)[0] for a in agents]
     finally:
         for a in agents:
             kill_group(a)
     for a, text in zip(agents, outputs):
         assert a.returncode == 0, "job %s as %s:\n%s" % (job, user, text[-3000:])
         assert "world=2" in text, text[-3000:]
-    secrets = {(out_dir / ("secret.%s-n%d" % (job, i))).read_text().strip() for i in range(2)}
+    secrets = {(out_dir / ("secret." + node)).read_text().strip() for node in nodes}
     assert len(secrets) == 1, secrets
     secret = secrets.pop()
     assert re.fullmatch(r"[0-9a-f]{64}", secret)
-    return secret
+    return secret, outputs
 
 
 def test_per_job_roles_keep_each_jobs_keys_and_secret_apart(secure_etcd, tmp_path):
@@ -178,7 +163,7 @@ def test_per_job_roles_keep_each_jobs_keys_and_secret_apart(secure_etcd, tmp_pat
     # Each job runs to completion on its own role alone: the role covers every key a job uses,
     # its secret included.
     secret = {job: run_two_node_job(secure_etcd, job, user[job], password[job],
-                                    tmp_path / ("out-" + job))
+                                    tmp_path / ("out-" + job))[0]
               for job in (JOB_A, JOB_B)}
     assert secret[JOB_A] != secret[JOB_B]
     for job in (JOB_A, JOB_B):
