@@ -59,6 +59,18 @@ TEST(MetricsTextTest, AMalformedLineIsAnErrorNamingIt) {
   }
 }
 
+// A node's metrics say `round`, `world` and, in rank order, these (rank, step) pairs.
+void ExpectNode(const NodeMetrics& m, int64_t round, int world,
+                const std::vector<RankStep>& ranks) {
+  EXPECT_EQ(m.round, round);
+  EXPECT_EQ(m.world_size, world);
+  ASSERT_EQ(m.ranks.size(), ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    EXPECT_EQ(m.ranks[i].rank, ranks[i].rank) << i;
+    EXPECT_EQ(m.ranks[i].step, ranks[i].step) << i;
+  }
+}
+
 TEST(MetricsTextTest, ExtractsRanksRoundAndWorldSizeSkippingUnknownSteps) {
   auto s = ParseMetricsText(
       "efdl_round{a=\"b\"} 4\nefdl_world_size 2\n"
@@ -66,14 +78,7 @@ TEST(MetricsTextTest, ExtractsRanksRoundAndWorldSizeSkippingUnknownSteps) {
       "efdl_rank_step{rank=\"2\"} -1\nefdl_rank_step{norank=\"x\"} 5\n"
       "efdl_rank_step_seconds{rank=\"0\"} 0.1\n");
   ASSERT_TRUE(s.ok());
-  NodeMetrics m = ExtractNodeMetrics(*s);
-  EXPECT_EQ(m.round, 4);
-  EXPECT_EQ(m.world_size, 2);
-  ASSERT_EQ(m.ranks.size(), 2u);
-  EXPECT_EQ(m.ranks[0].rank, 0);
-  EXPECT_EQ(m.ranks[0].step, 9);
-  EXPECT_EQ(m.ranks[1].rank, 1);
-  EXPECT_EQ(m.ranks[1].step, 7);
+  ExpectNode(ExtractNodeMetrics(*s), 4, 2, {{0, 9}, {1, 7}});
 }
 
 // The reader against what a real agent endpoint serves (prometheus-cpp's exposition), fetched
@@ -88,14 +93,7 @@ TEST(MetricsTextTest, ReadsARealAgentEndpoint) {
   ASSERT_TRUE(body.ok()) << body.status().message();
   auto samples = ParseMetricsText(*body);
   ASSERT_TRUE(samples.ok()) << samples.status().message() << "\n" << *body;
-  NodeMetrics nm = ExtractNodeMetrics(*samples);
-  EXPECT_EQ(nm.round, 5);
-  EXPECT_EQ(nm.world_size, 3);
-  ASSERT_EQ(nm.ranks.size(), 2u);
-  EXPECT_EQ(nm.ranks[0].rank, 0);
-  EXPECT_EQ(nm.ranks[0].step, 41);
-  EXPECT_EQ(nm.ranks[1].rank, 2);
-  EXPECT_EQ(nm.ranks[1].step, 40);
+  ExpectNode(ExtractNodeMetrics(*samples), 5, 3, {{0, 41}, {2, 40}});
 }
 
 TEST(ThroughputTest, RatesFromStepDeltasOverTheWindowOnAFakeClock) {
