@@ -10,7 +10,8 @@ import torch
 
 from efdl.state import State
 
-from test_state import forget_memory, job, make_training, storage_files, train_step  # noqa: F401
+from test_state import (job, make_training, restore_from_storage_warned, storage_files,  # noqa: F401
+                        train_step)
 
 SECRET_A = "a" * 64
 SECRET_B = "b" * 64
@@ -53,10 +54,7 @@ def test_own_snapshot_restores_and_another_jobs_is_skipped(hmac_job, monkeypatch
 
     monkeypatch.setenv("EFDL_JOB_SECRET", SECRET_A)
     monkeypatch.setenv("EFDL_SNAPSHOT_DIR", hmac_job["EFDL_SNAPSHOT_DIR"])
-    forget_memory(hmac_job)
-    model, optimizer, _ = make_training(seed=9)
-    with pytest.warns(UserWarning, match="failed its HMAC check"):
-        restored = State(model, optimizer, step=0)
+    restored, model = restore_from_storage_warned(hmac_job, "failed its HMAC check")
     assert restored.step == 1
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[1][k]), k

@@ -65,6 +65,16 @@ def forget_memory(job):
         os.unlink(os.path.join(job["EFDL_SHM_DIR"], name))
 
 
+def restore_from_storage_warned(job, match):
+    """A new node's restore (the memory copy forgotten) into a fresh make_training(seed=9),
+    which must warn with `match`; returns the State and its model."""
+    forget_memory(job)
+    model, optimizer, _ = make_training(seed=9)
+    with pytest.warns(UserWarning, match=match):
+        restored = State(model, optimizer, step=0)
+    return restored, model
+
+
 def storage_files(job):
     d = os.path.join(job["EFDL_SNAPSHOT_DIR"], job["EFDL_JOB_ID"])
     return sorted(os.path.join(d, f) for f in os.listdir(d) if f.startswith("snap-"))
@@ -215,10 +225,7 @@ def test_corrupt_newest_file_falls_back_to_the_previous_one(job):
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
-    forget_memory(job)
-    m2, o2, _ = make_training(seed=9)
-    with pytest.warns(UserWarning, match="failed its data checksum"):
-        restored = State(m2, o2, step=0)
+    restored, m2 = restore_from_storage_warned(job, "failed its data checksum")
     assert restored.step == 1
     for k, v in m2.state_dict().items():
         assert torch.equal(v, first[k]), k
