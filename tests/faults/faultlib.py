@@ -815,12 +815,8 @@ class EtcdCluster:
             endpoint = "%s:%d" % (host, client)
             log = open(os.path.join(base_dir, "etcd-m%d.log" % i), "w")
             self.procs.append(subprocess.Popen(
-                ["etcd", "--name", "m%d" % i, "--data-dir", os.path.join(base_dir, "m%d" % i),
-                 "--listen-client-urls", "http://" + endpoint,
-                 "--advertise-client-urls", "http://" + endpoint,
-                 "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
-                 "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
-                 "--initial-cluster", initial, "--initial-cluster-state", "new"],
+                cluster.etcd_argv("m%d" % i, os.path.join(base_dir, "m%d" % i), endpoint, peer,
+                                  initial_cluster=initial),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
             self.endpoints.append(endpoint)

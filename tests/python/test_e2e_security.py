@@ -39,13 +39,8 @@ def secure_etcd(tmp_path):
     endpoint = "127.0.0.1:%d" % client
     log = open(tmp_path / "etcd.log", "w")
     etcd = subprocess.Popen(
-        ["etcd", "--name", "sec", "--data-dir", str(tmp_path / "data"),
-         "--listen-client-urls", "https://" + endpoint,
-         "--advertise-client-urls", "https://" + endpoint,
-         "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
-         "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
-         "--initial-cluster", "sec=http://127.0.0.1:%d" % peer,
-         "--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
+        cluster.etcd_argv("sec", str(tmp_path / "data"), endpoint, peer, scheme="https") +
+        ["--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
          "--client-cert-auth", "--trusted-ca-file", str(certs / "ca.pem")],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()

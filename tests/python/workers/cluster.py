@@ -41,6 +41,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+def etcd_argv(name, data_dir, endpoint, peer_port, scheme="http", initial_cluster=None):
+    """The command line of etcd member `name` with its data in `data_dir`, serving clients on
+    `endpoint` (HOST:PORT, over `scheme`) and its peers on 127.0.0.1:`peer_port`: alone in its
+    cluster, or a member of the new cluster `initial_cluster` ("name=url,...")."""
+    peer = "http://127.0.0.1:%d" % peer_port
+    argv = ["etcd", "--name", name, "--data-dir", data_dir,
+            "--listen-client-urls", "%s://%s" % (scheme, endpoint),
+            "--advertise-client-urls", "%s://%s" % (scheme, endpoint),
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", initial_cluster or "%s=%s" % (name, peer)]
+    if initial_cluster:
+        argv += ["--initial-cluster-state", "new"]
+    return argv
+
+
 def base_env():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("EFDL_", "WORKER_")) and k not in (
@@ -176,12 +191,7 @@ class Cluster:
         data = os.path.join(self.dir, "etcd")
         log = open(os.path.join(self.dir, "etcd.log"), "w")
         self.etcd = subprocess.Popen(
-            ["etcd", "--name", "e2e", "--data-dir", data,
-             "--listen-client-urls", "http://" + self.endpoint,
-             "--advertise-client-urls", "http://" + self.endpoint,
-             "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
-             "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
-             "--initial-cluster", "e2e=http://127.0.0.1:%d" % peer]
+            etcd_argv("e2e", data, self.endpoint, peer)
             + (["--enable-v2"] if enable_v2 else []),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

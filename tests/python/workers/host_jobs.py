@@ -27,12 +27,7 @@ class Etcd:
         self.log = os.path.join(world.dir, "etcd.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                ["etcd", "--name", "hosts", "--data-dir", data,
-                 "--listen-client-urls", "http://" + self.endpoint,
-                 "--advertise-client-urls", "http://" + self.endpoint,
-                 "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
-                 "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
-                 "--initial-cluster", "hosts=http://127.0.0.1:%d" % peer],
+                cluster.etcd_argv("hosts", data, self.endpoint, peer),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         cluster.wait_for(self._healthy, 30, "etcd on the bridge to become healthy")
 
