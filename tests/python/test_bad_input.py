@@ -127,12 +127,8 @@ def test_bad_argument_or_environment_is_one_line_and_exit_2(argv, extra_env, exp
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="badinput-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("badinput-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def etcd_put(job, key, value):

@@ -145,12 +145,8 @@ def check_ledger(dom, crash):
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="dash-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("dash-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def test_the_page_shows_a_job_live_through_a_kill(job, tmp_path):

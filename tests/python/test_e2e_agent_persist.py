@@ -16,7 +16,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, Cluster, base_env, efdl_bin, wait_for  # noqa: E402
+from cluster import PYTHON, base_env, efdl_bin, running, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(efdl_bin() is None, reason="efdl binary not built (set EFDL_BIN)")
 
@@ -25,10 +25,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "su
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(job="persist-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000))
-    c.start_etcd()
-    yield c
-    c.close()
+    with running("persist-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000)) as c:
+        yield c
 
 
 def start_time(pid):

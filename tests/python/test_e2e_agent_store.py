@@ -28,12 +28,8 @@ START_RE = re.compile(r"START round=(\d+) rank=(\d+) world=(\d+) step=\d+ pid=\d
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="agent-store-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("agent-store-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def store_of(agent):

@@ -27,7 +27,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, Cluster, base_env, efdl_bin, wait_for  # noqa: E402
+from cluster import PYTHON, base_env, efdl_bin, running, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(efdl_bin() is None, reason="efdl binary not built (set EFDL_BIN)")
 
@@ -37,10 +37,8 @@ RESUMED_RE = re.compile(r"RESUMED step=(-?\d+) value=(-?\d+)")
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(job="arena-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000))
-    c.start_etcd()
-    yield c
-    c.close()
+    with running("arena-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000)) as c:
+        yield c
 
 
 def shm_files(shm):

@@ -24,12 +24,8 @@ pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
 
 @pytest.fixture
 def job(tmp_path):
-    c = cluster.Cluster(job="e2e-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("e2e-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def status(c):

@@ -33,12 +33,8 @@ FINAL_RE = re.compile(r"^\[rank \d+\] FINAL rank=(\d+) pid=(\d+) steps=(\d+) par
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="e2e-inproc-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("e2e-inproc-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def steps_of(agent):

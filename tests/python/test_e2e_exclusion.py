@@ -32,12 +32,8 @@ COOLDOWN = 8
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="excl-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("excl-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def status(c, *extra):

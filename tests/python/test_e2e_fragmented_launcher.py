@@ -111,12 +111,8 @@ def test_fragmented_example_replaces_the_two_process_node_by_two_one_process_nod
 
 @pytest.fixture
 def torchrun_job(tmp_path):
-    c = cluster.Cluster(job="tr-%d-%d" % (os.getpid(), int(time.time())))
-    try:
-        c.start_etcd()
+    with cluster.running("tr-%d-%d" % (os.getpid(), int(time.time()))) as c:
         yield c
-    finally:
-        c.close()
 
 
 def test_torchrun_inside_efdl_run_launcher_survives_a_node_kill(torchrun_job):

@@ -41,12 +41,8 @@ SPARES_RE = re.compile(r"round (\d+): (\d+) of (\d+) worker\(s\) taken from pre-
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="e2e-integ-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("e2e-integ-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def hsteps_of(agent, since=0.0):

@@ -25,12 +25,8 @@ pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="prestart-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("prestart-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def alive(pid):

@@ -33,12 +33,8 @@ PACKAGE_DIR = os.path.join(cluster.REPO, "python")
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="prestart-venv-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("prestart-venv-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def env_without_pythonpath(job):

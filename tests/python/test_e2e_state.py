@@ -33,12 +33,8 @@ GLOO_ERRORS = ("Connection reset", "Connection closed by peer", "gloo", "Traceba
 
 @pytest.fixture
 def job():
-    c = cluster.Cluster(job="e2e-state-%d" % os.getpid())
-    try:
-        c.start_etcd()
+    with cluster.running("e2e-state-%d" % os.getpid()) as c:
         yield c
-    finally:
-        c.close()
 
 
 def start_node(job, name, env, **kwargs):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, REPO, Cluster, base_env, efdl_bin, wait_for  # noqa: E402
+from cluster import PYTHON, REPO, base_env, efdl_bin, running, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(efdl_bin() is None, reason="efdl binary not built (set EFDL_BIN)")
 
@@ -28,13 +28,11 @@ DIGITS_TRAIN = 1438  # training samples of the digits split in examples/digits.p
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(job="susp-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000))
-    c.start_etcd()
-    env = {"EFDL_SHM_DIR": str(tmp_path / "shm")}
-    os.makedirs(env["EFDL_SHM_DIR"])
-    c.test_env = env
-    yield c
-    c.close()
+    with running("susp-%d-%d" % (os.getpid(), time.monotonic_ns() % 100000)) as c:
+        env = {"EFDL_SHM_DIR": str(tmp_path / "shm")}
+        os.makedirs(env["EFDL_SHM_DIR"])
+        c.test_env = env
+        yield c
 
 
 def efdl(cluster, *argv, timeout=90):

@@ -5,6 +5,7 @@ the cluster is closed, whatever the test did. Agent output is collected line by 
 time each line arrived, so tests wait for conditions instead of sleeping.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -39,6 +40,18 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(job):
+    """A Cluster for job `job` with its etcd started, closed at the end (agents stopped, etcd
+    stopped, its directory removed): a test file's fixture is `with running(...) as c: yield c`."""
+    c = Cluster(job=job)
+    try:
+        c.start_etcd()
+        yield c
+    finally:
+        c.close()
 
 
 def etcd_argv(name, data_dir, endpoint, peer_port, scheme="http", initial_cluster=None):
