@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 import cluster  # noqa: E402
-from cluster import wait_for  # noqa: E402
+from cluster import alive, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
                                 reason="efdl binary not built (set EFDL_BIN)")
@@ -27,14 +27,6 @@ pytestmark = pytest.mark.skipif(cluster.efdl_bin() is None,
 def job():
     with cluster.running("prestart-%d" % os.getpid()) as c:
         yield c
-
-
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_rounds_take_spares_by_default_and_none_outlives_a_killed_agent(job):

@@ -44,18 +44,14 @@ def proc_field(pid, name):
         return None
 
 
-def alive(pid):
-    stat = proc_field(pid, "stat")
-    return stat is not None and stat.rsplit(b")", 1)[1].split()[0] != b"Z"
-
-
 def etcd_of(path):
     """The pids of etcd processes whose data directory is inside `path`."""
     pids = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             cmd = proc_field(int(name), "cmdline") or b""
-            if b"etcd" in cmd and (path + "/member-data").encode() in cmd and alive(int(name)):
+            if (b"etcd" in cmd and (path + "/member-data").encode() in cmd
+                    and cluster.alive(int(name))):
                 pids.append(int(name))
     return pids
 
@@ -138,7 +134,7 @@ def test_a_sigkilled_run_without_etcd_leaves_nothing_in_tmp(commands):
     sigkill(proc)
     cluster.wait_for(lambda: not os.path.exists(path), REAPER_WAIT,
                      "%s outlived the SIGKILLed efdl run" % path)
-    assert not any(alive(p) for p in etcd), "the private etcd outlived its run"
+    assert not any(cluster.alive(p) for p in etcd), "the private etcd outlived its run"
     assert etcd_dirs(commands.tmp) == []
     # The next run leaves nothing either.
     done = commands.run(["run", "--no-prestart", "--", "true"])
@@ -161,7 +157,7 @@ def test_a_sigkilled_sim_leaves_nothing_in_tmp(commands):
     sigkill(proc)
     cluster.wait_for(lambda: not os.path.exists(path), REAPER_WAIT,
                      "%s outlived the SIGKILLed efdl sim" % path)
-    assert not any(alive(p) for p in etcd), "the private etcd outlived efdl sim"
+    assert not any(cluster.alive(p) for p in etcd), "the private etcd outlived efdl sim"
     done = commands.run(["sim", "--nodes", "5", "--json"])
     assert done.returncode == 0, done.stdout + done.stderr
     assert etcd_dirs(commands.tmp) == []

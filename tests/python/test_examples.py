@@ -16,7 +16,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, REPO  # noqa: E402
+from cluster import PYTHON, REPO, alive  # noqa: E402
 import cluster  # noqa: E402
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -82,14 +82,6 @@ def parent(pid):
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
-
-
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def demo_leftovers():

@@ -35,6 +35,15 @@ def efdl_bin():
     return path if os.path.exists(path) else None
 
 
+def alive(pid):
+    """True while process `pid` exists and is not a zombie (an unreaped dead process)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def free_port():
     import socket
     with socket.socket() as s:
