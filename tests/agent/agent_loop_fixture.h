@@ -155,8 +155,7 @@ class StderrCapture {
 class AgentLoopTest : public TempDirTest {
  protected:
   AgentLoopTest() : TempDirTest("efdl-agent-test") {}
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
+  void SetUpInDir() override {
     out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     opts_.job_id = "job-1";
     opts_.node_id = "node-a";

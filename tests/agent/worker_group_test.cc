@@ -27,8 +27,7 @@ using Clock = std::chrono::steady_clock;
 class WorkerGroupTest : public TempDirTest {
  protected:
   WorkerGroupTest() : TempDirTest("efdl-wg-test") {}
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
+  void SetUpInDir() override {
     out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     err_fd_ = ::open((dir_.path() + "/err").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
   }

@@ -22,8 +22,7 @@ namespace {
 class SnapshotHmacTest : public TempDirTest {
  protected:
   SnapshotHmacTest() : TempDirTest("efdl-hmac") {}
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
+  void SetUpInDir() override {
     auto a = security::NewSecret();
     auto b = security::NewSecret();
     ASSERT_TRUE(a.ok() && b.ok());

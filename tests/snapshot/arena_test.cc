@@ -15,8 +15,7 @@ namespace {
 class ArenaTest : public TempDirTest {
  protected:
   ArenaTest() : TempDirTest("efdl-arena-test") {}
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
+  void SetUpInDir() override {
     path_ = dir_.path() + "/test.arena";
   }
   std::unique_ptr<SnapshotArena> NewArena(int slots = 2) {

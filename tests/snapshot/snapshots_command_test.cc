@@ -18,8 +18,7 @@ namespace snap = efdl::snapshot;
 class SnapshotsCommandTest : public TempDirTest {
  protected:
   SnapshotsCommandTest() : TempDirTest("efdl-snapcli-test") {}
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
+  void SetUpInDir() override {
     snap::SnapshotStore store(nullptr, dir_.path() + "/job1", 5);
     for (uint64_t seq = 1; seq <= 3; ++seq) {
       snap::Manifest m;

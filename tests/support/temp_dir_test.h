@@ -1,7 +1,7 @@
 // A GoogleTest fixture whose every test starts with a fresh temporary directory `dir_`, removed
 // with everything in it when the fixture is destroyed (after the derived fixture's own members).
-// A derived fixture names its directory's prefix and, with its own SetUp, begins with
-// `ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());`.
+// A derived fixture names its directory's prefix and sets up the rest in SetUpInDir (not
+// reached when the directory could not be made).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -20,7 +20,10 @@ class TempDirTest : public ::testing::Test {
     auto dir = TempDir::Create(prefix_);
     ASSERT_TRUE(dir.ok());
     dir_ = std::move(dir).value();
+    SetUpInDir();
   }
+  // What a derived fixture sets up once dir_ exists (nothing by default).
+  virtual void SetUpInDir() {}
 
   TempDir dir_;
 
