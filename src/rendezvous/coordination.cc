@@ -161,10 +161,14 @@ EventOutcome OnAck(JobView& v, const RoundRecord& round, const std::string& id,
     case AckState::kFailed:
       if (round.phase == Phase::kActive && ack.round == round.round && v.members.count(id)) {
         // A collective that lost its peer is not this node's failure (NameCause names the
-        // cause once the next round is decided).
+        // cause once the next round is decided). An own failure says how, as the node's own
+        // proposal would (FailureProposal), when its ack carries this round's detail.
+        const bool detail = ack.prev_round == ack.round && !ack.prev_detail.empty();
         v.WantReround(false, ack.prev_outcome == kOutcomeLost
                                  ? fmt::format("the workers of node {} lost a peer", id)
-                                 : fmt::format("workers of node {} failed", id));
+                             : detail ? fmt::format("workers of node {} failed: {}", id,
+                                                    ack.prev_detail)
+                                      : fmt::format("workers of node {} failed", id));
       }
       break;
     case AckState::kLeaving:

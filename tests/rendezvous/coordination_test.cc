@@ -442,6 +442,19 @@ TEST_F(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFa
   EXPECT_EQ(v.reround_why, "the workers of node b lost a peer");
 }
 
+TEST_F(CoordinationBlameTest, AFailedAckWithItsOwnDetailNamesTheRankAndHow) {
+  const RoundRecord round = Round(4, Phase::kActive);
+  const auto cfg = Config(1, 3);
+  JobView v = ActiveView({"a", "b"});
+  AckRecord own = Ack(4, AckState::kFailed);
+  own.prev_round = 4;
+  own.prev_outcome = kOutcomeFailed;
+  own.prev_detail = "rank 1 raised ValueError: a bug";
+  OnAck(v, round, "b", own, cfg, {});
+  EXPECT_TRUE(v.reround);
+  EXPECT_EQ(v.reround_why, "workers of node b failed: rank 1 raised ValueError: a bug");
+}
+
 TEST_F(CoordinationBlameTest, AFailureProposalOfALostPeerDoesNotSayTheReportersWorkersFailed) {
   RoundRecord active = Round(4, Phase::kActive);
   const RoundRecord own = FailureProposal(active, "b", "rank 1 exited with status 1");
