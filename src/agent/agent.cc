@@ -8,6 +8,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -258,6 +259,7 @@ int Agent::RunUntilDone() {
     CheckStragglers();
     ServeFlushRequests();
     ServeInProcessFailures();
+    NoteReturnedWorkers();
     if (spares_) {
       spares_->Maintain();
       NoteNoPrestart();
@@ -281,6 +283,20 @@ std::string LocalRanks(const rdzv::Assignment& a) {
   return first == last ? fmt::format("rank {}", first) : fmt::format("ranks {}..{}", first, last);
 }
 }  // namespace
+
+void Agent::NoteReturnedWorkers() {
+  if (!group_ || group_paused_ || options_.launcher) return;
+  const int64_t round = group_->round();
+  if (returned_noted_ == round) return;
+  const std::vector<int> returned = control_->ReturnedRanks(round);
+  if (std::set<int>(returned.begin(), returned.end()).size() < group_->size()) return;
+  // Every worker's program returned (in-process, they said so before tearing down): if the
+  // peers still train, the round is about to break and this node is its cause; the next ack
+  // says so before the exits are reaped, which can take longer than the coordinator waits.
+  returned_noted_ = round;
+  exited0_ = {round, LocalRanks(assignment_)};
+  rdzv_.NoteWorkersReturned(round, exited0_->second);
+}
 
 std::optional<int> Agent::PollWorkers() {
   if (!group_) return std::nullopt;

@@ -170,6 +170,9 @@ class Agent {
   // Each returns an exit code when the agent must end.
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
+  // In-process: once every worker of the round said "returned", tells the rendezvous (their
+  // exits, reaped later, are what complete a job).
+  void NoteReturnedWorkers();
   // A rank of this node that returned (exit 0) while the others still trained: reaped so
   // (WorkerGroup::exited0_early) or, in-process, said so ("returned"). nullopt: none.
   std::optional<WorkerExit> EarlyExit0() const;
@@ -324,6 +327,7 @@ class Agent {
   // The round this node's workers all exited 0 in and their ranks ("rank 1", "ranks 2..3"),
   // until the next round starts: an assignment marked early_exit then counts it (issue #32).
   std::optional<std::pair<int64_t, std::string>> exited0_;
+  int64_t returned_noted_ = -1;   // the round whose returned workers NoteReturnedWorkers told
   // At a round's close that was not graceful, before the stop's signals: whether a worker
   // exited by itself (it waits up to kOwnExitWait for a first exit, and as long again for the
   // rest, returning at once when one fails); PollWorkers then reports it.

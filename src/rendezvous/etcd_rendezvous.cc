@@ -168,6 +168,14 @@ void EtcdRendezvous::ReportWorkersExited0(int64_t round, const std::string& rank
   Push(std::move(in));
 }
 
+void EtcdRendezvous::NoteWorkersReturned(int64_t round, const std::string& ranks) {
+  Input in;
+  in.type = Input::Type::kWorkersReturned;
+  in.round = round;
+  in.detail = ranks;
+  Push(std::move(in));
+}
+
 void EtcdRendezvous::DriverLoop() {
   MutexLock lock(in_mu_);
   bool first = true;   // Join may have made us coordinator of a job that needs no more input
@@ -495,6 +503,10 @@ void EtcdRendezvous::Handle(Input& in) {
     case Input::Type::kWorkersSucceeded:
       own_failure_.reset();
       NoteOutcome(in.round, kOutcomeDone, in.detail, AckState::kDone);
+      break;
+    case Input::Type::kWorkersReturned:
+      // The outcome only (no "done" ack: the job completes on the exits).
+      NoteOutcome(in.round, kOutcomeDone, in.detail, std::nullopt);
       break;
     case Input::Type::kResync:
       Resync();

@@ -32,7 +32,7 @@ using TimePoint = Clock::time_point;
 struct Input {
   enum class Type {
     kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
-    kResync, kGaveUp, kWithdraw, kPublishCompute, kRestarts
+    kResync, kGaveUp, kWithdraw, kPublishCompute, kRestarts, kWorkersReturned
   };
   Type type = Type::kRound;
   uint64_t generation = 0;              // watch inputs: the registration/watch set they belong to
@@ -77,6 +77,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
                       const std::string& cause) override;
   void ReportWorkersSucceeded(int64_t round) override { ReportWorkersExited0(round, ""); }
   void ReportWorkersExited0(int64_t round, const std::string& ranks) override;
+  void NoteWorkersReturned(int64_t round, const std::string& ranks) override;
   void Leave() override;
   Status ReportSuspended(const std::optional<PersistedPoint>& persisted) override;
   Status RecordGiveUp(const std::string& reason,

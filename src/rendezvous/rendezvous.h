@@ -128,6 +128,14 @@ class Rendezvous {
     (void)ranks;
     ReportWorkersSucceeded(round);
   }
+  // Every worker of this node said that its program returned in `round` (in-process; they may
+  // still be tearing down): the outcome the next ack carries is "exited 0" (`ranks` as above),
+  // so that a coordinator naming a round's cause sees it before the exits are reaped. Not a
+  // completion: ReportWorkersExited0 still follows once they exited.
+  virtual void NoteWorkersReturned(int64_t round, const std::string& ranks) {
+    (void)round;
+    (void)ranks;
+  }
   // Leaves the job at once: revokes the lease so the others re-round without waiting.
   virtual void Leave() = 0;
   // Whether a snapshot this node committed at `committed_at` (wall seconds since the epoch) may

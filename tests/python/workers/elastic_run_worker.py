@@ -16,13 +16,21 @@ WORKER_DEVICE (cpu; cuda: the model and batches on this process' first visible G
 efdl.elastic.run builds NCCL groups), WORKER_RAISE ("RANK:STEP": that rank raises ValueError at
 that step, every time it gets there, as a bug in the program would; "any:STEP": whatever rank
 this process holds, for a fault given to one node only), WORKER_EXIT0 ("RANK:STEP": that rank
-returns from the program with status 0 at that step, once per job: WORKER_MARK_DIR).
+returns from the program with status 0 at that step, once per job: WORKER_MARK_DIR),
+WORKER_SLOW_TEARDOWN (seconds: the process's exit takes that much longer after its process
+group is gone, as a big model's teardown does).
 """
 
+import atexit
 import json
 import os
 import sys
 import time
+
+if os.environ.get("WORKER_SLOW_TEARDOWN"):
+    # Registered first, so it runs last: after efdl's own exit hook destroyed the process group
+    # (its peers' collectives have failed by then) and before the process is gone.
+    atexit.register(time.sleep, float(os.environ["WORKER_SLOW_TEARDOWN"]))
 
 import torch
 import torch.nn.functional as F
