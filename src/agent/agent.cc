@@ -376,6 +376,15 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       // failure closed the round first: reap it before stopping the rest, or a program that
       // fails on every node is counted only on the node whose failure happened to be seen first.
       if (auto code = PollWorkers()) return *code;
+      if (!event.graceful && group_ && !group_paused_) {
+        // A rank of this node returned while the others trained (in-process it said so before
+        // the failure it caused reached this loop): this node's failure, reported before the
+        // coordinator forms the next round without a cause.
+        if (const auto early = EarlyExit0();
+            early && (!pending_failure_ || !pending_failure_->collateral.empty())) {
+          BlameEarlyExit0(group_->round(), *early);
+        }
+      }
       if (group_ && group_->round() <= event.round && !group_paused_) {
         const std::string reason = event.message.empty()
                                        ? fmt::format("round {} is closing", event.round)

@@ -19,7 +19,6 @@
   X(kPaused, PAUSED, "paused")                                                     \
   X(kFlush, FLUSH, "flush")                                                        \
   X(kReturned, RETURNED, "returned")                                               \
-  X(kRaised, RAISED, "raised")                                                     \
   /* agent -> worker */                                                            \
   X(kWelcome, WELCOME, "welcome")                                                  \
   X(kStop, STOP, "stop")                                                           \

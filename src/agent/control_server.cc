@@ -304,13 +304,12 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
   }
   // A worker speaks for its own round only (the one it said hello for, or was assigned): the
   // message's "round" is not trusted, so nothing here grows with made-up rounds.
-  if (type == control::kFailed || type == control::kRaised) {
+  if (type == control::kFailed) {
     const int64_t round = client.round;
     const std::string message = StringField(msg, "message");
     if (client.said_hello && failures_.size() < kMaxPendingFlushes) {
       failures_.push_back({round, client.rank, client.local_rank,
-                           message.empty() ? "no detail given" : message,
-                           type == control::kRaised});
+                           message.empty() ? "no detail given" : message});
     }
     return true;
   }

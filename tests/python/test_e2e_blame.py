@@ -173,7 +173,8 @@ def test_one_of_a_nodes_ranks_exiting_0_early_is_blamed_on_its_node(job, mode):
         assert a.wait(120) == 0, outputs(agents)
     events = json.loads(efdl(job, "events", "--json"))["events"]
     assert any("workers of node %s failed: rank 1 exited 0 before the job completed"
-               % exiting.name in e["why"] for e in events), events
+               % exiting.name in e["why"] for e in events), (
+        "\n".join(e["why"] for e in events) + "\n" + outputs(agents))
     out = agent_lines(peer)
     assert not re.search(r"restart \d+ ", out), out
     assert "workers of node %s failed" % peer.name not in out, out
@@ -215,11 +216,9 @@ def test_in_process_a_node_that_keeps_raising_is_excluded_and_its_peers_never_co
                          envs={"node-c": {"WORKER_RAISE": "any:25"}})
     a, b, c = agents
     # node-c logs its worker's own failure and counts it, then is excluded after the second.
-    # (Its exit's status once reaped; its own "raised" report while the process still tears down.)
-    own = r"rank \d (exited with status 1|raised ValueError: a bug in the program at step 25)"
-    wait_line(c, r"restart 1 after " + own, 90, agents)
-    wait_line(c, r"node node-c is excluded from job '%s' for 300 s \(exclusion 1\): " % job.job
-              + own, 90, agents)
+    wait_line(c, r"restart 1 after rank \d exited with status 1", 90, agents)
+    wait_line(c, r"node node-c is excluded from job '%s' for 300 s \(exclusion 1\): rank \d "
+                 r"exited with status 1" % job.job, 90, agents)
     # Each exception of its program was seen and counted: exactly two tracebacks before the
     # exclusion (an exception hidden by the round's close would be one more, counted by nobody).
     before = c.output().split("is excluded from job")[0]
@@ -241,14 +240,8 @@ def test_in_process_a_node_that_keeps_raising_is_excluded_and_its_peers_never_co
     # The healthy nodes finish the job without node-c; node-c, excluded, learns it and exits 0.
     for x in (a, b, c):
         assert x.wait(150) == 0, outputs(agents)
-    # node-c's worker said that it raised before tearing down (efdl.elastic.run's "raised"), so
-    # its node counted it at once; the rounds' closes name it on the healthy nodes (which then
-    # either saw their collective lose it, logged as collateral, or were paused before).
-    assert re.search(r"round \d+: rank \d raised ValueError: a bug in the program at step 25; "
-                     r"this node's failure", agent_lines(c)), outputs(agents)
-    for x in (a, b):
-        assert re.search(r"workers of node node-c failed: rank \d (raised ValueError|exited "
-                         r"with status 1)", agent_lines(x)), outputs(agents)
+    assert any("came from a collective that lost a peer" in agent_lines(x) for x in (a, b)), \
+        outputs(agents)
     for x in (a, b):
         out = agent_lines(x)
         for bad in ("is excluded", "giving up", "counted as this node's",
@@ -258,8 +251,8 @@ def test_in_process_a_node_that_keeps_raising_is_excluded_and_its_peers_never_co
     # The rounds node-c broke were re-formed naming it (the rounds' reasons in `efdl events`),
     # whichever node's report came first; no round names a healthy node.
     whys = [e["why"] for e in json.loads(efdl(job, "events", "--json"))["events"]]
-    assert any(re.search(r"workers of node node-c failed: rank \d (exited with status 1|raised "
-                         r"ValueError)", w) for w in whys), "\n".join(whys)
+    assert any(re.search(r"workers of node node-c failed: rank \d exited with status 1", w)
+               for w in whys), "\n".join(whys)
     assert not any(re.search(r"workers of node node-[ab] failed", w) for w in whys), whys
     history = [e["message"] for e in st["events"]]
     assert not any(re.search(r"workers of node node-[ab] failed", m) for m in history), history
