@@ -81,6 +81,17 @@ def wait_line(agent, pattern, timeout, agents):
         time.sleep(0.05)
 
 
+def node_of_exit0(agents):
+    """The agent whose worker ran rank 1 when it returned (its worker's own line says so)."""
+    deadline = time.monotonic() + 90
+    while True:
+        exiting = next((a for a in agents if "] EXITING0 rank=1 " in a.output()), None)
+        if exiting is not None:
+            return exiting
+        assert time.monotonic() < deadline, outputs(agents)
+        time.sleep(0.05)
+
+
 def start_three(c, env, extra=(), nnodes="2:3", envs=None):
     agents = []
     for n in NODES:
@@ -110,13 +121,7 @@ def test_a_rank_that_exits_0_before_the_job_completed_is_blamed_on_its_node(job,
                           "WORKER_EXIT0": "1:30", "WORKER_MARK_DIR": marks,
                           "WORKER_SLOW_TEARDOWN": "1.5" if mode == "in-process" else ""})
     agents = start_three(job, env)
-    # Which node ran rank 1 when it returned (its worker's own line says so).
-    exiting = None
-    deadline = time.monotonic() + 90
-    while exiting is None:
-        exiting = next((a for a in agents if "] EXITING0 rank=1 " in a.output()), None)
-        assert time.monotonic() < deadline, outputs(agents)
-        time.sleep(0.05)
+    exiting = node_of_exit0(agents)
     peers = [a for a in agents if a is not exiting]
     # Its node says so and counts it; the next round's reason names it.
     wait_line(exiting, r"round \d+: rank 1 exited 0 before the job completed: their peers' "
@@ -156,12 +161,7 @@ def test_one_of_a_nodes_ranks_exiting_0_early_is_blamed_on_its_node(job, mode):
                               extra=["--no-prestart"], command=[cluster.PYTHON, WORKER])
               for n in NODES[:2]]
     job.wait_for_world(4, agents=agents, timeout=120)
-    exiting = None
-    deadline = time.monotonic() + 90
-    while exiting is None:
-        exiting = next((a for a in agents if "] EXITING0 rank=1 " in a.output()), None)
-        assert time.monotonic() < deadline, outputs(agents)
-        time.sleep(0.05)
+    exiting = node_of_exit0(agents)
     peer = next(a for a in agents if a is not exiting)
     wait_line(exiting, r"round \d+: rank 1 exited 0 before the job completed while this node's "
                        r"other ranks trained", 60, agents)

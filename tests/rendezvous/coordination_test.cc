@@ -430,29 +430,25 @@ TEST_F(CoordinationBlameTest, AnOutcomeOfAnOlderRoundSaysNothingAboutThisOne) {
   for (const auto& w : act.writes) EXPECT_FALSE(w.second.early_exit) << w.first;
 }
 
-TEST_F(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFailed) {
-  const RoundRecord round = Round(4, Phase::kActive);
-  const auto cfg = Config(1, 3);
+// The reason node b's failed ack of round 4 (with that outcome and detail) gives the re-round.
+std::string ReroundWhyOfFailedAck(const char* outcome, const std::string& detail) {
   JobView v = ActiveView({"a", "b"});
-  AckRecord lost = Ack(4, AckState::kFailed);
-  lost.prev_round = 4;
-  lost.prev_outcome = kOutcomeLost;
-  OnAck(v, round, "b", lost, cfg, {});
+  AckRecord ack = Ack(4, AckState::kFailed);
+  ack.prev_round = 4;
+  ack.prev_outcome = outcome;
+  ack.prev_detail = detail;
+  OnAck(v, Round(4, Phase::kActive), "b", ack, Config(1, 3), {});
   EXPECT_TRUE(v.reround);
-  EXPECT_EQ(v.reround_why, "the workers of node b lost a peer");
+  return v.reround_why;
+}
+
+TEST_F(CoordinationBlameTest, AFailedAckOfALostPeerDoesNotCallThatNodesWorkersFailed) {
+  EXPECT_EQ(ReroundWhyOfFailedAck(kOutcomeLost, ""), "the workers of node b lost a peer");
 }
 
 TEST_F(CoordinationBlameTest, AFailedAckWithItsOwnDetailNamesTheRankAndHow) {
-  const RoundRecord round = Round(4, Phase::kActive);
-  const auto cfg = Config(1, 3);
-  JobView v = ActiveView({"a", "b"});
-  AckRecord own = Ack(4, AckState::kFailed);
-  own.prev_round = 4;
-  own.prev_outcome = kOutcomeFailed;
-  own.prev_detail = "rank 1 raised ValueError: a bug";
-  OnAck(v, round, "b", own, cfg, {});
-  EXPECT_TRUE(v.reround);
-  EXPECT_EQ(v.reround_why, "workers of node b failed: rank 1 raised ValueError: a bug");
+  EXPECT_EQ(ReroundWhyOfFailedAck(kOutcomeFailed, "rank 1 exited with status 1"),
+            "workers of node b failed: rank 1 exited with status 1");
 }
 
 TEST_F(CoordinationBlameTest, AFailureProposalOfALostPeerDoesNotSayTheReportersWorkersFailed) {
