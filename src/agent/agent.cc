@@ -322,11 +322,12 @@ std::optional<int> Agent::PollWorkers() {
   const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
   WorkerExit failure = *group_->first_failure();
   std::optional<WorkerExit> early = EarlyExit0();
-  if (!early && group_->running() > 0 &&
-      !CollateralCause(false, group_->stderr_tail(failure.rank)).empty()) {
-    // A lost peer, and another rank of this node still runs: the peer lost may be that rank,
-    // which returned and is still tearing down (its exit is often reaped after the failure it
-    // caused). Give it a moment to exit by itself before the stop's signals.
+  if (!early) {
+    // The failure may be a lost peer and the peer a rank of this node that returned: reaped in
+    // the same poll as the failure, or still tearing down (its exit is often reaped after the
+    // failure it caused; the failing rank's traceback may not even be read yet, so its output
+    // cannot tell). Give a rank still running a moment to exit by itself before the stop's
+    // signals; a rank that lost the same peer fails too and ends the wait at once.
     early = AwaitOwnExit0();
   }
   BeginPause(std::chrono::steady_clock::now());

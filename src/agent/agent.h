@@ -176,8 +176,8 @@ class Agent {
   // A rank of this node that returned (exit 0) while the others still trained: reaped so
   // (WorkerGroup::exited0_early) or, in-process, said so ("returned"). nullopt: none.
   std::optional<WorkerExit> EarlyExit0() const;
-  // After a failure that looks like a lost peer while other workers of this node run: waits up to
-  // kOwnExitWait for them to exit by themselves; the first that exited 0, if any.
+  // After a failure while other workers of this node run: waits up to kOwnExitWait for them to
+  // exit by themselves; the first that exited 0, if any.
   std::optional<WorkerExit> AwaitOwnExit0();
   // `early` (a rank of this node) returned while the node's other ranks trained: their
   // collectives lost it. Records it as this node's failure of `round` and reports it.
