@@ -131,21 +131,27 @@ def _recv_bytes(src):
     return data.cpu().numpy().tobytes()
 
 
-def send_snapshot(engine, ref, destinations):
+def send_snapshot(engine, ref, destinations, select=None):
     """Sends `ref` (a snapshot this rank's engine can read) to each rank in `destinations`.
 
     The bytes are read once into a packed buffer through engine.restore (checksums verified);
     a failure is sent instead of data, so the receivers raise rather than wait for a timeout.
+    `engine` may also be a function reader(ref, ptrs); `select`: the names of the tensors to
+    send (None: all), the receiver's snapshot holds only those (efdl/_shards.py).
     """
-    header = {"seq": ref.seq, "step": ref.step, "tensors": list(ref.tensors),
+    entries = list(ref.tensors)
+    chosen = entries if select is None else [e for e in entries if e[0] in select]
+    header = {"seq": ref.seq, "step": ref.step, "tensors": chosen,
               "meta_json": ref.meta_json, "origin": "%s %s" % (ref.source, ref.path),
               "wall_time": getattr(ref, "wall_time", 0.0)}
     buf = None
     try:
-        offsets, total = packed_layout(ref.tensors)
+        offsets, total = packed_layout(chosen)
         buf = torch.empty(total, dtype=torch.uint8)
         base = buf.data_ptr()
-        engine.restore(ref, [base + off for off in offsets])
+        at = {e[0]: base + off for e, off in zip(chosen, offsets)}
+        read = engine if callable(engine) else engine.restore
+        read(ref, [at.get(e[0], 0) for e in entries])
     except Exception as e:  # noqa: BLE001 - reported to the receivers, then re-raised here
         header = {"error": "rank %d could not read snapshot seq %d (%s): %s"
                            % (dist.get_rank(), ref.seq, ref.path, e)}

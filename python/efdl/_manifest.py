@@ -78,10 +78,11 @@ class MetaWriter:
         self.program_field = _efdl.program_field(program)
         self.cache = None
 
-    def text(self, values, optimizer, scalars, sched_sd):
+    def text(self, values, optimizer, scalars, sched_sd, shard=None):
         """The meta text of a commit: `values` the keyword arguments, `optimizer` the optimizer
         or None, `scalars` its non-tensor state by parameter index, `sched_sd` the scheduler's
-        state_dict() or None.
+        state_dict() or None, `shard` the layout of a sharded optimizer's part this rank holds
+        (efdl/_shards.py: pickled as meta["optimizer"]["shard"]; never cached) or None.
 
         The plain keyword arguments (ints in int64's range, finite floats, bools, None, strings:
         epoch, step) are written as JSON, exactly, by meta_text.h rather than pickled (tensors
@@ -89,7 +90,7 @@ class MetaWriter:
         unchanged - this runs on every commit (docs/snapshots.md, "Measured")."""
         kwargs_json, rest = _efdl.meta_kwargs(values, torch.Tensor, _display_json)
         fingerprint = None
-        if rest is None and sched_sd is None and not scalars:
+        if rest is None and sched_sd is None and not scalars and shard is None:
             fingerprint = (id(optimizer), None if optimizer is None else [
                 (len(g["params"]),) + tuple(g.values()) for g in optimizer.param_groups])
             cached = self.cache
@@ -106,6 +107,8 @@ class MetaWriter:
                 g["num_params"] = len(g.pop("params"))
                 groups.append(g)
             meta["optimizer"] = {"param_groups": groups, "state": scalars}
+            if shard is not None:
+                meta["optimizer"]["shard"] = shard
         if sched_sd is not None:
             meta["scheduler"] = {k: v for k, v in sched_sd.items()
                                  if not isinstance(v, torch.Tensor)}

@@ -16,6 +16,8 @@ KwargsPart) and what is derived from it, and does for its part what State orches
 
 import torch
 
+from efdl import _shards
+
 
 class SnapshotMismatchError(ValueError):
     """A snapshot does not fit the objects it should be restored into (keys, shapes, counts)."""
@@ -68,8 +70,10 @@ def destinations(entries, reuse=None):
 # restores any rank of any world size. State refuses, at State(...) and at the setters, what that
 # cannot restore correctly across a world-size change (docs/user-guide.md, "Which models and
 # optimizers State holds"), with one TypeError line:
-#  - a sharded optimizer: a ZeroRedundancyOptimizer, or any optimizer with a mark of sharding
-#    (a method of _SHARDING_METHODS: ZeRO's, fairscale's OSS);
+#  - a sharded optimizer other than torch's ZeroRedundancyOptimizer (which State holds with
+#    per-rank snapshots and reshards at a world-size change: efdl/_shards.py): any optimizer with
+#    a mark of sharding (a method of _SHARDING_METHODS: fairscale's OSS, say), and a
+#    ZeroRedundancyOptimizer built with overlap_with_ddp=True;
 #  - an object that is not a torch.optim.Optimizer (State knows no other optimizer's state:
 #    DeepSpeed's ZeRO optimizers, say), or one that keeps its state in another optimizer it wraps
 #    (an attribute that is a torch.optim.Optimizer with a `state` of its own: State would
@@ -83,10 +87,10 @@ def destinations(entries, reuse=None):
 _SHARDING_METHODS = ("consolidate_state_dict", "_partition_parameters", "partition_parameters")
 _SHARDED_MODULES = frozenset(("FullyShardedDataParallel", "FSDPModule"))
 _SHARDED_TENSORS = frozenset(("FlatParameter", "DTensor", "ShardedTensor"))
-_SUPPORTED = ("State snapshots and restores replicated state only (every rank the same, any "
-              "world size): use a torch.optim optimizer over the plain model with "
-              "DistributedDataParallel (sharded state: docs/user-guide.md, \"Which models and "
-              "optimizers State holds\")")
+_SUPPORTED = ("State snapshots and restores replicated state (every rank the same, any world "
+              "size: a torch.optim optimizer over the plain model with DistributedDataParallel) "
+              "and torch's ZeroRedundancyOptimizer with EFDL_SNAPSHOT_PER_RANK=1 "
+              "(docs/user-guide.md, \"Which models and optimizers State holds\")")
 
 
 def _class_named(obj, names):
@@ -131,6 +135,11 @@ def check_optimizer(optimizer):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise _refused(_a(kind), "it is not a torch.optim.Optimizer, so State does not know "
                                  "where its state is or whether ranks share it")
+    if _shards.is_zero(optimizer):
+        why = _shards.unsupported_zero(optimizer)
+        if why is not None:
+            raise _refused(_a(kind), why)
+        return
     for method in _SHARDING_METHODS:
         if callable(getattr(optimizer, method, None)):
             raise _refused(_a(kind), "it shards the optimizer state (it has %s()): each rank "
@@ -269,7 +278,7 @@ class OptimizerPart:
         if self.obj is None:
             return
         index, opt_names = self.param_index()
-        for p, s in self.obj.state.items():
+        for p, s in _shards.local_state(self.obj).items():
             i = index.get(id(p))
             if i is None or not s:
                 continue
@@ -289,13 +298,15 @@ class OptimizerPart:
             key.append(id(opt))
             key += [(id(g["params"]), len(g["params"])) for g in opt.param_groups]
             key.append(-1)
-            key += [id(x) for p, st in opt.state.items() for x in (p, *st.values())]
+            key += [id(x) for p, st in _shards.local_state(opt).items()
+                    for x in (p, *st.values())]
 
     def _existing_buffers(self, params):
         """Optimizer state tensors that already exist, by snapshot name: restored in place."""
         out = {}
+        state = _shards.local_state(self.obj)
         for i, p in enumerate(params):
-            for key, v in (self.obj.state.get(p) or {}).items():
+            for key, v in (state.get(p) or {}).items():
                 if isinstance(v, torch.Tensor):
                     out["optimizer/%d/%s" % (i, key)] = v
         return out
@@ -321,11 +332,22 @@ class OptimizerPart:
             if index >= len(params):
                 raise mismatch(ref, job, "snapshot tensor %r refers to parameter %d of %d"
                                % (name, index, len(params)))
+        zero = _shards.is_zero(opt)
+        # A ZeroRedundancyOptimizer gets the state of the parameters it owns (the snapshot is
+        # composed of those: efdl/_shards.py), into the optimizer it wraps.
+        mine = set(_shards.owned(opt)) if zero else None
+        if zero:
+            for name, *_ in entries:
+                if int(name.split("/")[1]) not in mine:
+                    raise mismatch(ref, job, "snapshot tensor %r is not of this rank's shard"
+                                   % name)
         tensors, ptrs = destinations(entries, self._existing_buffers(params))
 
         def finish():
             new_state = {}
             for i, small in saved.get("state", {}).items():
+                if mine is not None and int(i) not in mine:
+                    continue
                 new_state.setdefault(int(i), {}).update(small)
             for name, t in tensors.items():
                 _, index, key = name.split("/", 2)
@@ -333,13 +355,16 @@ class OptimizerPart:
                 if t.is_floating_point() and key != "step":
                     t = t.to(dtype=p.dtype)
                 new_state.setdefault(int(index), {})[key] = t.to(device=p.device)
-            opt.state.clear()
+            target = _shards.local_state(opt)
+            target.clear()
             for index, st in new_state.items():
-                opt.state[params[index]] = st
-            for g, sg in zip(opt.param_groups, groups):
-                for k, v in sg.items():
-                    if k != "num_params":
-                        g[k] = v
+                target[params[index]] = st
+            group_lists = [opt.param_groups] + ([opt.optim.param_groups] if zero else [])
+            for group_list in group_lists:
+                for g, sg in zip(group_list, groups):
+                    for k, v in sg.items():
+                        if k != "num_params":
+                            g[k] = v
         return ptrs, finish
 
 

@@ -60,6 +60,10 @@ class RoundsHost(abc.ABC):
     def _forget_stop_vote(self):
         """Drops the stop agreement of the round's process group (it is being destroyed)."""
 
+    def _agreement_world(self):
+        """The number of ranks that agree on the state (0: this rank decides alone)."""
+        return _agreement.group_size()
+
     def _round_change(self, step):
         """The exception that ends a round at a pause (commit() raises it at `step`)."""
         return RoundChangeInterrupt("round change at step %s" % (step,))
@@ -123,7 +127,7 @@ class InProcessRounds:
 
     def _agree(self):
         host = self._host
-        world = _agreement.group_size()
+        world = host._agreement_world()
         agreed, self.agreed_round = self.agreed_round, None
         if world and agreed is not None and agreed == os.environ.get(Env.ROUND):
             # Constructed in this round's group: its constructor's agreement was this round's

@@ -32,9 +32,13 @@ refused by default). The arena's name comes from efdl._efdl.arena_path (EFDL_ARE
 `efdl run`, or "<host>.0" without an agent); a standalone program removes its arena once its
 final snapshot is persisted at exit.
 
-State holds replicated state only: a model or optimizer it cannot restore across a world-size
-change (a ZeroRedundancyOptimizer, FSDP, ...) is refused at construction and at the setters
-with one TypeError line (efdl/_parts.py, check_model and check_optimizer).
+State holds replicated state, and torch's ZeroRedundancyOptimizer with per-rank snapshots
+(EFDL_SNAPSHOT_PER_RANK=1): each rank commits its shard with its layout, and after a world-size
+change every rank rebuilds its shard of the new layout from the old shards - this node's
+memory, other ranks over the network, else storage (efdl/_shards.py). A model or optimizer it
+cannot restore across a world-size change (FSDP, another sharded optimizer, ...) is refused at
+construction and at the setters with one TypeError line (efdl/_parts.py, check_model and
+check_optimizer).
 
 Here: State's construction, commit(), flush(), the restore and the graceful stop. What varies by
 kind of value (model, optimizer, scheduler, keyword arguments) is in efdl/_parts.py, the meta
@@ -53,7 +57,8 @@ import time
 import warnings
 import weakref
 
-from efdl import _agreement, _commit, _efdl, _env, _manifest, _parts, _progress, _rounds
+from efdl import (_agreement, _commit, _dist, _efdl, _env, _manifest, _parts, _progress,
+                  _rounds, _shards)
 from efdl._manifest import program_name
 from efdl._names import Env
 from efdl._parts import SnapshotMismatchError
@@ -142,6 +147,9 @@ class State(_rounds.RoundsHost):
         d["_fast_strikes"] = 0     # fast paths dropped after < 4 commits, in a row: _make_fast
         d["_fast_retry"] = 0       # no fast path before this many commits
         d["_rounds"] = _rounds.InProcessRounds(self)   # in-process round changes
+        # The sharded agreement of the last restore, for the ZeroRedundancyOptimizer given next
+        # (efdl/_shards.py; _agreed_sharded, _restore_zero); dropped at the next commit.
+        d["_shard_ctx"] = None
 
         rank, local_rank = _env.rank(), _env.local_rank()
         # EFDL_SNAPSHOT_PER_RANK, _KEEP, EFDL_PERSIST_MIN_INTERVAL_MS and EFDL_SNAPSHOT_HMAC: one
@@ -149,6 +157,8 @@ class State(_rounds.RoundsHost):
         settings = _efdl.persist_settings()
         per_rank = settings.per_rank
         self._per_rank = per_rank
+        self._settings = settings
+        self._check_zero(optimizer)
         self._job = default_job_id()
         # Whose snapshot goes where (snapshot/scope.h, shared with the agent): this process'
         # arena scope ("node" or "rank<N>"), whether it writes that arena (one writer per arena:
@@ -172,6 +182,8 @@ class State(_rounds.RoundsHost):
         self._storage_dir = os.path.abspath(_efdl.store_dir(
             os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots"), self._job, per_rank, rank))
         self._arena_path = _efdl.arena_path(shm_dir, self._job, holder, scope)
+        self._holder = holder
+        self._snapshot_base = os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots")
         self._writer = role.writes_arena
         # Under `efdl run` with a snapshot directory the agent stores the arena, not this process.
         self._agent_persists = _env.env_flag(Env.AGENT_PERSISTS, False)
@@ -188,7 +200,7 @@ class State(_rounds.RoundsHost):
             commit_checksum=_env.env_flag(Env.COMMIT_CHECKSUM, False))
         self._control = self._connect_control()
 
-        world = _agreement.group_size()
+        world = self._agreement_world()
         if world:
             self._restore_agreed(world)
             self._rounds.agreed_at_construction()   # see efdl/_rounds.py, sync
@@ -257,6 +269,8 @@ class State(_rounds.RoundsHost):
             self._restore_parts(["model"])
 
     def set_and_restore_optimizer(self, optimizer):
+        _parts.check_optimizer(optimizer)
+        self._check_zero(optimizer)
         self._optimizer.set(optimizer)
         self._plan = None
         if self._restored is not None and optimizer is not None:
@@ -419,6 +433,7 @@ class State(_rounds.RoundsHost):
     def _snapshot(self, step):
         step = int(step) if isinstance(step, int) else 0
         d = self.__dict__
+        d["_shard_ctx"] = None   # the restored snapshot is no longer the newest
         with d["_lock"]:
             fast = d["_fast"]
             if fast is None or fast.commit(step, self._fast_view()) is None:
@@ -503,14 +518,16 @@ class State(_rounds.RoundsHost):
     def _meta(self, scalars, sched_sd):
         """The manifest's meta text (efdl._manifest); `scalars`: non-tensor optimizer state by
         parameter index, `sched_sd`: the scheduler's state_dict() or None."""
-        return self._manifest.text(self._values, self._optimizer.obj, scalars, sched_sd)
+        opt = self._optimizer.obj
+        shard = _shards.layout(opt) if _shards.is_zero(opt) else None
+        return self._manifest.text(self._values, opt, scalars, sched_sd, shard)
 
     # -- restore -------------------------------------------------------------------------------
 
     def _read(self, ref, ptrs):
         """Copies tensor i of `ref` to ptrs[i] (0: skip): from this node's engine, or from a
         snapshot received from another rank."""
-        if isinstance(ref, _agreement.ReceivedSnapshot):
+        if isinstance(ref, (_agreement.ReceivedSnapshot, _shards.ComposedSnapshot)):
             ref.restore(ptrs)
         else:
             self._engine.restore(ref, ptrs)
@@ -605,14 +622,20 @@ class State(_rounds.RoundsHost):
                 usable.append((ref, meta))
                 if not self._per_rank:
                     break  # only the newest counts for a node copy
-        infos = _agreement.gather(([(r.seq, r.step) for r, _ in usable], self._engine.next_seq),
-                                  world)
+        # Per-rank snapshots may be shards of a ZeroRedundancyOptimizer: every rank also offers
+        # the shards it can read itself (efdl/_shards.py), which any rank may need.
+        offers, local = self._sharded_offers() if self._per_rank else ([], {})
+        infos = _agreement.gather(([(r.seq, r.step) for r, _ in usable], self._engine.next_seq,
+                                   [tuple(o) for o in offers]), world)
+        # From now on one seq names the same commit on every node of the round.
+        self._engine.advance_seq(max([i[1] for i in infos] +
+                                     [o[0] + 1 for i in infos for o in i[2]]))
+        if any(i[2] for i in infos):
+            return self._agreed_sharded(world, [i[2] for i in infos], local)
         try:
-            decision = _agreement.decide([offer for offer, _ in infos], self._per_rank)
+            decision = _agreement.decide([i[0] for i in infos], self._per_rank)
         except _agreement.NoCommonSnapshotError as e:
             raise SnapshotError("job %r: %s" % (self._job, e)) from None
-        # From now on one seq names the same commit on every node of the round.
-        self._engine.advance_seq(max(next_seq for _, next_seq in infos))
         if decision.key is None:
             return None
         rank = dist.get_rank()
@@ -638,6 +661,14 @@ class State(_rounds.RoundsHost):
         """Restores the given parts from the chosen snapshot with one engine call: every check
         (keys, shapes, counts) runs before any byte is written."""
         ref, meta = self._restored, self._restored_meta
+        opt = self._optimizer.obj
+        if "optimizer" in parts and _shards.is_zero(opt):
+            parts = [p for p in parts if p != "optimizer"]
+            # A ZeroRedundancyOptimizer of a destroyed process group (an in-process round
+            # change): the program gives the new round's one, which is restored then.
+            zero_now = not _shards.stale(opt)
+        else:
+            zero_now = False
         ptrs, finishes = {}, []
         for part in parts:
             part_ptrs, finish = getattr(self, "_" + part).prepare_restore(ref, meta, self._job)
@@ -652,6 +683,205 @@ class State(_rounds.RoundsHost):
                                 % (" and ".join(parts), ref.seq, ref.path, e, self._job)) from None
         for finish in finishes:
             finish()
+        if zero_now:
+            self._restore_zero()
+
+    # -- sharded optimizer state (efdl/_shards.py) ----------------------------------------------
+
+    def _check_zero(self, optimizer):
+        """A ZeroRedundancyOptimizer needs per-rank snapshots over the default group."""
+        if not _shards.is_zero(optimizer):
+            return
+        if not self._per_rank:
+            raise TypeError(
+                "efdl.State holds a ZeroRedundancyOptimizer with per-rank snapshots only: each "
+                "rank keeps its own shard; set EFDL_SNAPSHOT_PER_RANK=1 (under `efdl run`, in "
+                "the environment of `efdl run`, so the agents store every rank's shard)")
+        if _shards.stale(optimizer):
+            raise TypeError(
+                "efdl.State holds a ZeroRedundancyOptimizer over the default process group "
+                "only: build it without process_group=, after efdl.init() (under "
+                "efdl.elastic.run, inside the training function, each round)")
+
+    def _agreement_world(self):
+        """The ranks that agree on a restore: group_size(), and 1 for per-rank snapshots in a
+        group of one (its shards may be of a larger world: they are resharded)."""
+        world = _agreement.group_size()
+        if not world and self._per_rank and _dist.is_initialized():
+            return 1
+        return world
+
+    def _reader(self, old_rank):
+        """An engine that reads old rank `old_rank`'s per-rank snapshots (its arena in this
+        node's memory, its store); this rank's own engine for its own scope. Writes nothing."""
+        if "rank%d" % old_rank == self._scope:
+            return self._engine
+        settings = self._settings
+        return _efdl.SnapshotEngine(
+            self._job, "rank%d" % old_rank,
+            _efdl.arena_path(self._shm_dir, self._job, self._holder, "rank%d" % old_rank),
+            os.path.abspath(_efdl.store_dir(self._snapshot_base, self._job, True, old_rank)),
+            keep=settings.keep, persist=False, hmac_key=settings.hmac_key)
+
+    def _sharded_offers(self):
+        """([Offer], {(seq, step, old rank): (engine, ref, meta)}): the ZeRO shards this rank
+        can read itself, memory before storage."""
+        offers, local = [], {}
+        scopes = set(_shards.readable_scopes(self._shm_dir, self._job, self._holder,
+                                             self._snapshot_base))
+        own = _shards.scope_rank(self._scope)
+        if own is not None:
+            scopes.add(own)
+        for r in sorted(scopes):
+            engine = self._reader(r)
+            for ref in engine.candidates():
+                meta = self._usable_meta(ref)
+                shard = ((meta or {}).get("optimizer") or {}).get("shard")
+                if not shard or shard.get("rank") != r:
+                    continue
+                key = (ref.seq, ref.step, r)
+                if key in local:
+                    continue   # the memory copy came first
+                local[key] = (engine, ref, meta)
+                offers.append(_shards.Offer(ref.seq, ref.step, r, int(shard["world"]),
+                                            ref.source, tuple(shard["owned"])))
+        return offers, local
+
+    def _agreed_sharded(self, world, offers_by_rank, local):
+        """_agreed_snapshot for ZeRO shards: the newest snapshot whose old shards are all
+        readable by some rank; this rank's model and keyword values come from one old shard
+        (its own when it can read one, else sent by a holder without its optimizer tensors).
+        Remembers the agreement for the optimizer's restore (_restore_zero). Collective."""
+        import torch.distributed as dist
+        try:
+            decision = _shards.decide(
+                [[_shards.Offer(*o) for o in offers] for offers in offers_by_rank])
+        except _shards.ShardsMissingError as e:
+            raise SnapshotError(
+                "job %r: %s; restart the lost ranks' hosts (their shared memory holds those "
+                "shards), give the new ranks the snapshot store (EFDL_SNAPSHOT_DIR), or start "
+                "over with `efdl reset --job %s`" % (self._job, e, self._job)) from None
+        if decision is None:
+            return None
+        rank = dist.get_rank()
+        if decision.skipped is not None and rank == 0:
+            (seq, step), missing = decision.skipped
+            sys.stderr.write(
+                "efdl: job '%s': snapshot seq %d (step %d) lacks the optimizer shard of old "
+                "rank(s) %s (in no rank's memory, not in storage); restoring seq %d (step %d) "
+                "instead\n" % (self._job, seq, step, ", ".join(map(str, missing)),
+                               decision.key[0], decision.key[1]))
+        seq, step = decision.key
+        bases = _shards.base_of(decision, world)
+        received = None
+        for n in range(world):
+            r, src, _ = bases[n]
+            if src == n:
+                continue
+            try:
+                if src == rank:
+                    engine, ref, _ = local[(seq, step, r)]
+                    _agreement.send_snapshot(engine, ref, [n],
+                                             select=_shards.not_optimizer(ref.tensors))
+                elif n == rank:
+                    received = _agreement.receive_snapshot(src)
+            except RuntimeError as e:
+                raise SnapshotError("job %r: moving snapshot seq %d of old rank %d from rank %d "
+                                    "to rank %d failed: %s" % (self._job, seq, r, src, n, e)
+                                    ) from None
+        r, src, source = bases[rank]
+        if src == rank:
+            _, ref, meta = local[(seq, step, r)]
+        else:
+            ref = received
+            meta = self._usable_meta(ref)
+            if meta is None:
+                raise SnapshotError("job %r: snapshot seq %d received from rank %d has "
+                                    "unreadable metadata" % (self._job, seq, src))
+        self.__dict__["_shard_ctx"] = {"decision": decision, "local": local, "world": world,
+                                       "base": (r, src, source)}
+        # The model is always copied (held False): the optimizer's restore follows.
+        return ref, meta, False
+
+    def _restore_zero(self):
+        """Rebuilds this rank's shard of the ZeroRedundancyOptimizer's state from the old
+        shards of the agreed snapshot (efdl/_shards.py plan): pieces this rank reads itself,
+        the others received from the ranks that hold them. Collective over the default group:
+        every rank gives its ZeroRedundancyOptimizer at the same point."""
+        import torch.distributed as dist
+        zero, ref = self._optimizer.obj, self._restored
+        ctx = self._shard_ctx
+        shard = ((self._restored_meta or {}).get("optimizer") or {}).get("shard")
+        if ctx is None or ctx["decision"].key != (ref.seq, ref.step):
+            if shard is None and "optimizer" not in (self._restored_meta or {}):
+                return   # nothing of an optimizer to restore: a fresh optimizer it is
+            raise SnapshotError(
+                "job %r: the ZeroRedundancyOptimizer's shards of snapshot seq %d are restored "
+                "when the ranks agree on it: give it to State(...) after efdl.init() or, under "
+                "efdl.elastic.run, set state.optimizer inside the training function before the "
+                "first commit()" % (self._job, ref.seq))
+        decision, local = ctx["decision"], ctx["local"]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != ctx["world"]:
+            raise SnapshotError("job %r: the world changed (%d ranks, %d at the agreement) "
+                                "before the ZeroRedundancyOptimizer was restored"
+                                % (self._job, world, ctx["world"]))
+        seq, step = decision.key
+        mine = _shards.owned(zero)
+        try:
+            plan = _shards.plan(decision, _agreement.gather(mine, world))
+        except _shards.ShardsMissingError as e:
+            raise SnapshotError("job %r: %s" % (self._job, e)) from None
+        pieces, metas = [], []
+        for dst, f in _shards.transfers(plan):
+            try:
+                if f.src == rank:
+                    engine, sref, _ = local[(seq, step, f.old_rank)]
+                    _agreement.send_snapshot(engine, sref, [dst],
+                                             select=_shards.optimizer_names(sref.tensors,
+                                                                            f.indices))
+                elif dst == rank:
+                    got = _agreement.receive_snapshot(f.src)
+                    meta = self._usable_meta(got)
+                    if meta is None:
+                        raise RuntimeError("unreadable metadata")
+                    pieces.append((lambda r_, p_: r_.restore(p_), got,
+                                   {e[0] for e in got.tensors}))
+                    metas.append(meta)
+            except RuntimeError as e:
+                raise SnapshotError("job %r: moving old rank %d's optimizer shard of snapshot "
+                                    "seq %d from rank %d to rank %d failed: %s"
+                                    % (self._job, f.old_rank, seq, f.src, dst, e)) from None
+        for f in plan[rank]:
+            if f.src == rank:
+                engine, sref, smeta = local[(seq, step, f.old_rank)]
+                pieces.append((engine.restore, sref,
+                               _shards.optimizer_names(sref.tensors, f.indices)))
+                metas.append(smeta)
+        meta = _shards.merge_optimizer_meta(metas or [self._restored_meta], mine)
+        sources = [_shards.describe(f, rank, local.get((seq, step, f.old_rank), (0, ref))[1].path)
+                   for f in plan[rank]]
+        composed = _shards.ComposedSnapshot(seq, step, pieces, ref.meta_json,
+                                            "resharded: " + "; ".join(sources) if sources
+                                            else "resharded: no parameters")
+        ptrs, finish = self._optimizer.prepare_restore(composed, meta, self._job)
+        try:
+            composed.restore([ptrs.get(e[0], 0) for e in composed.tensors])
+        except SnapshotError as e:
+            raise SnapshotError("restoring the ZeroRedundancyOptimizer's shard from snapshot "
+                                "seq %d failed: %s; start over with `efdl reset --job %s` or "
+                                "another job id" % (seq, e, self._job)) from None
+        finish()
+        base_r, base_src, base_source = ctx["base"]
+        base = _shards.describe(_shards.Fetch(base_r, base_src, base_source, []), rank,
+                                getattr(ref, "path", ""))
+        sys.stderr.write(
+            "efdl: rank %d restored its ZeroRedundancyOptimizer shard (%d of %d parameters) of "
+            "snapshot seq %d (step %d), written by %d ranks, for %d ranks: %s; model and values "
+            "from %s\n" % (rank, len(mine), sum(len(o) for o in decision.owned.values()), seq,
+                           step, decision.old_world, world,
+                           ", ".join(sources) if sources else "it owns no parameters", base))
+        sys.stderr.flush()
 
     # -- efdl/_rounds.RoundsHost: what the in-process rounds use -------------------------------
 
