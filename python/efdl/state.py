@@ -160,13 +160,6 @@ class State(_rounds.RoundsHost):
         self._settings = settings
         self._check_zero(optimizer)
         self._job = default_job_id()
-        # Whose snapshot goes where (snapshot/scope.h, shared with the agent): this process'
-        # arena scope ("node" or "rank<N>"), whether it writes that arena (one writer per arena:
-        # local rank 0 for a node copy, every rank for per-rank copies), whether that arena goes
-        # to storage (one copy per job, global rank 0's, or one per rank) and where.
-        role = _efdl.snapshot_role(per_rank, rank, local_rank)
-        scope = role.scope
-        self._scope = scope
         shm_dir = _efdl.shm_dir()
         self._shm_dir = shm_dir
         # The arena's name comes from the C++ core (snapshot/arena_dir.h), which the agent, its
@@ -179,25 +172,12 @@ class State(_rounds.RoundsHost):
             holder = _efdl.holder_name(socket.gethostname(), 0)
             self._holder_lock = _efdl.HolderLock.lock_shared(
                 shm_dir, self._job, holder, "python State, job %s" % self._job)
-        self._storage_dir = os.path.abspath(_efdl.store_dir(
-            os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots"), self._job, per_rank, rank))
-        self._arena_path = _efdl.arena_path(shm_dir, self._job, holder, scope)
         self._holder = holder
         self._snapshot_base = os.environ.get(Env.SNAPSHOT_DIR, "efdl-snapshots")
-        self._writer = role.writes_arena
         # Under `efdl run` with a snapshot directory the agent stores the arena, not this process.
         self._agent_persists = _env.env_flag(Env.AGENT_PERSISTS, False)
-        self._persists = role.stored and not self._agent_persists
         self._last_step = None  # step of this process' newest commit (for "persisted" reports)
-        self._engine = _efdl.SnapshotEngine(
-            self._job, scope, self._arena_path, self._storage_dir,
-            num_slots=_env.env_int(Env.SNAPSHOT_SLOTS, _efdl.DEFAULT_SNAPSHOT_SLOTS),
-            keep=settings.keep,
-            persist=self._persists,
-            copy_threads=_env.env_int(Env.SNAPSHOT_THREADS, 0),
-            persist_min_interval_ms=settings.min_interval_ms,
-            hmac_key=settings.hmac_key,
-            commit_checksum=_env.env_flag(Env.COMMIT_CHECKSUM, False))
+        self._open_engine(rank, local_rank)
         self._control = self._connect_control()
 
         world = self._agreement_world()
@@ -615,6 +595,7 @@ class State(_rounds.RoundsHost):
         own_newest says it is the newest this rank offered itself, or None when no rank has one.
         The ranks that lack it receive it here. Collective over the default group."""
         import torch.distributed as dist
+        self._follow_rank()
         usable = []
         for ref in self._engine.candidates():
             meta = self._usable_meta(ref)
@@ -688,6 +669,47 @@ class State(_rounds.RoundsHost):
 
     # -- sharded optimizer state (efdl/_shards.py) ----------------------------------------------
 
+    def _open_engine(self, rank, local_rank):
+        """The snapshot engine of this process' scope for global `rank` (__init__; again when an
+        in-process round gives this process another rank: _follow_rank)."""
+        settings = self._settings
+        # Whose snapshot goes where (snapshot/scope.h, shared with the agent): this process'
+        # arena scope ("node" or "rank<N>"), whether it writes that arena (one writer per arena:
+        # local rank 0 for a node copy, every rank for per-rank copies), whether that arena goes
+        # to storage (one copy per job, global rank 0's, or one per rank) and where.
+        role = _efdl.snapshot_role(self._per_rank, rank, local_rank)
+        self._scope = role.scope
+        self._storage_dir = os.path.abspath(_efdl.store_dir(
+            self._snapshot_base, self._job, self._per_rank, rank))
+        self._arena_path = _efdl.arena_path(self._shm_dir, self._job, self._holder, role.scope)
+        self._writer = role.writes_arena
+        self._persists = role.stored and not self._agent_persists
+        self._engine = _efdl.SnapshotEngine(
+            self._job, role.scope, self._arena_path, self._storage_dir,
+            num_slots=_env.env_int(Env.SNAPSHOT_SLOTS, _efdl.DEFAULT_SNAPSHOT_SLOTS),
+            keep=settings.keep,
+            persist=self._persists,
+            copy_threads=_env.env_int(Env.SNAPSHOT_THREADS, 0),
+            persist_min_interval_ms=settings.min_interval_ms,
+            hmac_key=settings.hmac_key,
+            commit_checksum=_env.env_flag(Env.COMMIT_CHECKSUM, False))
+
+    def _follow_rank(self):
+        """Per-rank snapshots under efdl.elastic.run: a process whose rank changed at an
+        in-process round commits into the scope of its new rank from now on (the agent stores
+        rank<N>'s arena; its old scope's snapshots stay readable for the agreement)."""
+        import torch.distributed as dist
+        rank = dist.get_rank()
+        if not self._per_rank or "rank%d" % rank == self._scope:
+            return
+        old = self._engine
+        if self._persists:
+            old.flush()
+        self._open_engine(rank, _env.local_rank())
+        self._engine.advance_seq(old.next_seq)
+        self.__dict__["_plan"] = None
+        self.__dict__["_fast"] = None
+
     def _check_zero(self, optimizer):
         """A ZeroRedundancyOptimizer needs per-rank snapshots over the default group."""
         if not _shards.is_zero(optimizer):
@@ -737,13 +759,15 @@ class State(_rounds.RoundsHost):
             for ref in engine.candidates():
                 meta = self._usable_meta(ref)
                 shard = ((meta or {}).get("optimizer") or {}).get("shard")
-                if not shard or shard.get("rank") != r:
+                if not shard:
                     continue
-                key = (ref.seq, ref.step, r)
+                # The layout's rank (a process keeps its scope until its next agreement)
+                old_rank = int(shard["rank"])
+                key = (ref.seq, ref.step, old_rank)
                 if key in local:
                     continue   # the memory copy came first
                 local[key] = (engine, ref, meta)
-                offers.append(_shards.Offer(ref.seq, ref.step, r, int(shard["world"]),
+                offers.append(_shards.Offer(ref.seq, ref.step, old_rank, int(shard["world"]),
                                             ref.source, tuple(shard["owned"])))
         return offers, local
 
