@@ -151,6 +151,11 @@ class ControlClient:
         (sent before the process group is torn down, which may take a while)."""
         self._send_quiet({"type": Msg.FAILED, "round": self.round, "message": str(message)[:1000]})
 
+    def notify_raised(self, message):
+        """The program raised `message` on this rank (not a collective failure): sent before the
+        process tears down, so that the agent counts it as this node's failure at once."""
+        self._send_quiet({"type": Msg.RAISED, "round": self.round, "message": str(message)[:1000]})
+
     def notify_returned(self):
         """The program returned (or exited 0) on this rank: sent before its process group is
         torn down, so that the agent blames a failure of a rank beside it on this early exit."""

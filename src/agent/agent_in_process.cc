@@ -109,7 +109,19 @@ void Agent::ServeInProcessFailures() {
   for (const InProcessFailure& f : control_->TakeInProcessFailures()) {
     // A report of an older round, or of one whose close already paused the workers, is news
     // the rendezvous already has.
-    if (!group_ || group_paused_ || f.round != group_->round() || pending_failure_) continue;
+    if (!group_ || group_paused_ || f.round != group_->round()) continue;
+    if (f.own) {
+      // The program raised on this rank (efdl.elastic.run said so before the process tears
+      // down, which may take longer than the round's close waits for it): this node's failure,
+      // whatever a lost collective of a rank beside it reported first.
+      if (pending_failure_ && pending_failure_->collateral.empty()) continue;
+      const std::string detail = fmt::format("rank {} raised {}", f.rank, f.message);
+      EFDL_LOG_WARN("round {}: {}; this node's failure", f.round, detail);
+      pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+      rdzv_.ReportWorkerFailure(f.round, detail);
+      continue;
+    }
+    if (pending_failure_) continue;
     // A rank of this node that returned while the others trained broke their collective: this
     // node's failure (an exit, usually reaped before the collective's error reached us).
     group_->Poll();

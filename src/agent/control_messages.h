@@ -19,6 +19,7 @@
   X(kPaused, PAUSED, "paused")                                                     \
   X(kFlush, FLUSH, "flush")                                                        \
   X(kReturned, RETURNED, "returned")                                               \
+  X(kRaised, RAISED, "raised")                                                     \
   /* agent -> worker */                                                            \
   X(kWelcome, WELCOME, "welcome")                                                  \
   X(kStop, STOP, "stop")                                                           \

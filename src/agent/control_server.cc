@@ -304,18 +304,28 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
   }
   // A worker speaks for its own round only (the one it said hello for, or was assigned): the
   // message's "round" is not trusted, so nothing here grows with made-up rounds.
-  if (type == control::kFailed) {
+  if (type == control::kFailed || type == control::kRaised) {
     const int64_t round = client.round;
     const std::string message = StringField(msg, "message");
     if (client.said_hello && failures_.size() < kMaxPendingFlushes) {
       failures_.push_back({round, client.rank, client.local_rank,
-                           message.empty() ? "no detail given" : message});
+                           message.empty() ? "no detail given" : message,
+                           type == control::kRaised});
     }
     return true;
   }
   if (type == control::kReturned) {
+    // Once per rank (the program's loop and efdl's exit both may say it); not from a rank that
+    // said `stopping` in this round: it exits 0 because the agent asked it to.
     auto& ranks = returned_[client.round];
-    if (client.said_hello && ranks.size() < kMaxPendingFlushes) ranks.push_back(client.local_rank);
+    const auto stopped = stopping_.find(client.round);
+    const bool asked = stopped != stopping_.end() &&
+                       std::ranges::find(stopped->second, client.local_rank) !=
+                           stopped->second.end();
+    if (client.said_hello && !asked && ranks.size() < kMaxPendingFlushes &&
+        std::ranges::find(ranks, client.local_rank) == ranks.end()) {
+      ranks.push_back(client.local_rank);
+    }
     return true;
   }
   if (type == control::kPaused) {

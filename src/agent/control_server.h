@@ -38,6 +38,9 @@ struct InProcessFailure {
   int rank = -1;
   int local_rank = -1;
   std::string message;
+  // "raised": the program's own exception on this rank (not a collective that lost a peer),
+  // said before its process tears down; the node's own failure.
+  bool own = false;
 };
 
 struct ControlServerOptions {

@@ -230,7 +230,7 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
   if (unplaced_since_) {
     take(*unplaced_since_ + opt_.join_timeout);
     take(std::max(*unplaced_since_, last_wait_notice_) + kWaitNoticeInterval);
-    if (peer_gave_up_ && own_failure_) take(next_failed_check_);
+    if (peer_gave_up_ && OwnBreak()) take(next_failed_check_);
   }
   take(coordinator_.NextDeadline());
   return d;
@@ -243,7 +243,7 @@ void EtcdRendezvous::OnTimers() {
     last_wait_notice_ = now;
     WaitNotice(now);
   }
-  if (unplaced_since_ && peer_gave_up_ && own_failure_ && now >= next_failed_check_) {
+  if (unplaced_since_ && peer_gave_up_ && OwnBreak() && now >= next_failed_check_) {
     next_failed_check_ = now + std::chrono::seconds(1);
     CheckEveryNodeFailed();
     if (finished_) return;
@@ -326,13 +326,19 @@ void EtcdRendezvous::WaitNotice(TimePoint now) {
   }
 }
 
+std::optional<std::string> EtcdRendezvous::OwnBreak() const {
+  if (own_failure_) return fmt::format("this node's workers failed too ({})", *own_failure_);
+  if (round_broken_) return fmt::format("this node's round broke with it ({})", *round_broken_);
+  return std::nullopt;
+}
+
 void EtcdRendezvous::CheckEveryNodeFailed() {
   auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
   if (!count.ok() || count->count >= opt_.min_nodes) return;
   Fail(fmt::format(
-      "job {} cannot go on: {}; this node's workers failed too ({}), and {} of at least {} nodes "
-      "remain. Fix the program, then start the job again",
-      opt_.job_id, *peer_gave_up_, *own_failure_, count->count, opt_.min_nodes));
+      "job {} cannot go on: {}; {}, and {} of at least {} nodes remain. Fix the program, then "
+      "start the job again",
+      opt_.job_id, *peer_gave_up_, *OwnBreak(), count->count, opt_.min_nodes));
 }
 
 Status EtcdRendezvous::RecordGiveUp(const std::string& reason,
@@ -502,6 +508,7 @@ void EtcdRendezvous::Handle(Input& in) {
     }
     case Input::Type::kWorkersSucceeded:
       own_failure_.reset();
+      round_broken_.reset();
       NoteOutcome(in.round, kOutcomeDone, in.detail, AckState::kDone);
       break;
     case Input::Type::kWorkersReturned:

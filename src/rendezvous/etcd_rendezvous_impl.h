@@ -199,6 +199,12 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Coordinator coordinator_;
   std::optional<std::string> peer_gave_up_;     // "node X gave up: why", the newest
   std::optional<std::string> own_failure_;      // this node's last worker failure, until a success
+  // The last round this node ran a place in closed not gracefully (a peer's failure broke it,
+  // possibly before this node's workers failed: in-process they pause), until a success.
+  std::optional<std::string> round_broken_;
+  // Why this node cannot wait for the job to go on after a peer gave up: its own workers
+  // failed too, or its round broke with the peer's failure (nullopt: neither).
+  std::optional<std::string> OwnBreak() const;
   // What this node's workers did in the round it ran last (AckRecord::prev_outcome), sent with
   // every ack until it starts its next round. prev_round 0: nothing to tell.
   AckRecord outcome_;

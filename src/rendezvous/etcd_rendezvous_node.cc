@@ -195,6 +195,7 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
   if (ClosesStartedRound(rec, Part())) {
     if (!started_standby_) {
       Emit(MakeEvent(Event::Type::kRoundClosing, started_round_, rec.graceful, rec.message));
+      if (!rec.graceful) round_broken_ = fmt::format("round {}: {}", started_round_, rec.message);
     }
     started_round_ = 0;
     started_standby_ = false;

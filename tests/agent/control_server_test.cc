@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <string>
 
 #include <gtest/gtest.h>
@@ -106,6 +108,40 @@ TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRou
   EXPECT_FALSE(server_->AssignRound(3, 0, 4, 8, {})) << "the plain worker is never assigned";
   EXPECT_EQ(server_->RequestStop(4, true, "standby"), std::vector<int>{1});
   EXPECT_EQ(c.ReadJson()["type"], "stop");
+}
+
+TEST_F(ControlServerTest, ARaisedProgramIsItsOwnFailureAndAReturnCountsOnceUnlessAskedToStop) {
+  ControlConn a(server_->path());
+  ControlConn b(server_->path());
+  ASSERT_TRUE(a.SendJson({{"type", "hello"}, {"pid", 7}, {"rank", 5}, {"local_rank", 1},
+                          {"round", 3}}));
+  ASSERT_EQ(a.ReadJson()["type"], "welcome");
+  ASSERT_TRUE(b.SendJson({{"type", "hello"}, {"pid", 8}, {"rank", 4}, {"local_rank", 0},
+                          {"round", 3}}));
+  ASSERT_EQ(b.ReadJson()["type"], "welcome");
+  // The program's own exception, and a collective that lost a peer: only the first is its own.
+  ASSERT_TRUE(a.SendJson({{"type", "raised"}, {"round", 3}, {"message", "ValueError: bug"}}));
+  ASSERT_TRUE(b.SendJson({{"type", "failed"}, {"round", 3}, {"message", "Connection reset"}}));
+  std::vector<InProcessFailure> failures;
+  ASSERT_TRUE(WaitUntil([&] {
+    for (auto& f : server_->TakeInProcessFailures()) failures.push_back(f);
+    return failures.size() == 2;
+  }));
+  std::ranges::sort(failures, {}, &InProcessFailure::rank);
+  EXPECT_EQ(failures[0].rank, 4);
+  EXPECT_FALSE(failures[0].own);
+  EXPECT_EQ(failures[1].rank, 5);
+  EXPECT_TRUE(failures[1].own);
+  EXPECT_EQ(failures[1].message, "ValueError: bug");
+  // Said twice, counted once: a node of two ranks where one returned is not "all returned".
+  ASSERT_TRUE(a.SendJson({{"type", "returned"}, {"round", 3}}));
+  ASSERT_TRUE(a.SendJson({{"type", "returned"}, {"round", 3}}));
+  // A rank that said `stopping` exits 0 because it was asked to: not an early return.
+  ASSERT_TRUE(b.SendJson({{"type", "stopping"}, {"step", 4}, {"snapshot", true}}));
+  ASSERT_TRUE(b.SendJson({{"type", "returned"}, {"round", 3}}));
+  ASSERT_TRUE(b.SendJson({{"type", "committed"}, {"step", 9}}));   // all read after this
+  ASSERT_TRUE(WaitUntil([&] { return server_->newest_step() == std::optional<int64_t>(9); }));
+  EXPECT_EQ(server_->ReturnedRanks(3), std::vector<int>{1});
 }
 
 TEST_F(ControlServerTest, HelloFromAnOldRoundIsToldToStop) {

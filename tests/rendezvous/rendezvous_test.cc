@@ -454,6 +454,42 @@ TEST(RendezvousTest, BelowMinFailsAfterJoinTimeoutWithClearMessage) {
   EXPECT_EQ(LeaseOf(db, "lonely"), 0) << "a failed node leaves the job";
 }
 
+// Issue #32: under efdl.elastic.run a node's workers may pause at the close of a round that
+// another node's failure broke, before their own collective fails. When that node gives up and
+// fewer than MIN remain, the job cannot go on: the broken round counts like an own failure.
+// Without a broken round (the peer gave up and left after a round that ended well) the node
+// waits for new nodes as before.
+TEST(RendezvousTest, ANodeWhoseRoundAPeersFailureBrokeEndsWhenThePeerGivesUpBelowMin) {
+  for (const bool broken : {true, false}) {
+    SCOPED_TRACE(broken ? "round broken by b" : "round left gracefully by b");
+    MemoryEtcd db;
+    TwoNodeRound round(db);
+    ASSERT_TRUE(round.ok());
+    auto& [a, b, ea, eb] = round;
+    if (broken) {
+      b->rdzv->ReportWorkerFailure(eb->round, "rank 1 raised ValueError: a bug");
+      auto closing = a->Next(Event::Type::kRoundClosing);
+      ASSERT_TRUE(closing);
+      EXPECT_FALSE(closing->graceful);
+      ASSERT_TRUE(a->Started() && b->Started()) << "a's workers continue in-process";
+    }
+    ASSERT_TRUE(b->rdzv->RecordGiveUp("rank 1 raised ValueError: a bug", {}).ok());
+    b->rdzv->Leave();
+    ASSERT_TRUE(a->Next(Event::Type::kPeerGaveUp));
+    auto failed = a->Next(Event::Type::kFailed, broken ? 5s : 1500ms);
+    if (!broken) {
+      EXPECT_FALSE(failed) << failed->message;
+      continue;
+    }
+    ASSERT_TRUE(failed);
+    EXPECT_NE(failed->message.find("cannot go on: node b gave up: rank 1 raised ValueError"),
+              std::string::npos) << failed->message;
+    EXPECT_NE(failed->message.find("this node's round broke with it (round 1: workers of node b "
+                                   "failed: rank 1 raised ValueError: a bug)"),
+              std::string::npos) << failed->message;
+  }
+}
+
 TEST(RendezvousTest, SurvivorsBelowMinWaitThenFormWhenANodeComes) {
   MemoryEtcd db;
   auto [a, b] = StartNodes(db, {"a", "b"}, 2, 3);

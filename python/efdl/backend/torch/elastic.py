@@ -136,6 +136,7 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
             raise
         except Exception as e:  # noqa: BLE001 - only collective failures are kept (below)
             if not (is_collective_failure(e) or control.pause_request() is not None):
+                control.notify_raised(_first_line(e))   # the program's own: before teardown
                 raise
             failure = _first_line(e)
             control.notify_failed(failure)
