@@ -23,6 +23,16 @@ using testing::WaitUntil;
 
 class ControlServerTest : public testing::ControlServerFixture {};
 
+// Says hello for (rank, local_rank) of `round` on `c` and returns the answer's type.
+std::string Hello(ControlConn& c, int pid, int rank, int local_rank, int64_t round) {
+  if (!c.SendJson({{"type", "hello"}, {"pid", pid}, {"rank", rank}, {"local_rank", local_rank},
+                   {"round", round}})) {
+    return "(not sent)";
+  }
+  json reply = c.ReadJson();
+  return reply.is_object() ? reply.value("type", "") : "(no answer)";
+}
+
 TEST_F(ControlServerTest, SocketIsPrivateToTheUser) {
   struct stat st {};
   ASSERT_EQ(::stat(server_->path().c_str(), &st), 0);
@@ -59,12 +69,8 @@ TEST_F(ControlServerTest, HelloOfTheCurrentRoundIsWelcomedAndCanBeStopped) {
 TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRound) {
   ControlConn c(server_->path());
   ControlConn plain(server_->path());
-  ASSERT_TRUE(c.SendJson({{"type", "hello"}, {"pid", 7}, {"rank", 5}, {"local_rank", 1},
-                          {"round", 3}}));
-  ASSERT_EQ(c.ReadJson()["type"], "welcome");
-  ASSERT_TRUE(plain.SendJson({{"type", "hello"}, {"pid", 8}, {"rank", 4}, {"local_rank", 0},
-                              {"round", 3}}));
-  ASSERT_EQ(plain.ReadJson()["type"], "welcome");
+  ASSERT_EQ(Hello(c, 7, 5, 1, 3), "welcome");
+  ASSERT_EQ(Hello(plain, 8, 4, 0, 3), "welcome");
   ASSERT_TRUE(c.SendJson({{"type", "in_process"}, {"round", 3}}));
   json accepted = c.ReadJson();
   EXPECT_EQ(accepted["type"], "in_process");
@@ -113,12 +119,8 @@ TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRou
 TEST_F(ControlServerTest, ARaisedProgramIsItsOwnFailureAndAReturnCountsOnceUnlessAskedToStop) {
   ControlConn a(server_->path());
   ControlConn b(server_->path());
-  ASSERT_TRUE(a.SendJson({{"type", "hello"}, {"pid", 7}, {"rank", 5}, {"local_rank", 1},
-                          {"round", 3}}));
-  ASSERT_EQ(a.ReadJson()["type"], "welcome");
-  ASSERT_TRUE(b.SendJson({{"type", "hello"}, {"pid", 8}, {"rank", 4}, {"local_rank", 0},
-                          {"round", 3}}));
-  ASSERT_EQ(b.ReadJson()["type"], "welcome");
+  ASSERT_EQ(Hello(a, 7, 5, 1, 3), "welcome");
+  ASSERT_EQ(Hello(b, 8, 4, 0, 3), "welcome");
   // The program's own exception, and a collective that lost a peer: only the first is its own.
   ASSERT_TRUE(a.SendJson({{"type", "raised"}, {"round", 3}, {"message", "ValueError: bug"}}));
   ASSERT_TRUE(b.SendJson({{"type", "failed"}, {"round", 3}, {"message", "Connection reset"}}));
