@@ -1,6 +1,7 @@
 """A ZeroRedundancyOptimizer job on hosts that look like real ones (workers/hosts.py: each
 `efdl run` in its own network, UTS, mount and PID namespace, /dev/shm of its own), issue #35:
-3 hosts train, one host is killed and lost with its memory, a host with empty memory joins;
+3 hosts train, one host is killed and lost with its memory, a host with empty memory joins,
+then leaves gracefully;
 on the restart path (workers restarted by the agents) and under efdl.elastic.run (workers keep
 their processes). Every new rank rebuilds its shard of the new layout from the old shards, and
 the job ends with the parameters and the whole Adam state of an uninterrupted 2-rank run with
@@ -14,6 +15,7 @@ bounded; the world fixture removes the hosts, etcd and directories whatever happ
 import json
 import os
 import re
+import signal
 import sys
 import time
 
@@ -29,7 +31,7 @@ import hosts  # noqa: E402
 from conftest import PYTHON  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "zero_worker.py")
-STEPS = 90
+STEPS = 150
 
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
@@ -59,13 +61,13 @@ def whole_state(results):
     return state
 
 
-def wait_steps(agents, world_size, step, timeout):
-    """Waits until a rank of a round of `world_size` reported `step`."""
+def wait_steps(agents, world_size, steps, timeout, since=0.0):
+    """Waits until the ranks of rounds of `world_size` reported `steps` steps after `since`."""
     deadline = time.monotonic() + timeout
-    while not any(w_ == world_size and s >= step for a in agents for _, _, _, w_, s in a.steps()):
+    while len({s for a in agents for _, _, _, w_, s in a.steps(since) if w_ == world_size}) < steps:
         if time.monotonic() > deadline:
-            raise AssertionError("world %d never reached step %d:\n%s"
-                                 % (world_size, step, outputs(agents)))
+            raise AssertionError("world %d never made %d steps:\n%s"
+                                 % (world_size, steps, outputs(agents)))
         time.sleep(0.1)
 
 
@@ -118,7 +120,7 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     job = "hosts-zero-" + mode
     snapshots = os.path.join(w.shared, "snapshots")
     env = {"EFDL_SNAPSHOT_PER_RANK": "1", "EFDL_PERSIST_MIN_INTERVAL_MS": "0",
-           "WORKER_MODE": mode, "WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0.25"}
+           "WORKER_MODE": mode, "WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0.2"}
     extra = ["--snapshot-dir", snapshots]
     agents += [host_jobs.start_agent(w, etcd, h, job, extra=extra, env=env, command=[
         PYTHON, WORKER]) for h in w.hosts]
@@ -139,14 +141,26 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
                                         command=[PYTHON, WORKER]))
     live = agents[:2] + agents[3:]
     wait_world(live, 3, back_at, timeout=300, live=live)
-    for a in live:
+    wait_steps(live, 3, 8, timeout=120, since=back_at)
+
+    # The new host leaves gracefully (SIGTERM to its agent): every rank stops at one commit,
+    # its agent stores its ranks' final shards, and the others go on from that very step.
+    # (to the process group: the Popen is nsenter, which does not forward signals)
+    os.killpg(agents[3].proc.pid, signal.SIGTERM)
+    assert agents[3].proc.wait(timeout=60) != 0, outputs(agents)
+    for a in agents[:2]:
         assert a.wait(240) == 0, outputs(agents)
+    last_before = max(s for a in live for _, _, _, w_, s in a.steps(back_at) if w_ == 3)
+    leaver = {r for _, r, _, w_, _ in agents[3].steps(back_at) if w_ == 3}
 
     text = "\n".join(a.output() for a in agents)
     lines = [ln for ln in text.splitlines() if RESTORED in ln]
     shrink = [ln for ln in lines if "written by 3 ranks, for 2 ranks" in ln]
     grow = [ln for ln in lines if "written by 2 ranks, for 3 ranks" in ln]
-    assert len(shrink) == 2 and len(grow) == 3, "\n".join(lines) + outputs(agents)
+    assert len(shrink) == 4 and len(grow) == 3, "\n".join(lines) + outputs(agents)
+    # the loss first, the leave later (a higher seq): the lines are in agent order
+    shrink.sort(key=lambda ln: int(re.search(r"of snapshot seq (\d+)", ln).group(1)))
+    shrink, leave = shrink[:2], shrink[2:]
     # The rank the lost host had in world 3: its shard came from storage (its memory is gone),
     # every other old shard from memory (the rank's own node, or another survivor's over the
     # network); together the survivors needed every old shard.
@@ -167,6 +181,25 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     assert "; model and values from old shard" in new[0] and "over the network (from its " \
         "node's memory)" in new[0].split("; model and values")[1], new
 
+    # The leave: the leaver's shard came from storage (its agent stores it as it leaves), the
+    # others' from memory. When that store came first, no step is lost: the others restore
+    # the step the leaver stopped at (the restart path, seen every run here). Under
+    # efdl.elastic.run the others agree within ~50 ms of the pause, usually before the leaving
+    # agent has stored that last shard: they go back one commit, to the newest snapshot whose
+    # shards are all somewhere, and rank 0 says so (docs/snapshots.md, "Sharded optimizer
+    # state": a known limit until the leaving agent stores before the next round starts).
+    assert len(leaver) == 1, agents[3].output()[-3000:]
+    (old_leaver,) = leaver
+    restored = {int(re.search(r"\(step (\d+)\), written", ln).group(1)) for ln in leave}
+    assert len(restored) == 1, leave
+    if restored != {last_before}:
+        assert restored == {last_before - 1}, (last_before, leave, outputs(agents))
+        assert re.search(r"snapshot seq \d+ \(step %d\) lacks the optimizer shard of old "
+                         r"rank\(s\) %d " % (last_before, old_leaver), text), outputs(agents)
+    for old, where in shard_sources(leave).items():
+        kinds = {"storage", "network storage"} if old in leaver else {"memory", "network memory"}
+        assert where and where <= kinds, (old, where, leave)
+
     if mode == "inprocess":
         # The survivors' workers kept their processes through both changes.
         for a in agents[:2]:
@@ -175,7 +208,7 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
             assert len(pids) == 1, (a.name, pids)
 
     last = finals(text)
-    assert sorted(last) == [0, 1, 2], outputs(agents)
+    assert sorted(last) == [0, 1], outputs(agents)
     got, want = whole_state(list(last.values())), whole_state(reference)
     assert sorted(got, key=int) == sorted(want, key=int)
     for i in want:
