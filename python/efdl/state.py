@@ -757,7 +757,9 @@ class State(_rounds.RoundsHost):
         for r in sorted(scopes):
             engine = self._reader(r)
             for ref in engine.candidates():
-                meta = self._usable_meta(ref)
+                # The metadata first (no data read): a per-rank snapshot that is no shard
+                # costs no checksum pass over a stored file.
+                meta = _manifest.read(ref, self._program, self._job)
                 shard = ((meta or {}).get("optimizer") or {}).get("shard")
                 if not shard:
                     continue
@@ -766,6 +768,8 @@ class State(_rounds.RoundsHost):
                 key = (ref.seq, ref.step, old_rank)
                 if key in local:
                     continue   # the memory copy came first
+                if ref.source == "storage" and self._usable_meta(ref) is None:
+                    continue   # its checksum failed (warned)
                 local[key] = (engine, ref, meta)
                 offers.append(_shards.Offer(ref.seq, ref.step, old_rank, int(shard["world"]),
                                             ref.source, tuple(shard["owned"])))
@@ -883,8 +887,8 @@ class State(_rounds.RoundsHost):
                                _shards.optimizer_names(sref.tensors, f.indices)))
                 metas.append(smeta)
         meta = _shards.merge_optimizer_meta(metas or [self._restored_meta], mine)
-        sources = [_shards.describe(f, rank, local.get((seq, step, f.old_rank), (0, ref))[1].path)
-                   for f in plan[rank]]
+        sources = [_shards.describe(f, rank, local[(seq, step, f.old_rank)][1].path
+                                    if f.src == rank else "") for f in plan[rank]]
         composed = _shards.ComposedSnapshot(seq, step, pieces, ref.meta_json,
                                             "resharded: " + "; ".join(sources) if sources
                                             else "resharded: no parameters")

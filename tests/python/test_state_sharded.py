@@ -134,6 +134,7 @@ def test_zero_redundancy_optimizer_survives_world_size_changes_as_an_uninterrupt
     # The uninterrupted runs: 2 ranks, no change, the same global batch at every step.
     _, ref10 = run_zero(tmp_path, spawn_ranks, "reference-10", 2, 10)
     _, ref14 = run_zero(tmp_path, spawn_ranks, "reference-14", 2, 14)
+    _, ref16 = run_zero(tmp_path, spawn_ranks, "reference-16", 2, 16)
 
     # 3 nodes train to step 6 and are killed. Node 2 is lost with its shared memory; nodes 0
     # and 1 go on: old shards 0 and 1 from their own memory, old shard 2 from storage.
@@ -163,6 +164,27 @@ def test_zero_redundancy_optimizer_survives_world_size_changes_as_an_uninterrupt
     assert "; model and values from old shard 0 from rank 0 over the network" in line[0], line[0]
 
     assert_as_uninterrupted(out, ref14, 14)
+
+    # One rank alone (a group of one) while old rank 2's shards are in a store it cannot see:
+    # no snapshot is complete, and it says what is missing and what to do - not a fresh start.
+    results = spawn_ranks([PYTHON, "-c", ZERO, "16"], 1, timeout=120,
+                          rank_env=lambda r: node_env(tmp_path, "job", r))
+    line = refusal(results[0])
+    assert line.startswith("efdl._efdl.SnapshotError: job 'job-%s': the newest sharded snapshot "
+                           "(seq " % tmp_path.name) and ", step 14, written by 3 ranks) lacks " \
+        "the optimizer shard of old rank(s) 2: in no surviving rank's memory and in no " \
+        "snapshot store a rank can read" in line and "give the new ranks the snapshot store " \
+        "(EFDL_SNAPSHOT_DIR)" in line, line
+    # Done as it says (old rank 2's store where the rank sees it): all 3 old shards from
+    # storage into one rank, which ends as the uninterrupted run.
+    job_id = "job-" + tmp_path.name
+    shutil.rmtree(tmp_path / "job" / "storage" / job_id / "rank-2")
+    shutil.copytree(tmp_path / "job" / "storage-new" / job_id / "rank-2",
+                    tmp_path / "job" / "storage" / job_id / "rank-2")
+    results, out = run_zero(tmp_path, spawn_ranks, "job", 1, 16)
+    assert "written by 3 ranks, for 1 ranks: old shard 0 from storage" in results[0].stderr, \
+        results[0].stderr[-3000:]
+    assert_as_uninterrupted(out, ref16, 16)
 
 
 def refusal(result):
