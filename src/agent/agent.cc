@@ -354,7 +354,7 @@ std::optional<int> Agent::PollWorkers() {
                   pending_failure_->collateral);
     rdzv_.ReportLostPeer(round, detail, pending_failure_->collateral);
   } else {
-    rdzv_.ReportWorkerFailure(round, detail);
+    ReportOwnFailure(round, detail);
   }
   return std::nullopt;
 }
@@ -790,6 +790,21 @@ void Agent::BlameEarlyExit0(int64_t round, const WorkerExit& early) {
   EFDL_LOG_WARN("round {}: {} while this node's other ranks trained: the collectives lost it; "
                 "this node's failure", round, detail);
   pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+  ReportOwnFailure(round, detail);
+}
+
+void Agent::ReportOwnFailure(int64_t round, const std::string& detail) {
+  // The rule CountPendingFailure applies at the next round, asked ahead on a copy: the round
+  // that failed is the one the next would be judged against (the same nodes, no leave seen).
+  const int others = assignment_.standby ? assignment_.nnodes : assignment_.nnodes - 1;
+  const bool can_exclude = others >= std::max(1, options_.min_nodes);
+  health::OwnFailures ahead = own_failures_;
+  if (pending_failure_ && pending_failure_->collateral.empty() && !excluded_until_ &&
+      ahead.Count(std::chrono::steady_clock::now(), can_exclude).action ==
+          health::FailureVerdict::Action::kExclude) {
+    CountPendingFailure(assignment_);   // counts it, and Exclude withdraws the node now
+    return;
+  }
   rdzv_.ReportWorkerFailure(round, detail);
 }
 

@@ -190,6 +190,11 @@ class Agent {
   // Records the exclusion in etcd, stops what runs of this round on this node and withdraws from
   // the job for the cool-down (Rendezvous::Withdraw); the node registers again after it.
   void Exclude(const PendingFailure& failure, const health::FailureVerdict& verdict);
+  // Reports this node's own failure just recorded in pending_failure_ to the rendezvous, unless
+  // it is the one that excludes this node: then it is counted and the node excluded at once,
+  // before a next round can form with it (whose in-process peers would wait for its ranks in
+  // that round's process-group creation until the pause and stop timeouts: seconds).
+  void ReportOwnFailure(int64_t round, const std::string& detail);
 
   // In-process round changes (agent_in_process.cc; docs/control-protocol.md): workers under
   // efdl.elastic.run are paused at a round's close and given the next round's place instead of

@@ -154,8 +154,8 @@ void Agent::EndHungWorkers(int64_t round, const std::string& detail) {
                  options_.job_id, round, detail, options_.node_id);
   group_->Close();   // SIGKILL: a stopped or stuck process answers nothing else
   StopWorkers(/*graceful=*/false, detail);
-  rdzv_.ReportWorkerFailure(round, detail);
   pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+  ReportOwnFailure(round, detail);
 }
 
 }  // namespace efdl::agent

@@ -118,7 +118,7 @@ void Agent::ServeInProcessFailures() {
       const std::string detail = fmt::format("rank {} raised {}", f.rank, f.message);
       EFDL_LOG_WARN("round {}: {}; this node's failure", f.round, detail);
       pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
-      rdzv_.ReportWorkerFailure(f.round, detail);
+      ReportOwnFailure(f.round, detail);
       continue;
     }
     if (pending_failure_) continue;
