@@ -71,6 +71,11 @@ RESTORE_OTHER_PROGRAM_ENV = _manifest.RESTORE_OTHER_PROGRAM_ENV  # offered here 
 _RESERVED_ORDER = ("model", "optimizer", "scheduler")
 _RESERVED = frozenset(_RESERVED_ORDER)
 _FLUSH_TIMEOUT_S = 600.0
+# How long the ranks look again for the old shards a sharded snapshot lacks (_agreed_sharded):
+# a graceful leave's final shard reaches storage within this; a lost host's never does, and its
+# recovery waits this much longer.
+_SHARD_RETRIES = 15
+_SHARD_RETRY_S = 0.2
 
 
 def _safe_name(text):
@@ -781,14 +786,29 @@ class State(_rounds.RoundsHost):
         (its own when it can read one, else sent by a holder without its optimizer tensors).
         Remembers the agreement for the optimizer's restore (_restore_zero). Collective."""
         import torch.distributed as dist
-        try:
-            decision = _shards.decide(
-                [[_shards.Offer(*o) for o in offers] for offers in offers_by_rank])
-        except _shards.ShardsMissingError as e:
+        # A shard missing from the newest snapshot may be on its way to storage: a node that
+        # leaves gracefully has its agent store its ranks' final commit as it goes, while the
+        # others pause and agree within tens of milliseconds. So the ranks look again, up to
+        # _SHARD_RETRIES times _SHARD_RETRY_S apart; every rank decides from the same gathered
+        # offers, so all of them look again the same number of times.
+        for attempt in range(_SHARD_RETRIES + 1):
+            try:
+                decision = _shards.decide(
+                    [[_shards.Offer(*o) for o in offers] for offers in offers_by_rank])
+                missing = None
+            except _shards.ShardsMissingError as e:
+                decision, missing = None, e
+            if (missing is None and (decision is None or decision.skipped is None)) \
+                    or attempt == _SHARD_RETRIES:
+                break
+            time.sleep(_SHARD_RETRY_S)
+            offers, local = self._sharded_offers()
+            offers_by_rank = _agreement.gather([tuple(o) for o in offers], world)
+        if missing is not None:
             raise SnapshotError(
                 "job %r: %s; restart the lost ranks' hosts (their shared memory holds those "
                 "shards), give the new ranks the snapshot store (EFDL_SNAPSHOT_DIR), or start "
-                "over with `efdl reset --job %s`" % (self._job, e, self._job)) from None
+                "over with `efdl reset --job %s`" % (self._job, missing, self._job)) from None
         if decision is None:
             return None
         rank = dist.get_rank()
