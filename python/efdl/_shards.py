@@ -26,12 +26,15 @@ of the old one, never by gathering the optimizer on one rank:
    (torch.distributed send/recv over the round's group, in one global order every rank follows,
    so blocking sends cannot deadlock), each carrying only the receiver's parameters.
 
-If an old shard is in no rank's memory and in no store any rank can read, the newest complete
-snapshot is used instead (with a warning naming what is missing); when there is none,
-ShardsMissingError says which old ranks' shards are missing and what to do.
+If an old shard is in no rank's memory and in no store any rank can read (State looks again
+for a few seconds first: a leaving node's final shard may be on its way to storage), the newest
+complete snapshot is used instead (rank 0 names what is missing); when there is none,
+ShardsMissingError says which old ranks' shards are missing and State adds what to do.
 
-Here: the pure logic (decide, base_of, plan: no processes), what State reads of a ZeRO, the
-offers of a rank's readable shards, the transfer, and the composed snapshot it restores from.
+Here: the pure logic (decide, base_of, plan, transfers: no processes), what State reads of a
+ZeRO, which old ranks' snapshots a rank may read itself, the restore log's words, and the
+composed snapshot a rank restores its shard from. The agreement and the transfers run in State
+(_sharded_offers, _agreed_sharded, _restore_zero), over efdl/_agreement.py's send/receive.
 """
 
 import collections
@@ -40,7 +43,7 @@ import os
 import re
 
 
-from efdl import _agreement, _efdl
+from efdl import _efdl
 
 ZERO = "ZeroRedundancyOptimizer"
 
@@ -296,15 +299,6 @@ def describe(fetch, me, path):
         where = "rank %d over the network (from its %s)" % (
             fetch.src, "node's memory" if fetch.source == "memory" else "storage")
     return "old shard %d from %s" % (fetch.old_rank, where)
-
-
-def send_piece(reader, ref, names, dst):
-    """Sends the tensors `names` of `ref` (read through `reader`) to rank `dst`."""
-    _agreement.send_snapshot(reader, ref, [dst], select=names)
-
-
-def receive_piece(src):
-    return _agreement.receive_snapshot(src)
 
 
 def merge_optimizer_meta(metas, indices):
