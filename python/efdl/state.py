@@ -504,7 +504,16 @@ class State(_rounds.RoundsHost):
         """The manifest's meta text (efdl._manifest); `scalars`: non-tensor optimizer state by
         parameter index, `sched_sd`: the scheduler's state_dict() or None."""
         opt = self._optimizer.obj
-        shard = _shards.layout(opt) if _shards.is_zero(opt) else None
+        shard = None
+        if _shards.is_zero(opt):
+            # The layout changes only with the optimizer or its groups (add_param_group)
+            # (the cache holds the optimizer, so its id is not reused while it is cached)
+            key = (id(opt), opt.rank, opt.world_size,
+                   [(id(g["params"]), len(g["params"])) for g in opt.optim.param_groups])
+            cached = self.__dict__.get("_zero_layout")
+            if cached is None or cached[0] != key:
+                cached = self.__dict__["_zero_layout"] = (key, _shards.layout(opt), opt)
+            shard = cached[1]
         return self._manifest.text(self._values, opt, scalars, sched_sd, shard)
 
     # -- restore -------------------------------------------------------------------------------
