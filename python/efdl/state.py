@@ -872,6 +872,8 @@ class State(_rounds.RoundsHost):
         if ctx is None or ctx["decision"].key != (ref.seq, ref.step):
             if shard is None and "optimizer" not in (self._restored_meta or {}):
                 return   # nothing of an optimizer to restore: a fresh optimizer it is
+            if self._restore_own_shard(zero, ref, shard):
+                return
             raise SnapshotError(
                 "job %r: the ZeroRedundancyOptimizer's shards of snapshot seq %d are restored "
                 "when the ranks agree on it: give it to State(...) after efdl.init() or, under "
@@ -939,6 +941,23 @@ class State(_rounds.RoundsHost):
                            step, decision.old_world, world,
                            ", ".join(sources) if sources else "it owns no parameters", base))
         sys.stderr.flush()
+
+    def _restore_own_shard(self, zero, ref, shard):
+        """Without an agreement (Horovod's state.restore(): back to the newest snapshot this
+        node holds): restores `zero` from this rank's own shard of the same layout in `ref`
+        (this rank's engine's snapshot). False when `ref` is not that."""
+        if (shard is None or isinstance(ref, _agreement.ReceivedSnapshot)
+                or shard != _shards.layout(zero)):
+            return False
+        names = _shards.optimizer_names(ref.tensors, shard["owned"])
+        composed = _shards.ComposedSnapshot(ref.seq, ref.step, [(self._engine.restore, ref,
+                                                                  names)],
+                                            ref.meta_json, ref.path)
+        meta = _shards.merge_optimizer_meta([self._restored_meta], shard["owned"])
+        ptrs, finish = self._optimizer.prepare_restore(composed, meta, self._job)
+        composed.restore([ptrs.get(e[0], 0) for e in composed.tensors])
+        finish()
+        return True
 
     # -- efdl/_rounds.RoundsHost: what the in-process rounds use -------------------------------
 

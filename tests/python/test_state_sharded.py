@@ -297,6 +297,48 @@ def test_sharded_optimizers_state_cannot_restore_are_refused_everywhere(tmp_path
     assert out["kept"] is True, "a refused setter leaves the optimizer State had"
 
 
+# Horovod's state.restore() (back to the newest snapshot this node holds, no agreement) with a
+# ZeroRedundancyOptimizer: the rank's own shard of the same layout comes back.
+HVD_RESTORE = textwrap.dedent("""
+    import json
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    import efdl.backend.torch as efdl
+    import efdl.backend.horovod.torch as hvd
+    efdl.init(timeout=60)
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                   lr=0.01)
+    state = hvd.elastic.TorchState(model, zero, step=0)
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        zero.step()
+        zero.zero_grad()
+        state.step += 1
+        state.commit()
+    saved = [(int(s["step"]), s["exp_avg"].clone()) for s in zero.optim.state.values()]
+    for s in zero.optim.state.values():   # what a failed step might leave behind
+        s["exp_avg"].add_(1.0)
+        s["step"] += 5
+    state.restore()
+    back = [(int(s["step"]), s["exp_avg"]) for s in zero.optim.state.values()]
+    print("RESULT " + json.dumps({
+        "n": len(back), "steps": [b[0] for b in back],
+        "same": len(back) == len(saved) and all(
+            a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(saved, back))}))
+""")
+
+
+def test_horovod_restore_brings_back_the_rank_s_own_zero_shard(tmp_path, spawn_ranks):
+    (r,) = spawn_ranks([PYTHON, "-c", HVD_RESTORE], 1, timeout=90,
+                       rank_env=lambda r: node_env(tmp_path, "hvd-restore", r))
+    assert r.returncode == 0, r.stderr
+    out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert out == {"n": 4, "steps": [3, 3, 3, 3], "same": True}, out
+
+
 # -- in this process: no process group needed ---------------------------------------------------
 
 @pytest.fixture
