@@ -21,11 +21,9 @@ Under elastic.run a worker keeps its process from one round to the next. The rou
 """
 
 import abc
-import os
 import weakref
 
-from efdl import _agreement, _progress
-from efdl._names import Env
+from efdl import _agreement, _place, _progress
 
 
 class RoundChangeInterrupt(Exception):
@@ -71,6 +69,10 @@ class RoundsHost(abc.ABC):
     def _on_round_synced(self):
         """Called once the ranks of a new round agreed on the state (sync)."""
 
+    def _round_place(self):
+        """The RoundPlace this process holds now (efdl/_place.py; State: its control client's)."""
+        return _place.current()
+
 
 class InProcessRounds:
     """In-process round changes of one State (see the module docstring). Holds its host weakly:
@@ -85,6 +87,8 @@ class InProcessRounds:
         self.reset_callbacks = []
         # The round whose process group the State agreed in at construction (a program that
         # creates the group before the State, as hvd.init() at the top of a Horovod program).
+        # A record of a past fact, not a second home of the round number: the round this
+        # process is in is always the host's place (efdl/_place.py), read at each use.
         self.agreed_round = None
 
     def add_reset_callbacks(self, callbacks):
@@ -99,7 +103,7 @@ class InProcessRounds:
 
     def agreed_at_construction(self):
         """The State agreed on its snapshot with the ranks of this process group (this round)."""
-        self.agreed_round = os.environ.get(Env.ROUND)
+        self.agreed_round = self._host._round_place().round
 
     def pause(self, step):
         """The round ends at `step`, whose snapshot is taken: raises the host's exception."""
@@ -129,7 +133,7 @@ class InProcessRounds:
         host = self._host
         world = host._agreement_world()
         agreed, self.agreed_round = self.agreed_round, None
-        if world and agreed is not None and agreed == os.environ.get(Env.ROUND):
+        if world and agreed is not None and agreed == self._host._round_place().round:
             # Constructed in this round's group: its constructor's agreement was this round's
             # (it paired with the other ranks' agreement here); nothing changed since.
             return host._restored_step()

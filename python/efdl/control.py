@@ -11,8 +11,8 @@ import socket
 import sys
 import time
 
-from efdl import _env
 from efdl._names import PROTOCOL_VERSION, Env, Msg
+from efdl._place import RoundPlace, int_or as _int_or
 
 ENV_SOCKET = Env.CONTROL_SOCKET
 
@@ -63,27 +63,16 @@ class StopRequest:
                                                                   self.reason)
 
 
-def _int_or(value, default):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def _env_int(name, default):
-    # Unset or empty: the default; anything else, blanks too, must be an integer (ControlError).
-    return _env.env_int(name, default, strip=False, blank_is_default=False,
-                        message="%(name)s=%(value)r is not an integer", error=ControlError)
-
-
 class ControlClient:
-    """A connection to the agent. Connects and says hello in the constructor."""
+    """A connection to the agent. Connects and says hello in the constructor.
 
-    def __init__(self, path, rank=0, local_rank=0, round_=0, timeout=5.0):
+    `place` is the RoundPlace this worker holds (efdl/_place.py): its round, rank and local rank,
+    read through the properties of the same names. wait_for_round() returns the next one, which
+    efdl._place.apply() makes the client's (and the process environment's)."""
+
+    def __init__(self, path, rank=0, local_rank=0, round_=0, timeout=5.0, place=None):
         self.path = path
-        self.rank = rank
-        self.local_rank = local_rank
-        self.round = round_
+        self.place = place if place is not None else RoundPlace(round_, rank, local_rank)
         self._buf = b""
         self._stop = None
         self._pause = None           # a "pause" of the current round (in-process workers)
@@ -98,13 +87,26 @@ class ControlClient:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
             self._send({"type": Msg.HELLO, "version": PROTOCOL_VERSION, "pid": os.getpid(),
-                        "rank": rank, "local_rank": local_rank, "round": round_})
+                        "rank": self.rank, "local_rank": self.local_rank,
+                        "round": self.round})
             self.welcome = self._wait_for(lambda m: m.get("type") in (Msg.WELCOME, Msg.STOP),
                                           timeout)
         except OSError as e:
             self._sock.close()
             raise ControlError("cannot reach the efdl agent at %s: %s" % (path, e)) from None
         self._sock.setblocking(False)
+
+    @property
+    def round(self):
+        return self.place.round
+
+    @property
+    def rank(self):
+        return self.place.rank
+
+    @property
+    def local_rank(self):
+        return self.place.local_rank
 
     # -- stop requests -------------------------------------------------------------------------
 
@@ -169,24 +171,19 @@ class ControlClient:
                           "step": -1 if step is None else int(step), "snapshot": bool(snapshot)})
 
     def wait_for_round(self, timeout=None):
-        """Blocks until the agent gives this worker its place in the next round: returns that
-        round's environment (a dict: RANK, WORLD_SIZE, MASTER_ADDR, ...), or None when the agent
-        asks it to stop instead (or went away). `timeout` (seconds, None: no limit) raises
-        ControlError when it passes."""
+        """Blocks until the agent gives this worker its place in the next round: returns it (a
+        RoundPlace: round, rank, local rank, world size and the environment a worker started for
+        that round gets), or None when the agent asks it to stop instead (or went away). The
+        place becomes this client's when efdl._place.apply() takes it. `timeout` (seconds,
+        None: no limit) raises ControlError when it passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._next_round is not None:
                 message, self._next_round = self._next_round, None
-                env = message.get("env")
-                if isinstance(env, dict):
-                    env = {str(k): str(v) for k, v in env.items()}
-                    self.round = int(message["round"])
-                    # The place's typed fields (the agent's), the environment's otherwise.
-                    self.rank = _int_or(message.get("rank", env.get(Env.RANK)), self.rank)
-                    self.local_rank = _int_or(message.get("local_rank", env.get(Env.LOCAL_RANK)),
-                                              self.local_rank)
+                place = RoundPlace.from_message(message, self.place)
+                if place is not None:
                     self._pause = None
-                    return env
+                    return place
             if self._stop is not None:
                 return None
             left = None if deadline is None else deadline - time.monotonic()
@@ -369,5 +366,8 @@ def connect_from_env(timeout=5.0):
     path = os.environ.get(ENV_SOCKET)
     if not path:
         return None
-    return ControlClient(path, rank=_env_int(Env.RANK, 0), local_rank=_env_int(Env.LOCAL_RANK, 0),
-                         round_=_env_int(Env.ROUND, 0), timeout=timeout)
+    # Unset or empty: rank 0, round 0; anything else, blanks too, must be an integer.
+    place = RoundPlace.from_environment(default_round=0,
+                                        message="%(name)s=%(value)r is not an integer",
+                                        error=ControlError)
+    return ControlClient(path, timeout=timeout, place=place)

@@ -57,7 +57,7 @@ import time
 import warnings
 import weakref
 
-from efdl import (_agreement, _commit, _dist, _efdl, _env, _manifest, _parts, _progress,
+from efdl import (_agreement, _commit, _dist, _efdl, _env, _manifest, _parts, _place, _progress,
                   _rounds, _shards)
 from efdl._manifest import program_name
 from efdl._names import Env
@@ -960,6 +960,10 @@ class State(_rounds.RoundsHost):
         return True
 
     # -- efdl/_rounds.RoundsHost: what the in-process rounds use -------------------------------
+
+    def _round_place(self):
+        # Its control client holds the place (efdl/_place.py), else the environment does.
+        return _place.current(self._control)
 
     def _held_snapshots(self):
         for ref in self._engine.candidates():

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cluster import wait_for
-from efdl import control
+from efdl import _place, control
 
 
 class ScriptedAgent:
@@ -207,7 +207,10 @@ def _in_process_agent(msg):
     return []
 
 
-def test_a_pause_is_seen_as_a_stop_request_and_the_next_round_brings_its_environment(agent_with):
+def test_a_pause_is_seen_as_a_stop_request_and_the_next_round_brings_its_place(agent_with,
+                                                                               monkeypatch):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "EFDL_ROUND"):
+        monkeypatch.delenv(var, raising=False)   # apply() writes them; restored afterwards
     agent, client = agent_with(_in_process_agent)
     with client:
         client.announce_in_process()
@@ -215,9 +218,15 @@ def test_a_pause_is_seen_as_a_stop_request_and_the_next_round_brings_its_environ
         assert client.stop_request() is None, "a pause is not a stop"
         assert client.pause_request().reason == "node b joined"
         client.notify_paused(12, snapshot=True)
-        env = client.wait_for_round(timeout=5)
-        assert env == {"RANK": "7", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
+        place = client.wait_for_round(timeout=5)
+        assert place.env == {"RANK": "7", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
+        assert (place.round, place.rank, place.local_rank, place.world_size) == (5, 7, 1, 8)
+        assert client.round == 4, "the place is the client's once applied, not before"
+        _place.apply(place, client)
+        assert client.place is place
         assert (client.round, client.rank, client.local_rank) == (5, 7, 1)
+        assert (os.environ["EFDL_ROUND"], os.environ["RANK"]) == ("5", "7")
+        assert _place.current(client) is place
         assert client.pause_request() is None and not client.stop_requested()
     assert agent.requests[1] == {"type": "paused", "round": 4, "step": 12, "snapshot": True}
 

@@ -39,13 +39,12 @@ num_replicas is said once per process, as a RuntimeWarning naming the fix.
 import functools
 import gc
 import itertools
-import os
 import sys
 import time
 import types
 import warnings
 
-from efdl import _dist
+from efdl import _dist, _place
 from efdl._rounds import RoundChangeInterrupt
 
 __all__ = ["run", "run_rounds", "RoundChangeInterrupt", "is_collective_failure"]
@@ -143,10 +142,10 @@ def run_rounds(func, state, args, kwargs, start_group=_dist.init_process_group,
         paused_at = time.monotonic()
         _leave_round(state, failure is None, stop_group)
         control.notify_paused(state._last_step, snapshot=failure is None)
-        env = control.wait_for_round()
-        if env is None:
+        place = control.wait_for_round()
+        if place is None:
             raise SystemExit(0)   # the agent stops this worker instead: its snapshot is taken
-        os.environ.update(env)
+        _place.apply(place, control)   # the environment start_group() reads, the client's round
         _retitle()
 
 
