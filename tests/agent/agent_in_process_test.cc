@@ -26,7 +26,7 @@ using namespace testing;
 std::vector<std::string> InProcessWorker(const std::string& dir, const std::string& extra = "") {
   return testing::PythonWorker(
       "import os, signal, sys, time\n"
-      "from efdl import control\n"
+      "from efdl import _place, control\n"
       "c = control.connect_from_env()\n"
       "c.announce_in_process()\n"
       "log = open('" + dir + "/worker.' + os.environ['LOCAL_RANK'], 'a')\n"
@@ -38,9 +38,9 @@ std::vector<std::string> InProcessWorker(const std::string& dir, const std::stri
       "    while c.pause_request() is None and c.stop_request() is None: time.sleep(0.002)\n"
       "    if c.stop_request() is not None: sys.exit(0)\n"
       "    c.notify_paused(5, snapshot=True)\n"
-      "    env = c.wait_for_round()\n"
-      "    if env is None: sys.exit(0)\n"
-      "    os.environ.update(env)\n"
+      "    place = c.wait_for_round()\n"
+      "    if place is None: sys.exit(0)\n"
+      "    _place.apply(place, c)\n"
       "    note()\n");
 }
 
