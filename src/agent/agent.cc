@@ -124,7 +124,8 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
       own_failures_(ExclusionPolicyOf(options_)),
       stragglers_({options_.stragglers, options_.job_id, options_.node_id, options_.min_nodes,
                    options_.exclude_cooldown, options_.metrics},
-                  rendezvous) {}
+                  rendezvous),
+      observer_({options_.node_id, options_.min_nodes, options_.metrics}, rendezvous) {}
 
 Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
@@ -245,8 +246,7 @@ int Agent::RunUntilDone() {
     }
     return 1;
   }
-  joined_at_ = std::chrono::duration<double>(
-                   std::chrono::system_clock::now().time_since_epoch()).count();
+  observer_.Joined();
   EFDL_LOG_INFO("node {} joined job '{}' with {} worker(s) per node, nodes {}:{}",
                 options_.node_id, options_.job_id, options_.nproc, options_.min_nodes,
                 options_.max_nodes);
@@ -255,7 +255,7 @@ int Agent::RunUntilDone() {
     if (const int sig = PendingSignal(); sig != 0) return Shutdown(sig);
     if (auto code = PollWorkers()) return *code;
     CheckHang();
-    UpdateMetrics();
+    observer_.Update(Sight());
     CheckStragglers();
     ServeFlushRequests();
     ServeInProcessFailures();
@@ -364,15 +364,12 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
   switch (event.type) {
     case Type::kRoundStarted:
       saw_round_ = true;
-      round_why_ = event.message;
-      return StartRound(event.assignment);
+      return StartRound(event.assignment, event.message);
     case Type::kRoundClosing:
       EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
                     event.graceful ? "graceful" : "not graceful",
                     event.message.empty() ? "" : ": ", event.message);
-      if (options_.metrics) options_.metrics->CountRoundChange(event.graceful);
-      BeginPause(std::chrono::steady_clock::now());
-      round_graceful_ = event.graceful;
+      observer_.RoundClosing(event.graceful, Sight());
       // A worker that already failed on its own is this node's failure too, even when a peer's
       // failure closed the round first: reap it before stopping the rest, or a program that
       // fails on every node is counted only on the node whose failure happened to be seen first.
@@ -420,7 +417,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       }
       return std::nullopt;
     case Type::kJobComplete:
-      if (rounds_started_ > 0) EndLedger("complete");
+      observer_.EndLedger("complete");
       spares_.reset();
       StopWorkers(/*graceful=*/false, "the job is complete");
       PersistNewestSnapshot("the job's end");
@@ -441,8 +438,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       }
       return 0;
     case Type::kFenced:
-      if (options_.metrics) options_.metrics->CountFenced();
-      BeginPause(std::chrono::steady_clock::now());
+      observer_.Fenced(Sight());
       EFDL_LOG_WARN("node {} lost its lease: fenced out of round {}; stopping workers{}{}",
                     options_.node_id, event.round, event.message.empty() ? "" : ": ",
                     event.message);
@@ -460,14 +456,14 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       StopWorkers(/*graceful=*/false, event.message);
       PersistNewestSnapshot("leaving the failed job");
       EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
-      if (rounds_started_ > 0) EndLedger("failed");
+      observer_.EndLedger("failed");
       rdzv_.Leave();
       return 1;
   }
   return std::nullopt;
 }
 
-std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
+std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::string& why) {
   if (group_ && !group_paused_) {
     StopWorkers(/*graceful=*/false, fmt::format("round {} started", a.round));
   }
@@ -497,23 +493,8 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a) {
                   options_.node_id, options_.job_id);
   }
   assignment_ = a;
-  {
-    const auto now = std::chrono::steady_clock::now();
-    if (options_.metrics) {
-      options_.metrics->SetRound(a.round, a.world_size, a.nnodes, a.nproc, a.standby);
-      if (pause_began_) {
-        options_.metrics->ObservePause(
-            "rendezvous", std::chrono::duration<double>(now - *pause_began_).count());
-      }
-    }
-    pause_began_.reset();
-    // The resume phase ends at every local rank's first progress report (UpdateMetrics); this
-    // node's first workers are its start-up instead.
-    resume_began_.reset();
-    if (!a.standby) resume_began_ = now;
-    resume_phase_ = rounds_started_ == 0 ? "startup" : "resume";
-  }
-  if (!a.standby) BeginLedgerPart(a);
+  observer_.RoundStarts(a);
+  if (!a.standby) observer_.BeginLedgerPart(a, why, Sight());
   control_->SetRound(a.round);
   if (persister_) {
     persister_->SetTargets(
@@ -926,7 +907,7 @@ int Agent::Suspend(const rdzv::Event& event) {
   // Graceful: each worker snapshots at its next commit() and persists before exiting; one that
   // does not answer gets SIGTERM, whose State hook persists the newest snapshot too.
   StopWorkers(/*graceful=*/true, fmt::format("job '{}' is being suspended", options_.job_id));
-  if (rounds_started_ > 0) EndLedger("suspended");
+  observer_.EndLedger("suspended");
   // Their final commit — or the newest one when they were already gone (crashed, between
   // rounds) — goes to storage, which is read next.
   PersistNewestSnapshot("the suspend report");
@@ -969,7 +950,7 @@ std::string Agent::WorkerLogPath(int64_t round, int rank) const {
 
 int Agent::Shutdown(int signal) {
   left_on_signal_ = signal;
-  if (rounds_started_ > 0) EndLedger("signal");
+  observer_.EndLedger("signal");
   EFDL_LOG_INFO("received {}: leaving job '{}' and stopping workers", SignalName(signal),
                 options_.job_id);
   // Leave first so the other nodes re-round at once, while our workers take their snapshot.

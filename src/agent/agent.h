@@ -20,6 +20,7 @@
 #include "agent/agent_persister.h"
 #include "agent/agent_store.h"
 #include "agent/control_server.h"
+#include "agent/node_observer.h"
 #include "agent/spare_pool.h"
 #include "agent/straggler_watch.h"
 #include "agent/worker_group.h"
@@ -182,7 +183,8 @@ class Agent {
   // `early` (a rank of this node) returned while the node's other ranks trained: their
   // collectives lost it. Records it as this node's failure of `round` and reports it.
   void BlameEarlyExit0(int64_t round, const WorkerExit& early);
-  std::optional<int> StartRound(const rdzv::Assignment& assignment);
+  // `why`: the round's reason (its ledger part says it).
+  std::optional<int> StartRound(const rdzv::Assignment& assignment, const std::string& why);
   // A failure of the round that closed (pending_failure_), counted as this node's own unless it
   // was collateral or came with a node leaving; the exclusion rule (exclusion_rules.h) then
   // restarts the workers, excludes the node (Exclude) or gives up: an exit code then.
@@ -226,17 +228,9 @@ class Agent {
   void CheckStragglers();
   void EvictAsStraggler(const StragglerWatch::Eviction& eviction);
   int Shutdown(int signal);
-  // The node's metrics (options_.metrics) and its part of the goodput ledger (agent_observe.cc):
-  // called on every loop turn, cheap.
-  void UpdateMetrics();
-  // This node's newest progress (step, when) from the board, for the ledger.
-  void SampleProgress();
-  // The ledger part of the round whose workers just started (or continue in-process).
-  void BeginLedgerPart(const rdzv::Assignment& a);
-  // This node leaves the job (`how`: complete, suspended, signal, failed): its ledger end.
-  void EndLedger(const char* how);
-  // A round change's pause begins here (the earliest sign wins: a failure seen, a hang's last
-  // progress, the round's close), unless one already began.
+  // What observer_ sees of this node's workers now (agent_observe.cc).
+  NodeObserver::Sight Sight() const;
+  // A round change's pause begins here (NodeObserver::BeginPause).
   void BeginPause(std::chrono::steady_clock::time_point at);
   // --log-dir's file of `rank`'s output in `round` (<dir>/<node>/round-R.rank-N.log); empty
   // without --log-dir.
@@ -353,29 +347,8 @@ class Agent {
   std::optional<PendingFailure> pending_failure_;
   // Straggler detection (straggler_watch.h): samples, summaries, the judge, eviction.
   StragglerWatch stragglers_;
-  // Metrics: when the pause of the round change under way began; when this node's workers of
-  // the new round started (their first progress report ends the pause); the restarts the
-  // metrics counted; the next update of the slower gauges.
-  std::optional<std::chrono::steady_clock::time_point> pause_began_;
-  std::optional<std::chrono::steady_clock::time_point> resume_began_;
-  const char* resume_phase_ = "resume";   // or "startup": this node's first workers
-  int restarts_in_metrics_ = 0;
-  // The goodput ledger (rendezvous/ledger.h): the part of the newest round, written once every
-  // local rank reported progress; the wall time of the change's first sign here and a hang's
-  // silence; this node's newest progress; the round's reason and whether its change was orderly.
-  std::optional<rdzv::LedgerPart> ledger_part_;
-  double ledger_sign_ = 0;
-  double ledger_detection_ = 0;
-  int64_t last_step_ = -1;
-  double last_step_at_ = 0;
-  double last_step_s_ = 0;
-  double last_step_samples_ = 0;   // samples per rank per step (0: unknown)
-  std::string round_why_;
-  bool round_graceful_ = false;
-  bool ledger_warned_ = false;
-  double joined_at_ = 0;   // wall s of this node's join (Run)
-  std::chrono::steady_clock::time_point next_metrics_update_{};
-  std::chrono::steady_clock::time_point next_goodput_{};   // node rank 0: the ledger's next read
+  // The node's metrics and its part of the goodput ledger (node_observer.h).
+  NodeObserver observer_;
   bool peer_connect_explained_ = false;
   std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last
   std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last

@@ -116,13 +116,8 @@ void Agent::CheckHang() {
     if (s.culprit) culprits.push_back(&s);
   }
   // The pause began at the last progress; its detection took the silence until now.
-  BeginPause(now - std::chrono::milliseconds(static_cast<int64_t>(hung.front().silent_s * 1000)));
-  ledger_detection_ = hung.front().silent_s;
+  observer_.HangDeclared(now, hung.front().silent_s, /*own=*/!culprits.empty(), Sight());
   hang_->Disarm();
-  if (options_.metrics) {
-    options_.metrics->ObservePause("detection", hung.front().silent_s);
-    options_.metrics->CountHang(/*own=*/!culprits.empty());
-  }
   if (culprits.empty()) {
     hang_elsewhere_ = true;
     hang_fallback_at_ = now + std::chrono::milliseconds(
