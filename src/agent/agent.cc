@@ -13,7 +13,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include "agent/stale_dirs.h"
 #include "agent/zygote.h"
@@ -21,9 +20,6 @@
 #include "common/log.h"
 #include "horovod/rendezvous_server.h"
 #include "horovod/slots.h"
-#include "snapshot/arena_dir.h"
-#include "snapshot/scope.h"
-#include "snapshot/store.h"
 
 namespace efdl::agent {
 
@@ -49,46 +45,6 @@ std::vector<std::string> HorovodClientFilter(const rdzv::Assignment& a) {
 std::string SignalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
-}
-
-// The newest snapshot of the job in storage (python/efdl/state.py writes them to
-// <snapshot dir>/<job>/, or rank-<N>/ below it for per-rank snapshots, where the job's point is
-// the oldest rank's newest), read from the file's checked header and manifest: its sequence
-// number, step and "epoch" keyword argument; nullopt when there is none (or the directory is not
-// visible from this node).
-std::optional<rdzv::PersistedPoint> NewestStoredPoint(const std::string& snapshot_dir,
-                                                      const std::string& job_id) {
-  if (snapshot_dir.empty()) return std::nullopt;
-  auto newest_in = [](const std::string& dir) -> std::optional<rdzv::PersistedPoint> {
-    snapshot::SnapshotStore store(snapshot::Env::Posix(), dir, /*keep=*/1);
-    for (const auto& entry : store.List()) {
-      auto info = store.ReadInfo(entry.path);
-      if (info.ok()) {
-        rdzv::PersistedPoint p{info->manifest.seq, info->manifest.step, std::nullopt};
-        auto meta = nlohmann::json::parse(info->manifest.meta_json, nullptr, false);
-        // python/efdl/_manifest.py keeps the keyword arguments under "kwargs" (JSON-exact ones;
-        // the rest are pickled and not read here).
-        if (meta.is_object() && meta.contains("kwargs") && meta["kwargs"].is_object()) {
-          const auto& kwargs = meta["kwargs"];
-          if (kwargs.contains("epoch") && kwargs["epoch"].is_number_integer()) {
-            p.epoch = kwargs["epoch"].get<int64_t>();
-          }
-        }
-        return p;
-      }
-      EFDL_LOG_WARN("skipping snapshot {}: {}", entry.path, info.status().message());
-    }
-    return std::nullopt;
-  };
-  const std::string job_dir = snapshot::JobStoreDir(snapshot_dir, job_id);
-  if (auto point = newest_in(job_dir)) return point;
-  std::optional<rdzv::PersistedPoint> oldest_rank;
-  for (const std::string& dir : snapshot::RankStoreDirs(job_dir)) {
-    auto point = newest_in(dir);
-    if (!point) return std::nullopt;  // a rank without a snapshot: the job has none complete
-    if (!oldest_rank || point->seq < oldest_rank->seq) oldest_rank = point;
-  }
-  return oldest_rank;
 }
 
 }  // namespace
@@ -121,6 +77,9 @@ std::string Seconds(std::chrono::milliseconds d) {
 
 Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
     : options_(std::move(options)), rdzv_(rendezvous),
+      snapshots_({options_.job_id, options_.node_id, options_.snapshot_dir, options_.job_secret,
+                  /*persist=*/!options_.launcher, options_.metrics},
+                 rendezvous),
       own_failures_(ExclusionPolicyOf(options_)),
       stragglers_({options_.stragglers, options_.job_id, options_.node_id, options_.min_nodes,
                    options_.exclude_cooldown, options_.metrics},
@@ -132,13 +91,9 @@ Agent::~Agent() {
   RetireOldWorkers(/*wait=*/true);
   group_.reset();
   spares_.reset();
-  persister_.reset();  // its flusher answers through the control socket
+  snapshots_.Close();  // its flusher answers through the control socket
   control_.reset();
-  if (holder_lock_) {
-    // The lock file stays only while arenas of this holder do (for the next agent to adopt).
-    holder_lock_.reset();
-    snapshot::RemoveOrphanLocks(shm_dir_);
-  }
+  // ~NodeSnapshots releases the holder lock.
 }
 
 int Agent::Run() {
@@ -184,35 +139,9 @@ int Agent::RunUntilDone() {
   }
   control_ = std::move(control).value();
   StartHangMonitor();
-  if (!TakeArenaHolder()) return 1;
-  if (!options_.launcher) {
-    // A launcher's workers persist themselves: their ranks are the inner launcher's business.
-    auto persist = AgentPersisterOptionsFromEnvironment(
-        options_.job_id, holder_lock_->holder(), options_.snapshot_dir, options_.job_secret,
-        [](const char* name) -> const char* { return std::getenv(name); });
-    if (!persist.ok()) {
-      EFDL_LOG_ERROR("{}", persist.status().message());
-      return 1;
-    }
-    // A node whose lease may have expired (frozen past the TTL, cut off from etcd) may already
-    // be replaced by a newer round: what it was writing must not appear in storage.
-    persist->before_publish = [this](const snapshot::Manifest& m) {
-      return rdzv_.MayPublish(m.wall_time)
-                 ? Status::OK()
-                 : Status::FailedPrecondition(
-                       "it was committed before this node's etcd lease expired or may have (the "
-                       "node was frozen or cut off from etcd); a newer round may run without it");
-    };
-    if (metrics::AgentMetrics* m = options_.metrics) {
-      persist->after_write = [m](const Status& s, double seconds, const snapshot::Manifest* w) {
-        if (s.ok() && w != nullptr) {
-          m->ObservePersist(seconds, w->data_bytes, w->wall_time);
-        } else {
-          m->CountPersistFailure();
-        }
-      };
-    }
-    persister_ = std::make_unique<AgentPersister>(std::move(persist).value());
+  if (Status st = snapshots_.Open(); !st.ok()) {
+    EFDL_LOG_ERROR("{}", st.message());
+    return 1;
   }
   bool prestart = options_.prestart && !options_.launcher;
   if (options_.check_before_start) {
@@ -257,7 +186,7 @@ int Agent::RunUntilDone() {
     CheckHang();
     observer_.Update(Sight());
     CheckStragglers();
-    ServeFlushRequests();
+    snapshots_.ServeFlushes(*control_);
     ServeInProcessFailures();
     NoteReturnedWorkers();
     if (spares_) {
@@ -306,7 +235,7 @@ std::optional<int> Agent::PollWorkers() {
     case WorkerGroup::State::kSucceeded: {
       EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group_->round(),
                     assignment_.nproc);
-      PersistNewestSnapshot("reporting the workers' success");
+      snapshots_.PersistNewest("reporting the workers' success");
       exited0_ = {group_->round(), LocalRanks(assignment_)};
       rdzv_.ReportWorkersExited0(group_->round(), exited0_->second);
       group_.reset();
@@ -389,7 +318,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                                        : event.message;
         std::vector<int> unpaused;
         if (PauseInProcess(event.graceful, reason, unpaused)) {
-          if (event.graceful) PersistNewestSnapshot("a graceful round change");
+          if (event.graceful) snapshots_.PersistNewest("a graceful round change");
           return std::nullopt;
         }
         // A worker that failed on its own while pausing is this node's failure, as above.
@@ -413,16 +342,16 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
         StopWorkers(event.graceful, reason,
                     /*release_after_snapshot=*/event.graceful && !options_.launcher, unpaused);
         // The workers' final commit is in shared memory now: store it before the next round.
-        if (event.graceful) PersistNewestSnapshot("a graceful round change");
+        if (event.graceful) snapshots_.PersistNewest("a graceful round change");
       }
       return std::nullopt;
     case Type::kJobComplete:
       observer_.EndLedger("complete");
       spares_.reset();
       StopWorkers(/*graceful=*/false, "the job is complete");
-      PersistNewestSnapshot("the job's end");
-      persister_.reset();
-      RemoveJobArenas();
+      snapshots_.PersistNewest("the job's end");
+      snapshots_.Close();
+      snapshots_.RemoveJobArenas();
       if (!saw_round_) {
         // A late agent: the job id ran to completion before; it still exits 0, but says so.
         EFDL_LOG_WARN("job '{}' was already complete ({}); nothing ran on this node. To run it "
@@ -443,7 +372,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                     options_.node_id, event.round, event.message.empty() ? "" : ": ",
                     event.message);
       StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
-      if (persister_) persister_->Clear();  // no longer a member: storage is not ours to write
+      snapshots_.StopWriting();  // no longer a member: storage is not ours to write
       if (spares_) spares_->Clear();  // refilled when the node takes part in a round again
       return std::nullopt;
     case Type::kSuspended:
@@ -454,7 +383,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
     case Type::kFailed:
       spares_.reset();
       StopWorkers(/*graceful=*/false, event.message);
-      PersistNewestSnapshot("leaving the failed job");
+      snapshots_.PersistNewest("leaving the failed job");
       EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
       observer_.EndLedger("failed");
       rdzv_.Leave();
@@ -496,10 +425,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   observer_.RoundStarts(a);
   if (!a.standby) observer_.BeginLedgerPart(a, why, Sight());
   control_->SetRound(a.round);
-  if (persister_) {
-    persister_->SetTargets(
-        PersistTargetsFor(persister_->options(), a.rank_offset, a.standby ? 0 : a.nproc));
-  }
+  snapshots_.SetRound(a.rank_offset, a.standby ? 0 : a.nproc);
   if (a.standby) {
     if (group_) {
       // Paused in-process at the last round's close: they snapshotted and wait; they exit now.
@@ -541,9 +467,9 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
     spec.local_rank = lr;
     spec.rank = a.rank_offset + lr;
     spec.env = options_.launcher
-                   ? LauncherEnvironment(options_, a, restart_count, holder_lock_->holder())
+                   ? LauncherEnvironment(options_, a, restart_count, snapshots_.holder())
                    : WorkerEnvironment(options_, a, lr, restart_count, socket_path_,
-                                       holder_lock_->holder());
+                                       snapshots_.holder());
     spec.log_path = WorkerLogPath(a.round, spec.rank);
     wg.workers.push_back(std::move(spec));
   }
@@ -653,7 +579,7 @@ void Agent::Exclude(const PendingFailure& f, const health::FailureVerdict& v) {
   // Workers paused in-process at the last round's close end now; so do the spares, which the
   // pool refills when the node takes part in a round again.
   StopWorkers(/*graceful=*/false, fmt::format("node {} is excluded", options_.node_id));
-  if (persister_) persister_->Clear();   // no longer a member: storage is not ours to write
+  snapshots_.StopWriting();   // no longer a member: storage is not ours to write
   if (spares_) spares_->Clear();
   rdzv_.Withdraw(v.cooldown);
   excluded_until_ = v.until;
@@ -676,7 +602,7 @@ void Agent::StartSparePool() {
   typical.nproc = options_.nproc;
   for (int lr = 0; lr < options_.nproc; ++lr) {
     so.start_env[lr] =
-        WorkerEnvironment(options_, typical, lr, 0, socket_path_, holder_lock_->holder());
+        WorkerEnvironment(options_, typical, lr, 0, socket_path_, snapshots_.holder());
   }
   auto pool = SparePool::Create(std::move(so));
   if (!pool.ok()) {
@@ -877,30 +803,6 @@ void Agent::ExplainPeerConnectError(int64_t round, const std::optional<PeerConne
       setting(envvar::kNcclSocketIfname, options_.gloo_iface), e->address);
 }
 
-void Agent::ServeFlushRequests() {
-  for (auto& request : control_->TakeFlushRequests()) {
-    if (!persister_) {
-      // --launcher (its workers persist themselves) or the job is over: nothing to write here.
-      control_->AnswerFlush(request, Status::OK(), false);
-      continue;
-    }
-    // control_ outlives persister_ (declared first, destroyed last), so the answer is safe.
-    persister_->FlushAsync(request.scope, request.timeout,
-                           [control = control_.get(), request](const Status& s, bool persisted) {
-                             control->AnswerFlush(request, s, persisted);
-                           });
-  }
-}
-
-void Agent::PersistNewestSnapshot(const std::string& why) {
-  if (!persister_ || persister_->targets().empty()) return;
-  Status s = persister_->Flush(std::chrono::minutes(10));
-  if (!s.ok()) {
-    EFDL_LOG_WARN("persisting the newest snapshot failed ({}); the previous one in storage is "
-                  "kept: {}", why, s.message());
-  }
-}
-
 int Agent::Suspend(const rdzv::Event& event) {
   EFDL_LOG_INFO("job '{}' is being suspended ({}): stopping workers after their snapshot",
                 options_.job_id, event.message);
@@ -910,11 +812,10 @@ int Agent::Suspend(const rdzv::Event& event) {
   observer_.EndLedger("suspended");
   // Their final commit — or the newest one when they were already gone (crashed, between
   // rounds) — goes to storage, which is read next.
-  PersistNewestSnapshot("the suspend report");
+  snapshots_.PersistNewest("the suspend report");
   const std::optional<int64_t> reported = control_->newest_persisted_step();
   const std::optional<int64_t> committed = control_->newest_step();
-  const std::optional<rdzv::PersistedPoint> stored =
-      NewestStoredPoint(options_.snapshot_dir, options_.job_id);
+  const std::optional<rdzv::PersistedPoint> stored = snapshots_.NewestStored();
   // Storage is the truth for a resume; the workers' reports only tell whether it is behind.
   std::optional<rdzv::PersistedPoint> point = stored;
   if (!point && reported) point = rdzv::PersistedPoint{0, *reported, std::nullopt};
@@ -929,8 +830,8 @@ int Agent::Suspend(const rdzv::Event& event) {
   if (Status st = rdzv_.ReportSuspended(point); !st.ok()) EFDL_LOG_WARN("{}", st.message());
   rdzv_.Leave();
   // A resume restores from storage (the step just reported); the arenas would only hold memory.
-  persister_.reset();
-  RemoveJobArenas();
+  snapshots_.Close();
+  snapshots_.RemoveJobArenas();
   if (step) {
     EFDL_LOG_INFO("job '{}': suspended at step {}", options_.job_id, *step);
   } else {
@@ -958,51 +859,8 @@ int Agent::Shutdown(int signal) {
   spares_.reset();
   StopWorkers(/*graceful=*/true, fmt::format("node {} is leaving ({})", options_.node_id,
                                              SignalName(signal)));
-  PersistNewestSnapshot("exiting");  // also when no workers ran (a crash between rounds)
+  snapshots_.PersistNewest("exiting");  // also when no workers ran (a crash between rounds)
   return 128 + signal;
-}
-
-bool Agent::TakeArenaHolder() {
-  shm_dir_ = snapshot::ShmDir(std::getenv(envvar::kShmDir));
-  auto lock = snapshot::HolderLock::Acquire(
-      shm_dir_, options_.job_id, HostName(),
-      fmt::format("efdl run, job {}, node {}", options_.job_id, options_.node_id));
-  if (!lock.ok()) {
-    EFDL_LOG_ERROR("{}", lock.status().message());
-    return false;
-  }
-  holder_lock_ = std::move(lock).value();
-  const std::string job = snapshot::SafeName(options_.job_id);
-  auto entries = snapshot::ScanArenaDir(shm_dir_, snapshot::HolderLockHeld);
-  // Other jobs' arenas whose holder died: nobody restores from them on this host any more.
-  auto removed = snapshot::RemoveArenas(shm_dir_, snapshot::PlanGc(entries, job),
-                                        holder_lock_->holder());
-  if (!removed.empty()) {
-    EFDL_LOG_INFO("removed {} snapshot arena(s) of dead processes from {}: {}", removed.size(),
-                  shm_dir_, fmt::join(removed, ", "));
-  }
-  snapshot::RemoveOrphanLocks(shm_dir_);
-  // This job's arenas whose holder died (this node's predecessor on this host): adopt the
-  // newest, so the workers restore from memory.
-  snapshot::ApplyAdoption(
-      shm_dir_, snapshot::PlanAdoption(entries, job, holder_lock_->holder(), shm_dir_),
-      holder_lock_->holder());
-  EFDL_LOG_DEBUG("snapshot arenas of this node: {}",
-                 snapshot::ArenaPath(shm_dir_, options_.job_id, holder_lock_->holder(), "*"));
-  return true;
-}
-
-void Agent::RemoveJobArenas() {
-  if (!holder_lock_) return;
-  auto entries = snapshot::ScanArenaDir(shm_dir_, snapshot::HolderLockHeld);
-  auto plan = snapshot::PlanJobRemoval(entries, snapshot::SafeName(options_.job_id),
-                                       holder_lock_->holder());
-  auto removed = snapshot::RemoveArenas(shm_dir_, plan, holder_lock_->holder());
-  holder_lock_->RemoveFile();  // the agent exits next; its lock goes with it
-  if (!removed.empty()) {
-    EFDL_LOG_INFO("removed {} snapshot arena(s) of job '{}' from {}", removed.size(),
-                  options_.job_id, shm_dir_);
-  }
 }
 
 void Agent::StartHorovodRendezvous(const rdzv::Assignment& a) {

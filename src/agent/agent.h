@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "agent/agent_persister.h"
 #include "agent/agent_store.h"
 #include "agent/control_server.h"
 #include "agent/node_observer.h"
+#include "agent/node_snapshots.h"
 #include "agent/spare_pool.h"
 #include "agent/straggler_watch.h"
 #include "agent/worker_group.h"
@@ -32,7 +32,6 @@
 #include "health/straggler_rules.h"
 #include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
-#include "snapshot/arena_dir.h"
 
 namespace efdl::horovod {
 class RendezvousServer;
@@ -261,17 +260,6 @@ class Agent {
   // to set (once per agent). Failures that came with a node leaving are not explained: a peer
   // that died is refused too, and that needs no setting.
   void ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& error);
-  // Writes the newest snapshot in this node's arenas to storage now (docs/snapshots.md), before
-  // `why` (a stop, the job's end) is acted on; a failure is logged, the previous one is kept.
-  void PersistNewestSnapshot(const std::string& why);
-  // Hands the workers' flush requests (State.flush()) to the persister, which answers them.
-  void ServeFlushRequests();
-  // This host's holder lock of the job's arenas (snapshot/arena_dir.h), taken first in Run():
-  // adopts the arenas of a dead predecessor of the job on this host and removes other jobs'
-  // dead arenas. Error line and false when no holder can be taken.
-  bool TakeArenaHolder();
-  // The job completed or was suspended: removes its arenas on this host (own and dead ones).
-  void RemoveJobArenas();
   // The rank-0 node serves Horovod's Gloo rendezvous for the round it starts (docs/horovod.md);
   // the server lives exactly as long as the round's workers.
   void StartHorovodRendezvous(const rdzv::Assignment& assignment);
@@ -281,9 +269,9 @@ class Agent {
   std::atomic<int> shutdown_signal_{0};
   TempDir socket_dir_;
   std::string socket_path_;
-  std::string shm_dir_;                    // EFDL_SHM_DIR
-  // Held for the agent's lifetime: the arenas named after it are this agent's (liveness for gc).
-  std::unique_ptr<snapshot::HolderLock> holder_lock_;
+  // The holder lock of the job's arenas, the persister, flushes, arena removal
+  // (node_snapshots.h): declared before control_, whose answers its flusher sends; closed first.
+  NodeSnapshots snapshots_;
   // Kills the workers' and spares' process groups (what they started included) should this
   // agent die without stopping them; declared before them so it outlives them.
   std::unique_ptr<GroupReaper> reaper_;
@@ -297,8 +285,6 @@ class Agent {
   // Workers of earlier rounds that took their final snapshot and are still exiting, while the
   // next round's run (StopPolicy::release_after_snapshot).
   std::vector<std::unique_ptr<WorkerGroup>> retiring_;
-  // The workers' snapshots go to storage from here (null with --launcher or before Run()).
-  std::unique_ptr<AgentPersister> persister_;
   std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
   // Watches the workers' progress (null: --hang-timeout 0, --launcher, or no board).
   std::unique_ptr<health::HangMonitor> hang_;

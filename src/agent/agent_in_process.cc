@@ -85,7 +85,7 @@ bool Agent::ContinueInProcess(const rdzv::Assignment& a, int restart_count) {
     group_->Renumber(a.round, ranks, log_paths);
     for (int lr = 0; lr < n && why.empty(); ++lr) {
       const auto env = WorkerEnvironment(options_, a, lr, restart_count, socket_path_,
-                                         holder_lock_->holder());
+                                         snapshots_.holder());
       if (!control_->AssignRound(old_round, lr, a.round, a.rank_offset + lr, env)) {
         why = fmt::format("local rank {} could not be reached", lr);
       }

@@ -29,7 +29,7 @@ void Agent::EvictAsStraggler(const StragglerWatch::Eviction& eviction) {
   rdzv_.Withdraw(eviction.cooldown);
   StopWorkers(/*graceful=*/true, fmt::format("node {} is evicted as a straggler",
                                              options_.node_id));
-  if (persister_) persister_->Clear();
+  snapshots_.StopWriting();
   if (spares_) spares_->Clear();
   excluded_until_ = std::chrono::steady_clock::now() + eviction.cooldown;
 }
