@@ -80,6 +80,7 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
       snapshots_({options_.job_id, options_.node_id, options_.snapshot_dir, options_.job_secret,
                   /*persist=*/!options_.launcher, options_.metrics},
                  rendezvous),
+      warm_(rendezvous),
       own_failures_(ExclusionPolicyOf(options_)),
       stragglers_({options_.stragglers, options_.job_id, options_.node_id, options_.min_nodes,
                    options_.exclude_cooldown, options_.metrics},
@@ -90,7 +91,7 @@ Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
   RetireOldWorkers(/*wait=*/true);
   group_.reset();
-  spares_.reset();
+  warm_.Stop();
   snapshots_.Close();  // its flusher answers through the control socket
   control_.reset();
   // ~NodeSnapshots releases the holder lock.
@@ -153,15 +154,10 @@ int Agent::RunUntilDone() {
     if (st.code() == Status::Code::kAlreadyExists) prestart = false;  // complete
   }
   if (prestart) StartSparePool();
-  if (spares_) {
-    // Joining starts a new round at once, so the running nodes would stop training and wait
-    // for our spares' imports: warm them up first, while the job goes on without us.
-    int sig = 0;
-    spares_->WaitUntilImported([&] { return (sig = PendingSignal()) != 0; });
-    if (sig != 0) return Shutdown(sig);
-    sig = StartAgentStore();
-    if (sig != 0) return Shutdown(sig);
-    NoteNoPrestart();
+  // Joining starts a new round at once, so the running nodes would stop training and wait for
+  // our spares' imports: warm them up first, while the job goes on without us.
+  if (const int sig = warm_.WarmUp([this] { return PendingSignal(); }); sig != 0) {
+    return Shutdown(sig);
   }
 
   // `efdl status` shows this agent's count of its own failures from the first ack on (a node
@@ -189,11 +185,7 @@ int Agent::RunUntilDone() {
     snapshots_.ServeFlushes(*control_);
     ServeInProcessFailures();
     NoteReturnedWorkers();
-    if (spares_) {
-      spares_->Maintain();
-      NoteNoPrestart();
-    }
-    if (agent_store_) CheckAgentStore();
+    warm_.Maintain();
     if (!retiring_.empty()) RetireOldWorkers(/*wait=*/false);
     if (const auto now = std::chrono::steady_clock::now(); now >= next_orphan_reap_) {
       ReapAdoptedOrphans();
@@ -347,7 +339,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       return std::nullopt;
     case Type::kJobComplete:
       observer_.EndLedger("complete");
-      spares_.reset();
+      warm_.Stop();
       StopWorkers(/*graceful=*/false, "the job is complete");
       snapshots_.PersistNewest("the job's end");
       snapshots_.Close();
@@ -373,7 +365,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                     event.message);
       StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
       snapshots_.StopWriting();  // no longer a member: storage is not ours to write
-      if (spares_) spares_->Clear();  // refilled when the node takes part in a round again
+      warm_.Clear();  // refilled when the node takes part in a round again
       return std::nullopt;
     case Type::kSuspended:
       return Suspend(event);
@@ -381,7 +373,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       EFDL_LOG_WARN("{}", event.message);
       return std::nullopt;
     case Type::kFailed:
-      spares_.reset();
+      warm_.Stop();
       StopWorkers(/*graceful=*/false, event.message);
       snapshots_.PersistNewest("leaving the failed job");
       EFDL_LOG_ERROR("job '{}' failed: {}", options_.job_id, event.message);
@@ -458,7 +450,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   wg.round = a.round;
   wg.out_fd = options_.out_fd;
   wg.err_fd = options_.err_fd;
-  wg.spares = spares_.get();
+  wg.spares = warm_.spares();
   wg.reaper = reaper_.get();
   // --launcher: one process (local rank 0) that starts the node's a.nproc workers itself.
   const int processes = options_.launcher ? 1 : a.nproc;
@@ -580,7 +572,7 @@ void Agent::Exclude(const PendingFailure& f, const health::FailureVerdict& v) {
   // pool refills when the node takes part in a round again.
   StopWorkers(/*graceful=*/false, fmt::format("node {} is excluded", options_.node_id));
   snapshots_.StopWriting();   // no longer a member: storage is not ours to write
-  if (spares_) spares_->Clear();
+  warm_.Clear();
   rdzv_.Withdraw(v.cooldown);
   excluded_until_ = v.until;
 }
@@ -604,66 +596,12 @@ void Agent::StartSparePool() {
     so.start_env[lr] =
         WorkerEnvironment(options_, typical, lr, 0, socket_path_, snapshots_.holder());
   }
-  auto pool = SparePool::Create(std::move(so));
-  if (!pool.ok()) {
-    EFDL_LOG_WARN("{}", pool.status().message());
-    return;
-  }
-  spares_ = std::move(pool).value();
-  if (!spares_->enabled()) return;   // it said why
-  spares_->Maintain();
-  EFDL_LOG_INFO("pre-starting {} python worker(s) ({})", options_.nproc,
-                options_.prestart_requested ? "--prestart"
-                                            : "default for python commands; --no-prestart: off");
-}
-
-void Agent::NoteNoPrestart() {
-  if (no_prestart_noted_ || spares_->enabled()) return;
-  rdzv_.NoteNoPrestart(spares_->off_reason());
-  no_prestart_noted_ = true;
+  warm_.Start(std::move(so));
 }
 
 int Agent::PendingSignal() const {
   const int sig = shutdown_signal_.load();
   return sig == 0 && options_.poll_signal ? options_.poll_signal() : sig;
-}
-
-int Agent::StartAgentStore() {
-  spares_->Importing();   // notices the spares that became warm since WaitUntilImported
-  auto store = AgentStore::Start(*spares_, {});
-  if (!store.ok()) {
-    EFDL_LOG_INFO("no agent store ({}): rank 0's worker hosts the store of a round this node "
-                  "leads", store.status().message());
-    return 0;
-  }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (true) {
-    auto port = (*store)->Poll();
-    if (!port.ok() || *port || std::chrono::steady_clock::now() >= deadline) {
-      if (port.ok() && *port) {
-        EFDL_LOG_INFO("agent store (pid {}) listens on port {}: the workers of a round this "
-                      "node leads meet there", (*store)->pid(), **port);
-        rdzv_.OfferAgentStore(**port);
-        agent_store_ = std::move(store).value();
-      } else {
-        EFDL_LOG_WARN("{}; rank 0's worker hosts the store of a round this node leads",
-                      port.ok() ? "the agent store announced no port within 10 s"
-                                : port.status().message());
-      }
-      return 0;
-    }
-    if (const int sig = PendingSignal(); sig != 0) return sig;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
-
-void Agent::CheckAgentStore() {
-  auto port = agent_store_->Poll();
-  if (port.ok()) return;
-  EFDL_LOG_WARN("{}; from the next round on, rank 0's worker hosts the store of a round this "
-                "node leads", port.status().message());
-  rdzv_.OfferAgentStore(0);
-  agent_store_.reset();
 }
 
 std::optional<WorkerExit> Agent::EarlyExit0() const {
@@ -856,7 +794,7 @@ int Agent::Shutdown(int signal) {
                 options_.job_id);
   // Leave first so the other nodes re-round at once, while our workers take their snapshot.
   rdzv_.Leave();
-  spares_.reset();
+  warm_.Stop();
   StopWorkers(/*graceful=*/true, fmt::format("node {} is leaving ({})", options_.node_id,
                                              SignalName(signal)));
   snapshots_.PersistNewest("exiting");  // also when no workers ran (a crash between rounds)

@@ -17,12 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "agent/agent_store.h"
 #include "agent/control_server.h"
 #include "agent/node_observer.h"
 #include "agent/node_snapshots.h"
-#include "agent/spare_pool.h"
 #include "agent/straggler_watch.h"
+#include "agent/warm_pool.h"
 #include "agent/worker_group.h"
 #include "common/group_reaper.h"
 #include "common/job_spec.h"
@@ -236,17 +235,10 @@ class Agent {
   std::string WorkerLogPath(int64_t round, int rank) const;
   // kSuspended: stop workers gracefully, find the newest persisted step, report it, leave.
   int Suspend(const rdzv::Event& event);
+  // Starts warm_'s spares with this agent's worker environment.
   void StartSparePool();
-  // Once the spare pool turned itself off (SparePool::off_reason): tells the rendezvous, for
-  // `efdl status` (once).
-  void NoteNoPrestart();
-  // Runs the agent store in a warm spare and offers its port to the rendezvous (agent_store.h);
-  // a line and no store when that fails. Returns a signal that arrived meanwhile (0: none).
-  int StartAgentStore();
   // The shutdown signal received (or, in tests, options_.poll_signal's); 0: none.
   int PendingSignal() const;
-  // Logs the store's output; when it died: one line, and rounds led here no longer use it.
-  void CheckAgentStore();
   // `release_after_snapshot` (a graceful round change): returns once each worker exited or
   // reported its final snapshot without a GPU; those still exiting go to retiring_.
   // `terminate_now`: local ranks that get SIGTERM at once (WorkerGroup::Stop).
@@ -276,8 +268,8 @@ class Agent {
   // agent die without stopping them; declared before them so it outlives them.
   std::unique_ptr<GroupReaper> reaper_;
   std::unique_ptr<ControlServer> control_;
-  std::unique_ptr<SparePool> spares_;      // with options_.prestart for a python command
-  std::unique_ptr<AgentStore> agent_store_;   // run in one of the spares, for the agent's life
+  // The spares (with options_.prestart for a python command) and the agent store (warm_pool.h).
+  WarmPool warm_;
   std::chrono::steady_clock::time_point next_orphan_reap_{};
   std::unique_ptr<WorkerGroup> group_;
   // group_'s workers paused in-process at the close of their round (PauseInProcess).
@@ -325,7 +317,6 @@ class Agent {
   int rounds_started_ = 0;
   bool saw_round_ = false;  // any round (standby included) reached this node
   int left_on_signal_ = 0;  // the SIGTERM/SIGINT this node left the job on (Shutdown), or 0
-  bool no_prestart_noted_ = false;   // NoteNoPrestart told the rendezvous
   int restarts_ = 0;
   health::OwnFailures own_failures_;
   // Excluded (Exclude) until then: no round is expected before it; reset at the next round.

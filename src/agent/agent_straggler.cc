@@ -30,7 +30,7 @@ void Agent::EvictAsStraggler(const StragglerWatch::Eviction& eviction) {
   StopWorkers(/*graceful=*/true, fmt::format("node {} is evicted as a straggler",
                                              options_.node_id));
   snapshots_.StopWriting();
-  if (spares_) spares_->Clear();
+  warm_.Clear();
   excluded_until_ = std::chrono::steady_clock::now() + eviction.cooldown;
 }
 
