@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "agent/agent.h"
-#include "agent/run_config.h"
+#include "cli/run_config.h"
 #include "cli/commands.h"
 #include "cli/etcd_flags.h"
 #include "cli/slurm_job.h"
@@ -30,7 +30,7 @@ namespace {
 struct RunArgs {
   std::string etcd;
   EtcdSecurityFlags etcd_security;
-  agent::RunFlags flags;
+  RunFlags flags;
   bool prestart_flag = false;     // --prestart or EFDL_PRESTART as given; read only when given
   bool no_prestart_flag = false;  // --no-prestart
 };
@@ -53,13 +53,13 @@ int TakePendingShutdownSignal() {
 }
 
 int RunAgent(const RunArgs& args) {
-  agent::RunFlags flags = args.flags;
+  RunFlags flags = args.flags;
   if (!args.etcd.empty()) {
     auto endpoints = etcd::ParseEndpoints(args.etcd);
     if (!endpoints.ok()) return Fail(2, "--etcd: " + endpoints.status().message());
     flags.etcd_endpoints = *endpoints;
   }
-  auto plan = agent::PlanRun(flags);
+  auto plan = PlanRun(flags);
   if (!plan.ok()) return Fail(2, plan.status().message());
 
   // Before any thread exists (gRPC's, ours): every thread inherits the mask.
@@ -159,7 +159,7 @@ int RunAgent(const RunArgs& args) {
 
 void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
   auto args = std::make_shared<RunArgs>();
-  agent::RunFlags& f = args->flags;
+  RunFlags& f = args->flags;
   CLI::App* run = app.add_subcommand(
       "run", "Run this node's share of an elastic job: efdl run [OPTIONS] -- COMMAND [ARGS...]");
   OptionWithEnv(run, "--etcd", args->etcd,
@@ -301,10 +301,10 @@ void RegisterRunCommand(CLI::App& app, CommandRunner& runner) {
     // Inside a Slurm allocation every step and node, and the job requeued, share SLURM_JOB_ID.
     if (args->flags.job_id.empty()) args->flags.job_id = SlurmJobIdFromEnv();
     // Neither flag nor EFDL_PRESTART (CLI11 counts an environment value as a use): auto.
-    args->flags.prestart = no_prestart->count() > 0 ? agent::PrestartMode::kOff
-                           : prestart->count() == 0 ? agent::PrestartMode::kAuto
-                           : args->prestart_flag    ? agent::PrestartMode::kOn
-                                                    : agent::PrestartMode::kOff;
+    args->flags.prestart = no_prestart->count() > 0 ? PrestartMode::kOff
+                           : prestart->count() == 0 ? PrestartMode::kAuto
+                           : args->prestart_flag    ? PrestartMode::kOn
+                                                    : PrestartMode::kOff;
     runner.Set([args] { return RunAgent(*args); });
   });
 }

@@ -1,4 +1,4 @@
-// The identity of one node's part in a job, held once: `efdl run` fills it (agent/run_config.cc)
+// The identity of one node's part in a job, held once: `efdl run` fills it (cli/run_config.cc)
 // and the agent's, the rendezvous's and the coordinator's options are each a JobSpec plus their
 // own settings (agent/agent.h AgentOptions, rendezvous/rendezvous.h RendezvousOptions,
 // rendezvous/coordination.h CoordinatorConfig). Also the one rule for ids and the one place that

@@ -2,13 +2,16 @@
 #include <gtest/gtest.h>
 
 #include "agent/agent.h"
-#include "agent/run_config.h"
-#include "test_util.h"
+#include "cli/run_config.h"
+#include "../agent/test_util.h"
 
-namespace efdl::agent {
+namespace efdl::cli {
 namespace {
 
-using testing::ExpectVars;
+using agent::AgentOptions;
+using agent::LauncherEnvironment;
+using agent::WorkerEnvironment;
+using agent::testing::ExpectVars;
 
 RunFlags Fragmented(int world_size, int nproc) {
   RunFlags f;
@@ -81,7 +84,7 @@ TEST(FragmentedRunConfigTest, LauncherFlagReachesTheAgent) {
 }
 
 rdzv::Assignment SecondNodeOfOnePlusTwo() {
-  return testing::MakeAssignment(4, 1, 2, 1, 2, 3, "10.0.0.1", 29400);
+  return agent::testing::MakeAssignment(4, 1, 2, 1, 2, 3, "10.0.0.1", 29400);
 }
 
 AgentOptions Options() {
@@ -115,4 +118,4 @@ TEST(LauncherEnvironmentTest, PerProcessEnvironmentHasTheSpecSection6Variables) 
 }
 
 }  // namespace
-}  // namespace efdl::agent
+}  // namespace efdl::cli

@@ -1,4 +1,4 @@
-#include "agent/run_config.h"
+#include "cli/run_config.h"
 #include "snapshot/arena_dir.h"
 
 #include <unistd.h>
@@ -9,8 +9,12 @@
 
 #include <gtest/gtest.h>
 
-namespace efdl::agent {
+namespace efdl::cli {
 namespace {
+
+using agent::AgentOptions;
+using agent::LauncherEnvironment;
+using agent::WorkerEnvironment;
 
 RunFlags Valid() {
   RunFlags f;
@@ -300,4 +304,4 @@ TEST(RunConfigTest, HorovodFindsTheStandInAndRefusesARealHorovod) {
 }
 
 }  // namespace
-}  // namespace efdl::agent
+}  // namespace efdl::cli

@@ -1,4 +1,4 @@
-#include "agent/run_config.h"
+#include "cli/run_config.h"
 
 #include <dirent.h>
 #include <unistd.h>
@@ -15,10 +15,11 @@
 #include <fmt/ranges.h>
 
 #include "common/net.h"
+#include "agent/spare_pool.h"
 #include "common/subprocess.h"
 #include "snapshot/arena_dir.h"
 
-namespace efdl::agent {
+namespace efdl::cli {
 
 namespace {
 
@@ -318,7 +319,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
     return p.empty() ? p : std::filesystem::absolute(p, ec).lexically_normal().string();
   };
 
-  AgentOptions& a = plan.agent;
+  agent::AgentOptions& a = plan.agent;
   a.job_id = job;
   a.node_id = node_id;
   a.shared_etcd = !plan.embedded_etcd;
@@ -378,7 +379,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   a.stragglers.factor = f.straggler_factor;
   a.stragglers.window = Millis(f.straggler_window_s);
   a.stragglers.evict = f.evict_stragglers;
-  if (f.evict_stragglers && (f.straggler_factor == 0 || !HangDetectionOn(a) || f.launcher)) {
+  if (f.evict_stragglers && (f.straggler_factor == 0 || !agent::HangDetectionOn(a) || f.launcher)) {
     return Status::InvalidArgument(
         "--evict-stragglers needs straggler detection, which reads the workers' progress "
         "board: drop --straggler-factor 0, --hang-timeout 0 and --launcher, or drop "
@@ -387,7 +388,7 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   auto metrics = metrics::ParseListen(f.metrics_port);
   if (!metrics.ok()) return metrics.status();
   plan.metrics = *metrics;
-  const bool prestart_fits = !f.launcher && ParsePythonCommand(f.command).has_value();
+  const bool prestart_fits = !f.launcher && agent::ParsePythonCommand(f.command).has_value();
   if (f.prestart == PrestartMode::kOn && !prestart_fits) {
     return Status::InvalidArgument(
         "--prestart needs a worker command of the form 'python3 [-u] SCRIPT ...' or 'python3 -m "
@@ -437,4 +438,4 @@ Result<RunPlan> PlanRun(const RunFlags& f) {
   return plan;
 }
 
-}  // namespace efdl::agent
+}  // namespace efdl::cli

@@ -1,4 +1,4 @@
-// `efdl run`'s flags turned into the options of the agent and its rendezvous, with every check
+// `efdl run`'s flags (src/cli/run_command.cc) turned into the options of the agent and its rendezvous, with every check
 // done before anything starts (one clear line per mistake).
 #pragma once
 
@@ -14,7 +14,7 @@
 #include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
 
-namespace efdl::agent {
+namespace efdl::cli {
 
 // --prestart / --no-prestart / neither (EFDL_PRESTART=1 / 0 / unset).
 enum class PrestartMode {
@@ -59,7 +59,7 @@ struct RunFlags {
 };
 
 struct RunPlan {
-  AgentOptions agent;
+  agent::AgentOptions agent;
   rdzv::RendezvousOptions rendezvous;
   bool embedded_etcd = false;
   NetworkChoice network;                     // the advertise address and interface, and why
@@ -93,4 +93,4 @@ Result<std::string> FindHorovodShim(const std::vector<std::string>& interpreter,
 // runs the command's interpreter once (FindHorovodShim).
 Result<RunPlan> PlanRun(const RunFlags& flags);
 
-}  // namespace efdl::agent
+}  // namespace efdl::cli
