@@ -81,6 +81,10 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
                   /*persist=*/!options_.launcher, options_.metrics},
                  rendezvous),
       warm_(rendezvous),
+      hangs_({options_.job_id, options_.node_id, options_.nproc, options_.hang_timeout_s,
+              [this](std::chrono::steady_clock::time_point seen, double silent_s, bool own) {
+                observer_.HangDeclared(seen, silent_s, own, Sight());
+              }}),
       own_failures_(ExclusionPolicyOf(options_)),
       stragglers_({options_.stragglers, options_.job_id, options_.node_id, options_.min_nodes,
                    options_.exclude_cooldown, options_.metrics},
@@ -240,7 +244,7 @@ std::optional<int> Agent::PollWorkers() {
   const int64_t round = group_->round();
   // Stalled for most of the hang timeout: another node ended the hang's cause, which broke
   // these workers' collectives (a failure of that node, not of this one).
-  const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
+  const bool stalled = hangs_.Stalled();
   WorkerExit failure = *group_->first_failure();
   std::optional<WorkerExit> early = EarlyExit0();
   if (!early) {
@@ -676,7 +680,7 @@ void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_a
                         const std::vector<int>& terminate_now) {
   horovod_server_.reset();   // the round is over for this node
   group_paused_ = false;
-  if (hang_) hang_->Disarm();
+  hangs_.Disarm();
   if (!group_) return;
   const int64_t round = group_->round();
   if (group_->running() > 0) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "agent/control_server.h"
+#include "agent/hang_watch.h"
 #include "agent/node_observer.h"
 #include "agent/node_snapshots.h"
 #include "agent/straggler_watch.h"
@@ -278,22 +279,9 @@ class Agent {
   // next round's run (StopPolicy::release_after_snapshot).
   std::vector<std::unique_ptr<WorkerGroup>> retiring_;
   std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
-  // Watches the workers' progress (null: --hang-timeout 0, --launcher, or no board).
-  std::unique_ptr<health::HangMonitor> hang_;
-  // A hang with no cause on this node: its workers' next failure is collateral; and when it
-  // outlasts this deadline, this node's workers are ended too.
-  bool hang_elsewhere_ = false;
-  // A rank of this node seen outside any collective at a hang, to be ended once confirmed.
-  struct HangConfirm {
-    std::chrono::steady_clock::time_point at;
-    pid_t pid = 0;
-    std::string detail;
-  };
-  std::optional<HangConfirm> hang_confirm_;
-  static constexpr std::chrono::milliseconds kHangConfirm{1000};
-  // A worker failure after every local rank was silent this long (a fraction of the hang
-  // timeout) is collateral of a hang another node ended.
-  static constexpr double kCollateralStall = 0.8;
+  // Hang detection: the progress board and the state of a hang (hang_watch.h; without a
+  // monitor: --hang-timeout 0, --launcher, or no board).
+  HangWatch hangs_;
   // Collateral failures in a row (each within kStreakReset of its round's start, with no change
   // of the job's node count between them) that are not counted; from the next one on they are
   // (at least 2x --max-restarts).
@@ -312,7 +300,6 @@ class Agent {
   static constexpr std::chrono::milliseconds kOwnExitWait{1000};
   // When this node's workers of the newest round started (or continued in-process).
   std::chrono::steady_clock::time_point round_started_{};
-  std::optional<std::chrono::steady_clock::time_point> hang_fallback_at_;
   rdzv::Assignment assignment_;            // of the newest round started
   int rounds_started_ = 0;
   bool saw_round_ = false;  // any round (standby included) reached this node

@@ -136,7 +136,7 @@ void Agent::ServeInProcessFailures() {
     EFDL_LOG_WARN("round {}: {}; the round is formed again, the workers wait in-process",
                   f.round, detail);
     pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
-    const bool stalled = hang_elsewhere_ || (hang_ && hang_->Stalled(kCollateralStall));
+    const bool stalled = hangs_.Stalled();
     pending_failure_->collateral = stalled ? CollateralCause(true, {})
                                            : "a collective that lost a peer (its node counts it)";
     rdzv_.ReportLostPeer(f.round, detail, pending_failure_->collateral);

@@ -9,8 +9,7 @@ namespace efdl::agent {
 
 NodeObserver::Sight Agent::Sight() const {
   NodeObserver::Sight s;
-  if (hang_) {
-    health::HangMonitor* board = hang_.get();
+  if (health::HangMonitor* board = hangs_.monitor()) {
     s.board = true;
     s.armed = group_ && board->armed();
     s.progress = [board] { return board->Progress(); };

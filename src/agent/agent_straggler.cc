@@ -12,9 +12,10 @@ namespace efdl::agent {
 
 void Agent::CheckStragglers() {
   const auto now = std::chrono::steady_clock::now();
-  if (!hang_ || !stragglers_.SampleDue(now)) return;
-  if (!group_ || group_paused_ || !hang_->armed() || assignment_.standby) return;
-  if (auto eviction = stragglers_.Sample(now, assignment_, hang_->Progress())) {
+  health::HangMonitor* board = hangs_.monitor();
+  if (!board || !stragglers_.SampleDue(now)) return;
+  if (!group_ || group_paused_ || !board->armed() || assignment_.standby) return;
+  if (auto eviction = stragglers_.Sample(now, assignment_, board->Progress())) {
     EvictAsStraggler(*eviction);
   }
 }

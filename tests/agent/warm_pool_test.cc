@@ -16,6 +16,7 @@
 #include "common/net.h"
 #include "queued_rendezvous.h"
 #include "test_util.h"
+#include "../support/temp_dir_test.h"
 
 namespace efdl::agent {
 namespace {
@@ -49,14 +50,10 @@ class PoolRendezvous : public testing::QueuedRendezvous {
   std::vector<std::string> notes;
 };
 
-class WarmPoolTest : public ::testing::Test {
+class WarmPoolTest : public TempDirTest {
  protected:
-  void SetUp() override {
-    auto dir = TempDir::Create("efdl-warm-pool-test");
-    ASSERT_TRUE(dir.ok());
-    dir_ = std::move(dir).value();
-    std::ofstream(dir_.path() + "/prog.py") << "pass\n";
-  }
+  WarmPoolTest() : TempDirTest("efdl-warm-pool-test") {}
+  void SetUpInDir() override { std::ofstream(dir_.path() + "/prog.py") << "pass\n"; }
   // One spare of prog.py, an interpreter of its own (no zygote: no subreaper needed), with
   // `env` added to its start environment.
   SparePoolOptions Options(std::map<std::string, std::string> env = {}) {
@@ -71,7 +68,6 @@ class WarmPoolTest : public ::testing::Test {
     return o;
   }
 
-  TempDir dir_;
   PoolRendezvous rdzv_;
 };
 

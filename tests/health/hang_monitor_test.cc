@@ -5,7 +5,6 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,8 +17,7 @@
 #include <fmt/format.h>
 
 #include "common/net.h"
-
-extern char** environ;
+#include "../support/spawn_python.h"
 
 namespace efdl::health {
 namespace {
@@ -55,7 +53,6 @@ class Workers {
     const uint16_t port = 29000 + static_cast<uint16_t>(::getpid() % 3000);
     for (int lr = 0; lr < n; ++lr) {
       std::vector<std::string> env_s;
-      for (char** e = environ; *e != nullptr; ++e) env_s.emplace_back(*e);
       env_s.push_back(std::string("PYTHONPATH=") + EFDL_TEST_PYTHONPATH);
       env_s.push_back(std::string(kBoardEnv) + "=" + m.board_path());
       env_s.push_back(std::string(kSlotEnv) + "=" + std::to_string(lr));
@@ -72,13 +69,8 @@ class Workers {
         env_s.push_back("MASTER_PORT=" + std::to_string(port));
         env_s.push_back("GLOO_SOCKET_IFNAME=lo");
       }
-      std::vector<char*> envp;
-      for (auto& s : env_s) envp.push_back(s.data());
-      envp.push_back(nullptr);
-      std::string py = "/usr/bin/python3", dash_c = "-c", code = kWorker;
-      char* argv[] = {py.data(), dash_c.data(), code.data(), nullptr};
-      pid_t pid = 0;
-      EXPECT_EQ(::posix_spawn(&pid, argv[0], nullptr, nullptr, argv, envp.data()), 0);
+      const pid_t pid = testing_support::SpawnPython(kWorker, env_s);
+      EXPECT_GT(pid, 0);
       pids.push_back(pid);
     }
   }
