@@ -5,7 +5,6 @@
 #include "agent/hang_watch.h"
 
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -53,12 +52,6 @@ else:
 class HangWatchTest : public TempDirTest {
  protected:
   HangWatchTest() : TempDirTest("efdl-hang-watch-test") {}
-  void TearDown() override {
-    for (pid_t p : pids_) {
-      ::kill(p, SIGKILL);
-      ::waitpid(p, nullptr, 0);
-    }
-  }
   // The watch of job "j", node "n1": `nproc` local ranks, a 1 s hang timeout; each declaration
   // is recorded.
   std::unique_ptr<HangWatch> Watch(int nproc) {
@@ -97,7 +90,7 @@ class HangWatchTest : public TempDirTest {
     }
     const pid_t pid = testing_support::SpawnPython(kWorker, env_s);
     EXPECT_GT(pid, 0);
-    pids_.push_back(pid);
+    children_.pids.push_back(pid);
     return pid;
   }
   // Checks (real time) until the watch declares a hang or gives a verdict; the last verdict.
@@ -117,7 +110,7 @@ class HangWatchTest : public TempDirTest {
     double silent_s;
     bool own;
   };
-  std::vector<pid_t> pids_;
+  testing_support::Children children_;
   std::vector<Declared> declared_;
 };
 

@@ -74,13 +74,8 @@ class Workers {
       pids.push_back(pid);
     }
   }
-  ~Workers() {
-    for (pid_t p : pids) {
-      ::kill(p, SIGKILL);
-      ::waitpid(p, nullptr, 0);
-    }
-  }
-  std::vector<pid_t> pids;
+  testing_support::Children children;
+  std::vector<pid_t>& pids = children.pids;
 };
 
 // Checks until a hang is reported (or `limit`).
