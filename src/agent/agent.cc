@@ -85,7 +85,7 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
               [this](std::chrono::steady_clock::time_point seen, double silent_s, bool own) {
                 observer_.HangDeclared(seen, silent_s, own, Sight());
               }}),
-      own_failures_(ExclusionPolicyOf(options_)),
+      failures_(ExclusionPolicyOf(options_), options_.min_nodes),
       stragglers_({options_.stragglers, options_.job_id, options_.node_id, options_.min_nodes,
                    options_.exclude_cooldown, options_.metrics},
                   rendezvous),
@@ -166,7 +166,7 @@ int Agent::RunUntilDone() {
 
   // `efdl status` shows this agent's count of its own failures from the first ack on (a node
   // hit only by collateral failures shows 0).
-  rdzv_.ReportRestarts(restarts_);
+  rdzv_.ReportRestarts(failures_.restarts());
   if (Status st = rdzv_.Join(); !st.ok()) {
     if (st.IsFailedPrecondition()) {
       EFDL_LOG_ERROR("{}", st.message());  // e.g. the job is suspended: the line says what to do
@@ -392,12 +392,8 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   if (group_ && !group_paused_) {
     StopWorkers(/*graceful=*/false, fmt::format("round {} started", a.round));
   }
-  if (!a.standby && a.nnodes != streak_nnodes_) {
-    // The job's node count changed: a streak of collateral failures ends here - the node whose
-    // failures they were may be the one that left (excluded for them, issue #32) or joined.
-    collateral_streak_ = 0;
-    streak_nnodes_ = a.nnodes;
-  }
+  // A change of the job's node count ends a streak of collateral failures (issue #32).
+  if (!a.standby) failures_.RoundFormed(a.nnodes);
   if (a.early_exit && exited0_ && !pending_failure_) {
     // This node's workers all exited 0 while their peers still trained: the peers'
     // collectives lost them, and the coordinator named this node the cause (NameCause).
@@ -409,13 +405,17 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   }
   exited0_.reset();
   if (auto code = CountPendingFailure(a)) return code;
-  if (excluded_until_) {
-    // The round it withdrew from, or one announced before the withdrawal took effect: the node
-    // registers again only once the cool-down is over.
-    if (std::chrono::steady_clock::now() < *excluded_until_) return std::nullopt;
-    excluded_until_.reset();
-    EFDL_LOG_INFO("node {} is back in job '{}' after its cool-down, with fresh workers",
+  // The round it withdrew from, or one announced before the withdrawal took effect: an
+  // excluded node registers again only once the cool-down is over.
+  switch (failures_.CheckOut(std::chrono::steady_clock::now())) {
+    case NodeFailures::Out::kNo:
+      break;
+    case NodeFailures::Out::kStill:
+      return std::nullopt;
+    case NodeFailures::Out::kBack:
+      EFDL_LOG_INFO("node {} is back in job '{}' after its cool-down, with fresh workers",
                   options_.node_id, options_.job_id);
+      break;
   }
   assignment_ = a;
   observer_.RoundStarts(a);
@@ -491,24 +491,21 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
   if (options_.metrics) options_.metrics->CountWorkerFailure(/*own=*/f.collateral.empty());
   if (!f.collateral.empty()) {
-    // A streak of collateral failures with no round that lasted between them may be this
-    // node's doing after all (its peers finished, or it breaks what it connects to): from
-    // kCollateralStreak on, they count, so the node cannot loop for ever.
-    const auto now = std::chrono::steady_clock::now();
+    // A streak of collateral failures may be this node's doing after all (NodeFailures).
     // (round_started_ is still the failed round's: the next one starts after this count.) A
     // change of the job's node count starts a new streak (StartRound).
-    collateral_streak_ = now - round_started_ >= kStreakReset ? 1 : collateral_streak_ + 1;
-    if (collateral_streak_ <= std::max(kCollateralStreak, 2 * options_.max_restarts)) {
+    if (!failures_.CollateralCounts(std::chrono::steady_clock::now(), round_started_)) {
       EFDL_LOG_INFO("round {} failure ({}) came from {}: not counted as a restart", f.round,
                     f.detail, f.collateral);
       return std::nullopt;
     }
     EFDL_LOG_WARN("round {} failure ({}) came from {}, but it is the {}th such failure in a row "
                   "with no round lasting {} s between them: counted as this node's",
-                  f.round, f.detail, f.collateral, collateral_streak_,
-                  std::chrono::duration_cast<std::chrono::seconds>(kStreakReset).count());
+                  f.round, f.detail, f.collateral, failures_.streak(),
+                  std::chrono::duration_cast<std::chrono::seconds>(NodeFailures::kStreakReset)
+                      .count());
   } else {
-    collateral_streak_ = 0;
+    failures_.EndStreak();
   }
   if (!a.standby && a.nnodes < f.nnodes) {
     // A peer left with the failure: its loss broke our workers; not our failure.
@@ -519,11 +516,10 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   ExplainPeerConnectError(f.round, f.connect_error);
   // The job can go on without this node when the round holds MIN other nodes (a standby's
   // round holds only others); then the node is excluded for a while instead of giving up.
-  const int others = a.standby ? a.nnodes : a.nnodes - 1;
-  const bool can_exclude = others >= std::max(1, options_.min_nodes);
+  const bool can_exclude = failures_.CanExclude(a);
   const health::FailureVerdict verdict =
-      own_failures_.Count(std::chrono::steady_clock::now(), can_exclude);
-  restarts_ = verdict.total;
+      failures_.Count(std::chrono::steady_clock::now(), can_exclude);
+  const int restarts = failures_.restarts();
   if (verdict.action == health::FailureVerdict::Action::kExclude) {
     Exclude(f, verdict);
     return std::nullopt;
@@ -531,7 +527,7 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
   if (verdict.action == health::FailureVerdict::Action::kGiveUp) {
     const std::string reason =
         fmt::format("{} in round {}; worker failures on this node: {} (--max-restarts {})",
-                    f.detail, f.round, restarts_, options_.max_restarts);
+                    f.detail, f.round, restarts, options_.max_restarts);
     EFDL_LOG_ERROR("giving up: {}", reason);
     // The other nodes print it at once, `efdl status` shows it.
     if (Status st = rdzv_.RecordGiveUp(reason, f.stderr_tail); !st.ok()) {
@@ -540,16 +536,16 @@ std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
     rdzv_.Leave();
     return 1;
   }
-  if (own_failures_.policy().enabled() && can_exclude) {
+  if (failures_.policy().enabled() && can_exclude) {
     EFDL_LOG_INFO("restart {} after {} in round {}: this node's own failure {} of {} within {} s "
                   "before it is excluded for a cool-down (--exclude-after, --exclude-window)",
-                  restarts_, f.detail, f.round, verdict.in_window, options_.exclude_after,
+                  restarts, f.detail, f.round, verdict.in_window, options_.exclude_after,
                   Seconds(options_.exclude_window));
   } else {
-    EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts_, options_.max_restarts,
+    EFDL_LOG_INFO("restart {} of {} after {} in round {}", restarts, options_.max_restarts,
                   f.detail, f.round);
   }
-  rdzv_.ReportRestarts(restarts_);   // efdl status shows the counted failures only
+  rdzv_.ReportRestarts(restarts);   // efdl status shows the counted failures only
   return std::nullopt;
 }
 
@@ -569,7 +565,7 @@ void Agent::Exclude(const PendingFailure& f, const health::FailureVerdict& v) {
                 "without it, and it rejoins with fresh workers at {}",
                 options_.node_id, options_.job_id, Seconds(v.cooldown), v.exclusion, rec.reason,
                 until);
-  rdzv_.ReportRestarts(restarts_);
+  rdzv_.ReportRestarts(failures_.restarts());
   // `efdl status` shows it until the node registers again.
   if (Status st = rdzv_.RecordExclusion(rec); !st.ok()) EFDL_LOG_WARN("{}", st.message());
   // Workers paused in-process at the last round's close end now; so do the spares, which the
@@ -578,7 +574,7 @@ void Agent::Exclude(const PendingFailure& f, const health::FailureVerdict& v) {
   snapshots_.StopWriting();   // no longer a member: storage is not ours to write
   warm_.Clear();
   rdzv_.Withdraw(v.cooldown);
-  excluded_until_ = v.until;
+  failures_.OutUntil(v.until);
 }
 
 void Agent::StartSparePool() {
@@ -643,13 +639,11 @@ void Agent::BlameEarlyExit0(int64_t round, const WorkerExit& early) {
 }
 
 void Agent::ReportOwnFailure(int64_t round, const std::string& detail) {
-  // The rule CountPendingFailure applies at the next round, asked ahead on a copy: the round
-  // that failed is the one the next would be judged against (the same nodes, no leave seen).
-  const int others = assignment_.standby ? assignment_.nnodes : assignment_.nnodes - 1;
-  const bool can_exclude = others >= std::max(1, options_.min_nodes);
-  health::OwnFailures ahead = own_failures_;
-  if (pending_failure_ && pending_failure_->collateral.empty() && !excluded_until_ &&
-      ahead.Count(std::chrono::steady_clock::now(), can_exclude).action ==
+  // The rule CountPendingFailure applies at the next round, asked ahead: the round that failed
+  // is the one the next would be judged against (the same nodes, no leave seen).
+  const bool can_exclude = failures_.CanExclude(assignment_);
+  if (pending_failure_ && pending_failure_->collateral.empty() && !failures_.out() &&
+      failures_.CountAhead(std::chrono::steady_clock::now(), can_exclude).action ==
           health::FailureVerdict::Action::kExclude) {
     CountPendingFailure(assignment_);   // counts it, and Exclude withdraws the node now
     return;

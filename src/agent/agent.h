@@ -19,6 +19,7 @@
 
 #include "agent/control_server.h"
 #include "agent/hang_watch.h"
+#include "agent/node_failures.h"
 #include "agent/node_observer.h"
 #include "agent/node_snapshots.h"
 #include "agent/straggler_watch.h"
@@ -144,9 +145,9 @@ class Agent {
   void RequestShutdown(int signal) { shutdown_signal_.store(signal); }
 
   // This node's own worker failures counted so far (RESTARTS in `efdl status`).
-  int restarts() const { return restarts_; }
+  int restarts() const { return failures_.restarts(); }
   // Times this node was excluded for a cool-down so far.
-  int exclusions() const { return own_failures_.exclusions(); }
+  int exclusions() const { return failures_.exclusions(); }
   // The control socket's path while Run() is running (empty before).
   const std::string& control_socket() const { return socket_path_; }
 
@@ -282,13 +283,6 @@ class Agent {
   // Hang detection: the progress board and the state of a hang (hang_watch.h; without a
   // monitor: --hang-timeout 0, --launcher, or no board).
   HangWatch hangs_;
-  // Collateral failures in a row (each within kStreakReset of its round's start, with no change
-  // of the job's node count between them) that are not counted; from the next one on they are
-  // (at least 2x --max-restarts).
-  static constexpr int kCollateralStreak = 6;
-  static constexpr std::chrono::seconds kStreakReset{60};
-  int collateral_streak_ = 0;
-  int streak_nnodes_ = 0;   // the node count of the rounds of the current streak
   // The round this node's workers all exited 0 in and their ranks ("rank 1", "ranks 2..3"),
   // until the next round starts: an assignment marked early_exit then counts it (issue #32).
   std::optional<std::pair<int64_t, std::string>> exited0_;
@@ -304,10 +298,9 @@ class Agent {
   int rounds_started_ = 0;
   bool saw_round_ = false;  // any round (standby included) reached this node
   int left_on_signal_ = 0;  // the SIGTERM/SIGINT this node left the job on (Shutdown), or 0
-  int restarts_ = 0;
-  health::OwnFailures own_failures_;
-  // Excluded (Exclude) until then: no round is expected before it; reset at the next round.
-  std::optional<std::chrono::steady_clock::time_point> excluded_until_;
+  // This node's own failures, the streak of collateral ones, the end of an exclusion
+  // (node_failures.h).
+  NodeFailures failures_;
   std::optional<PendingFailure> pending_failure_;
   // Straggler detection (straggler_watch.h): samples, summaries, the judge, eviction.
   StragglerWatch stragglers_;

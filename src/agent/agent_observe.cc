@@ -18,7 +18,7 @@ NodeObserver::Sight Agent::Sight() const {
   s.paused = group_paused_;
   s.rank_offset = assignment_.rank_offset;
   s.rank0 = group_ && !assignment_.standby && assignment_.node_rank == 0;
-  s.restarts = restarts_;
+  s.restarts = failures_.restarts();
   return s;
 }
 

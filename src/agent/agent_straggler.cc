@@ -32,7 +32,7 @@ void Agent::EvictAsStraggler(const StragglerWatch::Eviction& eviction) {
                                              options_.node_id));
   snapshots_.StopWriting();
   warm_.Clear();
-  excluded_until_ = std::chrono::steady_clock::now() + eviction.cooldown;
+  failures_.OutUntil(std::chrono::steady_clock::now() + eviction.cooldown);
 }
 
 }  // namespace efdl::agent
