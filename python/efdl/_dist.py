@@ -145,6 +145,9 @@ def init_process_group(timeout=None, backend=None):
     atexit.register(_destroy_at_exit)
 
 
+_SETTLE_AT_EXIT_S = 0.05
+
+
 def _destroy_at_exit():
     """Tears down the group that init_process_group() created while the interpreter is intact.
 
@@ -155,11 +158,22 @@ def _destroy_at_exit():
     collect cyclic garbage (a State or DDP model in a cycle) now, then destroy the group; torch
     releases the GIL while the group's destructor joins its threads. Registered at init, so it
     runs after the atexit hooks registered later (StopVote's wait for its last all-reduce).
+    After an uncaught exception the interpreter keeps it, with every frame it unwound and their
+    tensors, in sys.last_* while the hooks run: released first, its traceback already printed.
     """
     if not is_initialized():
         return  # the program destroyed it itself
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
     gc.collect()
     dist.destroy_process_group()
+    # The group is only destroyed (its threads joined) when nothing else holds it; a program's
+    # globals often do (a DDP model, a ZeroRedundancyOptimizer). A gloo thread may then still be
+    # freeing the tensors of the collective that just completed (its Python peer already let
+    # them go) when finalization starts: the same abort. Give it that moment while the
+    # interpreter is intact (a few milliseconds suffice; more under a loaded CPU).
+    time.sleep(_SETTLE_AT_EXIT_S)
 
 
 def shutdown():
