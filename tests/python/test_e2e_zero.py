@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "wor
 import cluster  # noqa: E402
 import host_jobs  # noqa: E402
 import hosts  # noqa: E402
+from zero_results import whole_state  # noqa: E402
 
 from conftest import PYTHON  # noqa: E402
 
@@ -49,16 +50,6 @@ def finals(text):
             r = json.loads(line[i + 6:])
             out[r["rank"]] = r
     return out
-
-
-def whole_state(results):
-    state = {}
-    for r in results:
-        for i, v in r["shard"].items():
-            assert i not in state, "parameter %s in two shards" % i
-            state[i] = v
-        assert r["params"] == results[0]["params"], "ZeRO broadcasts the parameters"
-    return state
 
 
 def wait_steps(agents, world_size, steps, timeout, since=0.0):

@@ -26,6 +26,7 @@ from conftest import PYTHON
 
 from efdl import _parts
 from efdl.state import State
+from zero_results import whole_state  # tests/python/workers, on the path (conftest.py)
 
 SUPPORTED = "State snapshots and restores replicated state"
 
@@ -93,18 +94,6 @@ def run_zero(tmp_path, spawn_ranks, job, world, steps, crash=False, storage=None
         out.append(json.loads([ln for ln in r.stdout.splitlines()
                                if ln.startswith("RESULT ")][-1][7:]))
     return results, out
-
-
-def whole_state(out):
-    """The Adam state of the job by global parameter index (every rank's shard), checking
-    that the shards do not overlap and that the ranks hold the same parameters."""
-    state = {}
-    for r in out:
-        for i, v in r["shard"].items():
-            assert i not in state, "parameter %s in two shards" % i
-            state[i] = v
-        assert r["params"] == out[0]["params"], "ZeRO broadcasts the parameters"
-    return state
 
 
 def assert_same(got, want, what):
