@@ -128,22 +128,24 @@ etcd::WatchCallback EtcdRendezvous::WatchInto(Input::Type type, uint64_t generat
   };
 }
 
-void EtcdRendezvous::ReportWorkerFailure(int64_t round, const std::string& detail) {
+void EtcdRendezvous::PushOutcome(Input::Type type, int64_t round, std::string detail,
+                                 bool lost_peer) {
   Input in;
-  in.type = Input::Type::kWorkerFailure;
+  in.type = type;
   in.round = round;
-  in.detail = detail;
+  in.detail = std::move(detail);
+  in.lost_peer = lost_peer;
   Push(std::move(in));
+}
+
+void EtcdRendezvous::ReportWorkerFailure(int64_t round, const std::string& detail) {
+  PushOutcome(Input::Type::kWorkerFailure, round, detail);
 }
 
 void EtcdRendezvous::ReportLostPeer(int64_t round, const std::string& detail,
                                     const std::string& cause) {
-  Input in;
-  in.type = Input::Type::kWorkerFailure;
-  in.round = round;
-  in.detail = cause.empty() ? detail : fmt::format("{}: {}", detail, cause);
-  in.lost_peer = true;
-  Push(std::move(in));
+  PushOutcome(Input::Type::kWorkerFailure, round,
+              cause.empty() ? detail : fmt::format("{}: {}", detail, cause), /*lost_peer=*/true);
 }
 
 void EtcdRendezvous::Withdraw(std::chrono::milliseconds cooldown) {
@@ -161,19 +163,11 @@ void EtcdRendezvous::ReportRestarts(int restarts) {
 }
 
 void EtcdRendezvous::ReportWorkersExited0(int64_t round, const std::string& ranks) {
-  Input in;
-  in.type = Input::Type::kWorkersSucceeded;
-  in.round = round;
-  in.detail = ranks;
-  Push(std::move(in));
+  PushOutcome(Input::Type::kWorkersSucceeded, round, ranks);
 }
 
 void EtcdRendezvous::NoteWorkersReturned(int64_t round, const std::string& ranks) {
-  Input in;
-  in.type = Input::Type::kWorkersReturned;
-  in.round = round;
-  in.detail = ranks;
-  Push(std::move(in));
+  PushOutcome(Input::Type::kWorkersReturned, round, ranks);
 }
 
 void EtcdRendezvous::DriverLoop() {

@@ -107,6 +107,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   // --- plumbing ---
   Registration::Callbacks RegistrationCallbacks();
   void Push(Input in);
+  // What this node's workers did in `round` (a failure, a success, a return), as an input.
+  void PushOutcome(Input::Type type, int64_t round, std::string detail, bool lost_peer = false);
   void Emit(Event e);
   void DriverLoop();
   // One step of the driver: the queued inputs, then the timers and the coordinator's step. The
