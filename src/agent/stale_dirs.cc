@@ -18,8 +18,13 @@ namespace efdl::agent {
 
 namespace {
 
-// True only when connecting is refused: a socket file whose listener is gone.
-bool DeadSocket(const std::string& path) {
+// True only when connecting is refused and the socket file is at least `min_age` old: a
+// socket whose listener is gone, not one whose agent has bound it and not yet listened.
+bool DeadSocket(const std::string& path, std::chrono::seconds min_age) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || std::time(nullptr) - st.st_mtime < min_age.count()) {
+    return false;
+  }
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) return false;
@@ -34,7 +39,8 @@ bool DeadSocket(const std::string& path) {
 
 }  // namespace
 
-int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age) {
+int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age,
+                         std::chrono::seconds refused_age) {
   namespace fs = std::filesystem;
   int removed = 0;
   std::error_code ec;
@@ -60,7 +66,7 @@ int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age
     }
     if (list_ec || others > 0) continue;
     const std::string sock = (entry.path() / "control.sock").string();
-    const bool stale = has_socket ? DeadSocket(sock)
+    const bool stale = has_socket ? DeadSocket(sock, refused_age)
                                   : std::time(nullptr) - st.st_mtime >= empty_age.count();
     if (!stale) continue;
     std::error_code rm;

@@ -18,7 +18,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // A unix socket bound at `path`; listening unless `close_it` (then only the file remains, as
-// after a SIGKILLed agent). Returns the fd (-1 when closed).
+// after a SIGKILLed agent, and it is dated a minute back: the agent died a while ago). Returns
+// the fd (-1 when closed).
 int BoundSocket(const std::string& path, bool close_it) {
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un addr{};
@@ -28,6 +29,7 @@ int BoundSocket(const std::string& path, bool close_it) {
   EXPECT_EQ(::listen(fd, 4), 0);
   if (close_it) {
     ::close(fd);
+    fs::last_write_time(path, fs::file_time_type::clock::now() - std::chrono::minutes(1));
     return -1;
   }
   return fd;
@@ -71,8 +73,34 @@ TEST(RemoveStaleAgentDirs, RemovesOnlyDirectoriesOfDeadAgents) {
   EXPECT_TRUE(fs::exists(base / "efdl-agent-empty2"));
   EXPECT_TRUE(fs::exists(base / "unrelated-dir" / "control.sock"));
   ::close(live);
-  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 1);  // its agent is gone now
+  // Its agent is gone now, but the socket file is fresh: kept until it is 10 s old.
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 0);
+  EXPECT_TRUE(fs::exists(base / "efdl-agent-live01" / "control.sock"));
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string(), std::chrono::seconds(60), std::chrono::seconds(0)),
+            1);
   EXPECT_FALSE(fs::exists(base / "efdl-agent-live01"));
+}
+
+// A live agent's socket refuses connections between its bind() and its listen(): an agent
+// starting beside it at that moment must leave its directory alone (it did not: a fault case
+// lost node-a's progress board and control socket to its sibling's start).
+TEST(RemoveStaleAgentDirs, KeepsTheDirectoryOfAnAgentBetweenBindAndListen) {
+  auto tmp = TempDir::Create("efdl-stale-test");
+  ASSERT_TRUE(tmp.ok());
+  const fs::path dir = fs::path(tmp->path()) / "efdl-agent-start1";
+  fs::create_directory(dir);
+  std::ofstream(dir / "progress.board") << "board";
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string sock = (dir / "control.sock").string();
+  std::memcpy(addr.sun_path, sock.c_str(), sock.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+
+  EXPECT_EQ(RemoveStaleAgentDirs(tmp->path()), 0);
+  EXPECT_TRUE(fs::exists(dir / "progress.board"));
+  EXPECT_EQ(::listen(fd, 4), 0);
+  ::close(fd);
 }
 
 }  // namespace
