@@ -5,7 +5,8 @@ BUILD_TYPE ?= Release
 PYTHON := /usr/bin/python3
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
-PYTEST_FLAGS ?= -q
+# --durations: the slowest cases in every log, to keep CI under its time budget (move long ones to soak)
+PYTEST_FLAGS ?= -q --durations=15
 
 export PATH := $(CURDIR)/$(BUILD_DIR):$(PATH)
 export PYTHONPATH := $(CURDIR)/python
