@@ -19,6 +19,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PYTHON_DIR = os.path.join(REPO, "python")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 from cluster import PYTHON, free_port  # noqa: E402,F401  (the one place: workers/cluster.py)
+import hosts  # noqa: E402
+
+# Whether /run/netns was a mount point before this session ran anything (conftest files are
+# imported before the test modules, whose HostWorld.unavailable() probes make a namespace).
+_NETNS_MOUNTED_AT_START = hosts.is_mount_point(hosts.NETNS_DIR)
 
 if sys.path[:1] != [PYTHON_DIR]:
     sys.path.insert(0, PYTHON_DIR)
@@ -127,6 +132,13 @@ def kill_all(procs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_netns_mount_left():
+    """After the session: the tests' `ip netns add` left no mount of /run/netns behind."""
+    yield
+    hosts.check_netns_mount(_NETNS_MOUNTED_AT_START)
 
 
 @pytest.fixture

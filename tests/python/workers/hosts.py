@@ -17,7 +17,10 @@ A host can be kill()ed as a whole, start()ed again (same name, address and /dev/
 a process or container restart; start(empty_shm=True): a replaced machine), and cut off
 (link_down() / link_up(): the root side of its veth). Everything the world made (processes,
 namespaces, links, the bridge, mounts, directories) is removed by close(), also after a failed
-setup; kill only ever targets pids this module started.
+setup; kill only ever targets pids this module started. That includes the mount of /run/netns
+that the first `ip netns add` on a machine makes (and `ip netns delete` never undoes): a world
+that found /run/netns unmounted before its first namespace unmounts it again at close(), when no
+namespace is left in it (NetnsMount).
 
 The world's directory is under /var/tmp, not /tmp (each host has its own /tmp): its `shared`
 subdirectory is visible to every host under the same path (like a shared file system). What the
@@ -75,6 +78,55 @@ def _run(argv, check=True):
     return proc
 
 
+NETNS_DIR = "/run/netns"
+
+
+def is_mount_point(path):
+    """True when `path` is a mount point in this mount namespace (/proc/self/mountinfo)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(len(fields) > 4 and fields[4] == path
+                   for fields in (line.split() for line in f))
+
+
+def _netns_names():
+    return _run(["ip", "netns", "list"], check=False).stdout.split()
+
+
+class NetnsMount:
+    """`ip netns add` makes /run/netns a mount point the first time (a bind mount of itself, so
+    that each namespace's own bind mount in it propagates) and `ip netns delete` never unmounts
+    it. An owner adds its namespaces through add(), which remembers whether /run/netns was a
+    mount point before the first one; release() unmounts it when this owner made the mount and
+    `ip netns list` is empty, and never one that was there before or still holds namespaces
+    (another user's)."""
+
+    def __init__(self):
+        self.made = None          # None: nothing added yet; else whether our add mounted it
+
+    def add(self, name):
+        if self.made is None:
+            self.made = not is_mount_point(NETNS_DIR)
+        return _run(["ip", "netns", "add", name], check=False)
+
+    def leftover(self):
+        """True when this owner made the mount, it is still there and holds no namespace."""
+        return bool(self.made) and is_mount_point(NETNS_DIR) and not _netns_names()
+
+    def release(self):
+        if self.leftover():
+            _run(["umount", NETNS_DIR], check=False)
+
+
+def check_netns_mount(mounted_before):
+    """A test session's leftover check: fails when /run/netns was no mount point at the start
+    (`mounted_before`), is one now and holds no namespace (some `ip netns add` of the session
+    left its mount behind: an owner that did not release() its NetnsMount)."""
+    if not mounted_before and is_mount_point(NETNS_DIR) and not _netns_names():
+        raise AssertionError("%s is left mounted (it was not before the tests, and no network "
+                             "namespace is in it): run `umount %s`; the tests' `ip netns add` "
+                             "must go through hosts.NetnsMount" % (NETNS_DIR, NETNS_DIR))
+
+
 def _children(pid):
     """Pids of `pid`'s children (all its threads')."""
     out = []
@@ -126,7 +178,9 @@ class Host:
 
     def _make_network(self):
         w = self.world
-        _run(["ip", "netns", "add", self.netns])
+        added = w.netns_mount.add(self.netns)
+        if added.returncode != 0:
+            raise RuntimeError("ip netns add %s: %s" % (self.netns, added.stderr.strip()))
         self._netns_made = True
         _run(["ip", "link", "add", self.veth, "type", "veth", "peer", "name", self.iface,
               "netns", self.netns])
@@ -325,6 +379,7 @@ class HostWorld:
         self.shm_mb = shm_mb
         self.hosts = []
         self._bridge_made = False
+        self.netns_mount = NetnsMount()
         self.dir = tempfile.mkdtemp(prefix="efdl-hosts-", dir="/var/tmp")
         self.shared = os.path.join(self.dir, "shared")   # seen by every host at this path
         os.makedirs(self.shared)
@@ -354,9 +409,10 @@ class HostWorld:
         missing = [t for t in _TOOLS if shutil.which(t) is None]
         if missing:
             return "hosts need %s, not found on PATH" % ", ".join(missing)
-        probe = "efdl-probe-%d" % os.getpid()
-        proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        probe, mount = "efdl-probe-%d" % os.getpid(), NetnsMount()
+        proc = mount.add(probe)
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        mount.release()
         if proc.returncode != 0:
             return "cannot make a network namespace here: " + proc.stderr.strip()
         return None
@@ -377,13 +433,15 @@ class HostWorld:
         if self._bridge_made:
             _run(["ip", "link", "del", self.bridge], check=False)
             self._bridge_made = False
+        self.netns_mount.release()
         shutil.rmtree(self.dir, ignore_errors=True)
         if errors:
             raise RuntimeError("closing the host world: " + "; ".join(errors))
 
     def leftovers(self):
-        """What of this world still exists (names of links, namespaces, mounts, the directory);
-        empty after close()."""
+        """What of this world still exists (names of links, namespaces, mounts, /run/netns when
+        this world mounted it and no namespace is left in it, the directory); empty after
+        close()."""
         out = []
         links = _run(["ip", "-o", "link", "show"], check=False).stdout
         for name in [self.bridge] + [h.veth for h in self.hosts]:
@@ -394,6 +452,8 @@ class HostWorld:
         with open("/proc/self/mounts") as f:
             mounts = f.read()
         out += ["mount " + h.shm_dir for h in self.hosts if (" %s " % h.shm_dir) in mounts]
+        if self.netns_mount.leftover():
+            out.append("mount " + NETNS_DIR)
         if os.path.exists(self.dir):
             out.append("directory " + self.dir)
         return out
