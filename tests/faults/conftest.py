@@ -5,16 +5,8 @@ import pytest
 import faultlib
 import hosts
 
-# Whether /run/netns was a mount point before this session ran anything (see
-# tests/python/conftest.py).
-_NETNS_MOUNTED_AT_START = hosts.is_mount_point(hosts.NETNS_DIR)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def no_netns_mount_left():
-    """After the session: the tests' `ip netns add` left no mount of /run/netns behind."""
-    yield
-    hosts.check_netns_mount(_NETNS_MOUNTED_AT_START)
+# After the session: the tests' `ip netns add` left no mount of /run/netns behind.
+no_netns_mount_left = pytest.fixture(scope="session", autouse=True)(hosts.netns_mount_check())
 
 
 @pytest.fixture

@@ -177,8 +177,7 @@ class Job:
             e["EFDL_SHM_DIR"] = self.shm_dir(name)
             e["TMPDIR"] = self.c.tmp_dir   # a killed agent's own directory stays in the job's
         else:
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TMPDIR"):
-                e.pop(var, None)
+            cluster.off_loopback(e)
             prefix = host.enter_prefix(self.dir)
         e.update(env or {})
         argv = self.c.agent_argv(name, nnodes=nnodes or self.nnodes, nproc=nproc,
@@ -222,18 +221,15 @@ class Job:
         .tmp-<host>-<agent pid>-<seq>.efdl exists); returns (directory, temporary file name)."""
         d = os.path.join(self.snapshot_dir, self.c.job)
         mark = "-%d-" % self.nodes[node].proc.pid
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def writing():
             try:
-                tmp = next((n for n in os.listdir(d) if n.startswith(".tmp-") and mark in n),
-                           None)
+                return next((n for n in os.listdir(d) if n.startswith(".tmp-") and mark in n),
+                            None)
             except OSError:
-                tmp = None
-            if tmp is not None:
-                return d, tmp
-            time.sleep(0.0005)
-        raise AssertionError("node %s wrote no snapshot to storage within %d s\n%s"
-                             % (node, timeout, self.dump()))
+                return None
+        return d, cluster.wait_for(writing, timeout, "node %s to write a snapshot to storage"
+                                   % node, output=self.dump, interval=0.0005)
 
     @staticmethod
     def _seq_of(tmp):
@@ -272,14 +268,18 @@ class Job:
             return fault, tmp, self._seq_of(tmp)
         return fault, None, None
 
-    def storage_files(self):
-        """{seq: step} of the complete snapshot files in storage (names and manifests read
-        by `efdl snapshots list`)."""
+    def _stored(self):
+        """The intact snapshot files in storage, as `efdl snapshots list --json` reads their
+        names and manifests (rows with seq and step)."""
         proc = subprocess.run([efdl_bin(), "snapshots", "list", "--json", "--job", self.c.job,
                                "--snapshot-dir", self.snapshot_dir], env=cluster.base_env(),
                               capture_output=True, text=True, timeout=30)
         rows = json.loads(proc.stdout) if proc.stdout.strip().startswith("[") else []
-        return {r["seq"]: r["step"] for r in rows if r.get("ok")}
+        return [r for r in rows if r.get("ok")]
+
+    def storage_files(self):
+        """{seq: step} of the complete snapshot files in storage."""
+        return {r["seq"]: r["step"] for r in self._stored()}
 
     def kill_node(self, name, sig=signal.SIGKILL):
         return self.signal_nodes([name], sig)
@@ -547,15 +547,8 @@ class Job:
         return len(puts)
 
     def storage_steps(self):
-        """Steps of the intact snapshots in storage, newest first, via `efdl snapshots list`."""
-        proc = subprocess.run([efdl_bin(), "snapshots", "list", "--json", "--job", self.c.job,
-                               "--snapshot-dir", self.snapshot_dir], env=cluster.base_env(),
-                              capture_output=True, text=True, timeout=30)
-        if not proc.stdout.strip().startswith("["):
-            return []
-        rows = sorted((r for r in json.loads(proc.stdout) if r.get("ok")),
-                      key=lambda r: -r["seq"])
-        return [r["step"] for r in rows]
+        """Steps of the intact snapshots in storage, newest first."""
+        return [r["step"] for r in sorted(self._stored(), key=lambda r: -r["seq"])]
 
     def storage_newest_step(self):
         """Step of the newest intact snapshot in storage (-1: none)."""
@@ -632,9 +625,7 @@ class Job:
         """Nothing of any agent's session outlives the agents; etcd is the harness's own."""
         running = [a.name for a in self.all_agents if a.proc.poll() is None]
         assert not running, "agents still running: %s" % running
-        deadline = time.monotonic() + timeout
-        while self.tracker.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        cluster.poll_until(lambda: not self.tracker.leftovers(), timeout, 0.1)
         left = self.tracker.leftovers()
         assert not left, "processes left behind: %s" % describe(left)
 
@@ -724,45 +715,25 @@ def arena_slots(path):
 
 
 def wait_stopped(pid, timeout):
-    """True once every thread of `pid` is in the stopped state (SIGSTOP lands asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """True once every thread of `pid` is in the stopped state (SIGSTOP lands asynchronously);
+    False when it is gone or `timeout` seconds passed first."""
+    def stopped():
         try:
             states = []
             for tid in os.listdir("/proc/%d/task" % pid):
                 with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
                     states.append(f.read().rsplit(")", 1)[1].split()[0])
         except OSError:
-            return False
-        if states and all(s in ("T", "t") for s in states):
-            return True
-        time.sleep(0.0005)
-    return False
+            return "gone"
+        return bool(states) and all(s in ("T", "t") for s in states)
+    return cluster.poll_until(stopped, timeout, 0.0005) is True
 
 
 # -- etcd ------------------------------------------------------------------------------------
 
-def etcd_healthy(endpoint, timeout):
-    import urllib.request
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen("http://%s/health" % endpoint, timeout=1) as r:
-                if b"true" in r.read():
-                    return True
-        except OSError:
-            time.sleep(0.1)
-    return False
-
-
 def restart_etcd(job):
     """Starts the job's single etcd again with the same ports and data directory."""
-    argv = job.c.etcd.args
-    log = open(os.path.join(job.dir, "etcd.log"), "a")
-    job.c.etcd = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    log.close()
-    assert etcd_healthy(job.c.endpoint, 30), "etcd did not come back within 30 s"
+    job.c.etcd.start()
 
 
 class EtcdOutage:
@@ -794,8 +765,7 @@ def etcd_outage(job, down_for):
     EtcdOutage; the caller checks it is the outage it needs (a loaded machine can oversleep or
     start etcd slowly) and makes it again, on a fresh set-up, when it is not."""
     killed = time.time()
-    os.killpg(job.c.etcd.pid, signal.SIGKILL)
-    job.c.etcd.wait()
+    job.c.etcd.kill()
     dead = time.time()
     time.sleep(max(0.0, dead + down_for - time.time()))
     restarted = time.time()
@@ -804,35 +774,30 @@ def etcd_outage(job, down_for):
 
 
 class EtcdCluster:
-    """`size` etcd members on loopback (one process group each), for member-failure cases."""
+    """`size` etcd members (cluster.Etcd) on loopback, for member-failure cases."""
 
     def __init__(self, base_dir, size=3, host="127.0.0.1"):
-        self.procs = []
-        self.endpoints = []
-        ports = [(cluster.free_port(), cluster.free_port()) for _ in range(size)]
-        initial = ",".join("m%d=http://127.0.0.1:%d" % (i, p[1]) for i, p in enumerate(ports))
-        for i, (client, peer) in enumerate(ports):
-            endpoint = "%s:%d" % (host, client)
-            log = open(os.path.join(base_dir, "etcd-m%d.log" % i), "w")
-            self.procs.append(subprocess.Popen(
-                cluster.etcd_argv("m%d" % i, os.path.join(base_dir, "m%d" % i), endpoint, peer,
-                                  initial_cluster=initial),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
-            self.endpoints.append(endpoint)
-        for endpoint in self.endpoints:
-            assert etcd_healthy(endpoint, 60), "etcd member %s not healthy" % endpoint
+        peers = [cluster.free_port() for _ in range(size)]
+        initial = ",".join("m%d=http://127.0.0.1:%d" % (i, p) for i, p in enumerate(peers))
+        # A member of a new cluster is healthy only once a quorum runs: all start, then wait.
+        self.members = [cluster.Etcd(os.path.join(base_dir, "m%d" % i),
+                                     os.path.join(base_dir, "etcd-m%d.log" % i), name="m%d" % i,
+                                     host=host, peer_port=peer, initial_cluster=initial,
+                                     wait=False)
+                        for i, peer in enumerate(peers)]
+        self.endpoints = [m.endpoint for m in self.members]
+        for m in self.members:
+            m.wait_healthy(60)
 
     def leader(self, timeout=30):
         """The index of the raft leader, as the members report it (etcd's JSON gateway,
         /v3/maintenance/status: each member's id and the leader's id)."""
-        import json
         import urllib.request
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def find():
             ids, leader = {}, None
             for i, endpoint in enumerate(self.endpoints):
-                if self.procs[i].poll() is not None:
+                if self.members[i].proc.poll() is not None:
                     continue
                 try:
                     req = urllib.request.Request("http://%s/v3/maintenance/status" % endpoint,
@@ -843,19 +808,16 @@ class EtcdCluster:
                     continue
                 ids[status["header"]["member_id"]] = i
                 leader = status.get("leader", leader)
-            if leader in ids:
-                return ids[leader]
-            time.sleep(0.1)
-        raise AssertionError("no etcd member reported a leader within %s s" % timeout)
+            return (ids[leader],) if leader in ids else None
+        return cluster.wait_for(find, timeout, "an etcd member to report a leader",
+                                interval=0.1)[0]
 
     def kill(self, i):
-        if self.procs[i].poll() is None:
-            os.killpg(self.procs[i].pid, signal.SIGKILL)
-            self.procs[i].wait()
+        self.members[i].kill()
 
     def close(self):
-        for i in range(len(self.procs)):
-            self.kill(i)
+        for m in self.members:
+            m.kill()
 
 
 # -- storage ---------------------------------------------------------------------------------
@@ -876,16 +838,16 @@ class Tmpfs:
         file on it is open for writing — the persister's temporary, for a few milliseconds — so
         retry until it goes through (a failing disk does not wait for writers; the test only
         needs the moment after)."""
-        deadline = time.monotonic() + timeout
-        while True:
+        errors = []
+
+        def remount():
             proc = subprocess.run(["mount", "-o", "remount,ro", self.path],
                                   capture_output=True, text=True)
-            if proc.returncode == 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError("cannot remount %s read-only for %.0f s: %s"
-                                     % (self.path, timeout, proc.stderr.strip()))
-            time.sleep(0.02)
+            errors[:] = [proc.stderr.strip()]
+            return proc.returncode == 0
+        if not cluster.poll_until(remount, timeout, 0.02):
+            raise AssertionError("cannot remount %s read-only for %.0f s: %s"
+                                 % (self.path, timeout, errors[0]))
 
     def close(self):
         if self.mounted:

@@ -20,7 +20,8 @@ import time
 import pytest
 
 import faultlib
-import hosts  # noqa: E402 (tests/python/workers, put on sys.path by faultlib)
+import host_jobs  # noqa: E402 (tests/python/workers, put on sys.path by faultlib)
+import hosts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(faultlib.efdl_bin() is None,
                                 reason="efdl binary not built (set EFDL_BIN)")
@@ -665,24 +666,13 @@ def test_soak_random_kills_freezes_and_restarts(make_job, rng):
 @pytest.fixture
 def host_world():
     """Three hosts (tests/python/workers/hosts.py): each its own network namespace on a bridge,
-    host name, Debian-style /etc/hosts, /dev/shm and /tmp; one etcd on the bridge."""
+    host name, Debian-style /etc/hosts, /dev/shm and /tmp; one etcd on the bridge
+    (host_jobs.world: all removed, and checked gone, after the test)."""
     why = hosts.HostWorld.unavailable()
     if why:
         pytest.skip(why)
-    world = hosts.HostWorld(3)
-    etcd = None
-    try:
-        etcd = faultlib.EtcdCluster(world.dir, 1, host=world.bridge_addr)
+    for world, etcd, _agents in host_jobs.world():
         yield world, etcd
-    finally:
-        try:
-            for h in world.hosts:
-                h.kill()
-            if etcd is not None:
-                etcd.close()
-        finally:
-            world.close()
-        assert world.leftovers() == [], world.leftovers()
 
 
 def test_partitioned_node_is_replaced_and_rejoins_after_healing(make_job, host_world):
@@ -691,7 +681,7 @@ def test_partitioned_node_is_replaced_and_rejoins_after_healing(make_job, host_w
     the node rejoins: a world-3 round."""
     world, etcd = host_world
     job = make_job("partition", steps=60, env={"WORKER_USE_CONTROL": "1"})
-    job.c.endpoint = etcd.endpoints[0]
+    job.c.endpoint = etcd.endpoint
     for n, h in zip(("node-a", "node-b", "node-p"), world.hosts):
         job.start_node(n, host=h)
     for n in ("node-a", "node-b", "node-p"):
@@ -718,7 +708,7 @@ def test_a_host_lost_as_a_whole_keeps_acknowledged_commits_and_comes_back(make_j
     its node rejoins: a world-3 round, and the job finishes with every check."""
     world, etcd = host_world
     job = make_job("host-loss", steps=80)
-    job.c.endpoint = etcd.endpoints[0]
+    job.c.endpoint = etcd.endpoint
     names = ("node-a", "node-b", "node-c")
     for n, h in zip(names, world.hosts):
         job.start_node(n, host=h)

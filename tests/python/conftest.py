@@ -18,12 +18,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_DIR = os.path.join(REPO, "python")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from cluster import PYTHON, free_port  # noqa: E402,F401  (the one place: workers/cluster.py)
+from cluster import PYTHON, free_port, wait_for_output  # noqa: E402,F401  (the one place: workers/cluster.py)
 import hosts  # noqa: E402
 
-# Whether /run/netns was a mount point before this session ran anything (conftest files are
-# imported before the test modules, whose HostWorld.unavailable() probes make a namespace).
-_NETNS_MOUNTED_AT_START = hosts.is_mount_point(hosts.NETNS_DIR)
+# After the session: the tests' `ip netns add` left no mount of /run/netns behind.
+no_netns_mount_left = pytest.fixture(scope="session", autouse=True)(hosts.netns_mount_check())
 
 if sys.path[:1] != [PYTHON_DIR]:
     sys.path.insert(0, PYTHON_DIR)
@@ -116,29 +115,11 @@ def run_ranks(argv, world_size, started, timeout=60, env=None, rank_env=None):
     return results
 
 
-def wait_for_output(agent, text, timeout=90):
-    """Waits until a tests/python/workers/cluster.Agent has printed `text`; fails with its
-    output if it exits or `timeout` seconds pass first."""
-    deadline = time.monotonic() + timeout
-    while text not in agent.output():
-        if time.monotonic() > deadline or agent.proc.poll() is not None:
-            raise AssertionError("%s never printed %r:\n%s" % (agent.name, text,
-                                                              agent.output()[-3000:]))
-        time.sleep(0.05)
-
-
 def kill_all(procs):
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def no_netns_mount_left():
-    """After the session: the tests' `ip netns add` left no mount of /run/netns behind."""
-    yield
-    hosts.check_netns_mount(_NETNS_MOUNTED_AT_START)
 
 
 @pytest.fixture

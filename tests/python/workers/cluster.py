@@ -28,8 +28,8 @@ STEP_RE = re.compile(r"^(?:\[rank \d+\] )?STEP round=(\d+) rank=(\d+) world=(\d+
 
 
 # The tests' one place for the interpreter (the one with the Debian torch, never the first
-# python3 on PATH), the efdl binary, free ports and waiting: tests/python (conftest.py too) and
-# tests/faults (faultlib.py) take them from here.
+# python3 on PATH), the efdl binary, free ports, waiting, etcd and agents' output: tests/python
+# (conftest.py too) and tests/faults (faultlib.py, on sys.path from there) take them from here.
 def efdl_bin():
     path = os.environ.get("EFDL_BIN") or os.path.join(REPO, "build", "efdl")
     return path if os.path.exists(path) else None
@@ -87,19 +87,142 @@ def base_env():
     return env
 
 
+def off_loopback(env):
+    """`env` (changed in place and returned) for a process on a workers/hosts.py host: without
+    this machine's network interface choices (loopback runs) and TMPDIR (a host has its own
+    /tmp)."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE", "TMPDIR"):
+        env.pop(name, None)
+    return env
 
-def wait_for(predicate, timeout, what, output=None, interval=0.05):
-    """The tests' one wait-until-deadline helper: polls predicate() every `interval` seconds
-    until it returns a true value, which is returned; after `timeout` seconds fails naming
-    `what`, followed by output() when given (the processes' output, for the failure message)."""
+
+
+def poll_until(predicate, timeout, interval=0.05):
+    """The tests' one wait-until-deadline loop: calls predicate() every `interval` seconds
+    until it returns a true value, which is returned; None once `timeout` seconds passed."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
-        if value:
-            return value
+        if value or time.monotonic() >= deadline:
+            return value or None
         time.sleep(interval)
-    raise AssertionError("timed out after %ss waiting for %s%s" % (
-        timeout, what, "\n" + output() if output else ""))
+
+
+def wait_for(predicate, timeout, what, output=None, interval=0.05, fail=None):
+    """poll_until() that fails: after `timeout` seconds naming `what`, followed by output()
+    when given (the processes' output, for the failure message); at once when fail() (called
+    before each try) returns a line saying why waiting is pointless (an agent exited)."""
+    why = []
+
+    def check():
+        why[:] = [fail()] if fail is not None else []
+        return True if why and why[0] else predicate()
+    value = poll_until(check, timeout, interval)
+    if why and why[0]:
+        raise AssertionError("%s while waiting for %s%s" % (
+            why[0], what, "\n" + output() if output else ""))
+    if value is None:
+        raise AssertionError("timed out after %ss waiting for %s%s" % (
+            timeout, what, "\n" + output() if output else ""))
+    return value
+
+
+def exited(agents):
+    """For wait_for(fail=...): a line naming the first of `agents` that exited, else None."""
+    def check():
+        for a in agents:
+            if a.proc.poll() is not None:
+                return "agent %s exited (%s)" % (a.name, a.proc.poll())
+        return None
+    return check
+
+
+def outputs(agents, tail=4000):
+    """The agents' outputs (the last `tail` characters of each), for a failure message."""
+    return "\n----\n".join("%s (exit %s):\n%s" % (a.name, a.proc.poll(), a.output()[-tail:])
+                            for a in agents)
+
+
+def wait_for_output(agent, text, timeout=90):
+    """Waits until `agent` printed `text`; fails with its output if it exits or `timeout`
+    seconds pass first."""
+    wait_for(lambda: text in agent.output(), timeout, "%s to print %r" % (agent.name, text),
+             output=lambda: agent.output()[-3000:], fail=exited([agent]))
+
+
+def wait_for_world(agents, world, since=0.0, timeout=60, full=True, by_round=True, live=()):
+    """Waits until some round of world size `world` ran a step on every one of its ranks
+    (full) after `since`, in the STEP lines of `agents`; returns the time of the first such
+    step. by_round=False: ranks of any round count (torchrun has no shared round number).
+    Fails at once when an agent of `live` exits."""
+    def found():
+        rounds = {}
+        for a in agents:
+            for t, rank, round_, w, step in a.steps(since):
+                if w == world:
+                    rounds.setdefault(round_ if by_round else 0, {}).setdefault(rank, t)
+        for ranks in rounds.values():
+            if not full or len(ranks) == world:
+                return min(ranks.values())
+        return None
+    return wait_for(found, timeout, "a round of world %d" % world,
+                    output=lambda: outputs(agents, 3000), fail=exited(live))
+
+
+# -- etcd --------------------------------------------------------------------------------------
+
+def etcd_healthy(endpoint):
+    """True when the etcd at `endpoint` (HOST:PORT) answers its /health with true."""
+    try:
+        with urllib.request.urlopen("http://%s/health" % endpoint, timeout=1) as r:
+            return b"true" in r.read()
+    except OSError:
+        return False
+
+
+class Etcd:
+    """One real etcd member, leading its own process group: data in `data_dir`, output in
+    `log`, clients on HOST:<free port> (`endpoint`), peers on 127.0.0.1:<free port>; alone in
+    its cluster, or a member of the new cluster `initial_cluster` ("name=url,...", with its
+    `peer_port`). Started at once; wait=True: returns once healthy."""
+
+    def __init__(self, data_dir, log, name="e2e", host="127.0.0.1", peer_port=None,
+                 initial_cluster=None, extra=(), timeout=30, wait=True):
+        self.endpoint = "%s:%d" % (host, free_port())
+        self.log = log
+        self.args = etcd_argv(name, data_dir, self.endpoint, peer_port or free_port(),
+                              initial_cluster=initial_cluster) + list(extra)
+        self.proc = None
+        self.start("w", timeout if wait else None)
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def start(self, mode="a", timeout=30):
+        """Starts the member (again: same ports, data and log); waits until it is healthy
+        unless timeout is None."""
+        with open(self.log, mode) as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        if timeout is not None:
+            self.wait_healthy(timeout)
+
+    def wait_healthy(self, timeout=30):
+        wait_for(lambda: etcd_healthy(self.endpoint), timeout,
+                 "etcd %s to become healthy" % self.endpoint, interval=0.1)
+
+    def kill(self):
+        """SIGKILLs the member's process group and reaps it."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            self.proc.wait()
+
+    close = kill
 
 
 class Agent:
@@ -208,24 +331,10 @@ class Cluster:
         self.endpoint = None
 
     def start_etcd(self, enable_v2=False):
-        client, peer = free_port(), free_port()
-        self.endpoint = "127.0.0.1:%d" % client
-        data = os.path.join(self.dir, "etcd")
-        log = open(os.path.join(self.dir, "etcd.log"), "w")
-        self.etcd = subprocess.Popen(
-            etcd_argv("e2e", data, self.endpoint, peer)
-            + (["--enable-v2"] if enable_v2 else []),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen("http://%s/health" % self.endpoint, timeout=1) as r:
-                    if b"true" in r.read():
-                        return self.endpoint
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError("etcd did not become healthy within 30 s")
+        self.etcd = Etcd(os.path.join(self.dir, "etcd"), os.path.join(self.dir, "etcd.log"),
+                         extra=["--enable-v2"] if enable_v2 else ())
+        self.endpoint = self.etcd.endpoint
+        return self.endpoint
 
     def agent_argv(self, node_id, nnodes="2:3", nproc=1, extra=(), command=None,
                    snapshot_dir=None):
@@ -257,12 +366,7 @@ class Cluster:
     def wait_joined(self, agent, timeout=90):
         """Waits until `agent` logged that it joined the job (by default only after its
         pre-started workers imported torch: tens of seconds on a loaded machine)."""
-        deadline = time.monotonic() + timeout
-        while " joined job " not in agent.output():
-            if agent.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("agent %s did not join; output:\n%s" %
-                                     (agent.name, agent.output()[-3000:]))
-            time.sleep(0.05)
+        wait_for_output(agent, " joined job ", timeout)
 
     def world_sizes_since(self, since, agents=None):
         """The set of world sizes seen in STEP lines after `since`."""
@@ -270,31 +374,14 @@ class Cluster:
 
     def wait_for_world(self, world, since=0.0, agents=None, timeout=60, full=True,
                        by_round=True):
-        """Waits until some round of world size `world` ran a step on every one of its ranks
-        (full) after `since`; returns the time of the first such step. by_round=False: ranks
-        of any round count (torchrun has no shared round number)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rounds = {}
-            for a in (agents or self.agents):
-                for t, rank, round_, w, step in a.steps(since):
-                    if w == world:
-                        key = round_ if by_round else 0
-                        rounds.setdefault(key, {}).setdefault(rank, t)
-            for round_, ranks in rounds.items():
-                if not full or len(ranks) == world:
-                    return min(ranks.values())
-            time.sleep(0.05)
-        raise AssertionError("no round of world %d within %ss; outputs:\n%s" % (
-            world, timeout, "\n----\n".join(a.name + ":\n" + a.output()[-3000:]
-                                           for a in self.agents)))
+        """wait_for_world() over this cluster's agents (or `agents`)."""
+        return wait_for_world(agents or self.agents, world, since, timeout, full, by_round)
 
     def close(self):
         for a in self.agents:
             a.kill()
-        if self.etcd is not None and self.etcd.poll() is None:
-            os.killpg(self.etcd.pid, signal.SIGKILL)
-            self.etcd.wait()
+        if self.etcd is not None:
+            self.etcd.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         # A killed agent leaves its holder lock (and arenas) in /dev/shm for the node's next
         # agent to adopt; no agent of this job comes again. Only what this cluster's run made.

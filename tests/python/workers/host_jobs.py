@@ -7,9 +7,6 @@ pytest.fixture(host_jobs.world)`), and test_slurm.py (its site etcd is `Etcd`).
 """
 
 import os
-import subprocess
-import time
-import urllib.request
 
 import cluster
 import hosts
@@ -17,37 +14,14 @@ import hosts
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_plain_worker.py")
 
 
-class Etcd:
+def Etcd(world):
     """A real etcd listening on the world's bridge (the root namespace side)."""
-
-    def __init__(self, world):
-        client, peer = cluster.free_port(), cluster.free_port()
-        self.endpoint = "%s:%d" % (world.bridge_addr, client)
-        data = os.path.join(world.dir, "etcd")
-        self.log = os.path.join(world.dir, "etcd.log")
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                cluster.etcd_argv("hosts", data, self.endpoint, peer),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        cluster.wait_for(self._healthy, 30, "etcd on the bridge to become healthy")
-
-    def _healthy(self):
-        try:
-            with urllib.request.urlopen("http://%s/health" % self.endpoint, timeout=1) as r:
-                return b"true" in r.read()
-        except OSError:
-            return False
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
+    return cluster.Etcd(os.path.join(world.dir, "etcd"), os.path.join(world.dir, "etcd.log"),
+                        name="hosts", host=world.bridge_addr)
 
 
 def host_env(extra=None):
-    env = cluster.base_env()
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE", "TMPDIR"):
-        env.pop(name, None)
+    env = cluster.off_loopback(cluster.base_env())
     env["WORKER_STEP_TIME"] = "0.2"
     env.update(extra or {})
     return env
@@ -63,30 +37,13 @@ def start_agent(world, etcd, host, job, extra=(), env=None, command=None, nnodes
     return cluster.Agent(host.name, argv, host_env(env))
 
 
-def outputs(agents):
-    return "\n----\n".join("%s (exit %s):\n%s" % (a.name, a.proc.poll(), a.output()[-4000:])
-                           for a in agents)
+outputs = cluster.outputs
 
 
 def wait_world(agents, world_size, since, timeout, live):
     """Waits until one round of `world_size` ran a step on each of its ranks after `since`;
     fails at once when an agent of `live` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rounds = {}
-        for a in agents:
-            for _, rank, round_, w, _step in a.steps(since):
-                if w == world_size:
-                    rounds.setdefault(round_, set()).add(rank)
-        if any(len(r) == world_size for r in rounds.values()):
-            return
-        for a in live:
-            if a.proc.poll() is not None:
-                raise AssertionError("agent %s exited (%s) before world %d formed:\n%s" % (
-                    a.name, a.proc.poll(), world_size, outputs(agents)))
-        time.sleep(0.1)
-    raise AssertionError("no round of world %d within %ss:\n%s" % (world_size, timeout,
-                                                                 outputs(agents)))
+    return cluster.wait_for_world(agents, world_size, since, timeout, live=live)
 
 
 def world():

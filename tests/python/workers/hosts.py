@@ -39,7 +39,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
+
+import cluster
 
 _TOOLS = ("ip", "unshare", "nsenter", "mount", "umount", "sleep")
 
@@ -117,14 +118,22 @@ class NetnsMount:
             _run(["umount", NETNS_DIR], check=False)
 
 
-def check_netns_mount(mounted_before):
-    """A test session's leftover check: fails when /run/netns was no mount point at the start
-    (`mounted_before`), is one now and holds no namespace (some `ip netns add` of the session
-    left its mount behind: an owner that did not release() its NetnsMount)."""
-    if not mounted_before and is_mount_point(NETNS_DIR) and not _netns_names():
-        raise AssertionError("%s is left mounted (it was not before the tests, and no network "
-                             "namespace is in it): run `umount %s`; the tests' `ip netns add` "
-                             "must go through hosts.NetnsMount" % (NETNS_DIR, NETNS_DIR))
+def netns_mount_check():
+    """A test session's leftover check, as the body of a session-scoped autouse fixture (made
+    when a conftest is imported, before the test modules, whose HostWorld.unavailable() probes
+    make a namespace): after the session, fails when /run/netns was no mount point before, is
+    one now and holds no namespace (some `ip netns add` of the session left its mount behind:
+    an owner that did not release() its NetnsMount)."""
+    mounted_before = is_mount_point(NETNS_DIR)
+
+    def check():
+        yield
+        if not mounted_before and is_mount_point(NETNS_DIR) and not _netns_names():
+            raise AssertionError("%s is left mounted (it was not before the tests, and no "
+                                 "network namespace is in it): run `umount %s`; the tests' "
+                                 "`ip netns add` must go through hosts.NetnsMount"
+                                 % (NETNS_DIR, NETNS_DIR))
+    return check
 
 
 def _children(pid):
@@ -141,16 +150,7 @@ def _children(pid):
 
 def _wait_gone(pid, timeout):
     """Waits until /proc/<pid> is gone (or a zombie); True when it is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open("/proc/%d/stat" % pid) as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.02)
-    return False
+    return cluster.poll_until(lambda: not cluster.alive(pid), timeout, 0.02) is True
 
 
 class Host:
@@ -252,17 +252,19 @@ class Host:
              "sh", "-c", script],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def booted():
             if self._unshare.poll() is not None:
-                err = self._unshare.stderr.read().decode(errors="replace").strip()
-                self._unshare = None
-                raise RuntimeError("host %s did not start: %s" % (self.name, err))
+                return "exited"
             kids = _children(self._unshare.pid)
-            if kids and self._booted(kids[0]):
-                self.init_pid = kids[0]
-                return self
-            time.sleep(0.02)
+            return kids[0] if kids and self._booted(kids[0]) else None
+        init = cluster.poll_until(booted, timeout, 0.02)
+        if init == "exited":
+            err = self._unshare.stderr.read().decode(errors="replace").strip()
+            self._unshare = None
+            raise RuntimeError("host %s did not start: %s" % (self.name, err))
+        if init is not None:
+            self.init_pid = init
+            return self
         self.kill()
         raise RuntimeError("host %s did not start within %ss" % (self.name, timeout))
 
