@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -46,6 +47,8 @@ struct SnapshotArena::Header {
     uint64_t data_len;
     uint64_t checksum;
     uint64_t checksum_seq;  // seq that `checksum` belongs to; 0: none
+    uint32_t hold;          // 1: the pinner asks the writer to wait (bounded) before taking it
+    uint32_t reserved;      // (zero; the slot stays one 64-byte line)
   };
   char magic[8];
   uint32_t version;
@@ -211,20 +214,31 @@ bool SnapshotArena::PinnedByLiveProcess(int slot) const {
   return true;
 }
 
-Result<int> SnapshotArena::BeginWrite() {
-  // A pinner that lost a race (it pinned, then saw the slot being written) holds its pin for a
-  // few instructions; retry briefly before concluding that every slot is really held.
-  for (int attempt = 0; attempt < 10000; ++attempt) {
-    if (int slot = TryBeginWrite(); slot >= 0) return slot;
-    std::this_thread::yield();
+Result<int> SnapshotArena::BeginWrite(std::chrono::milliseconds hold_wait, bool* preempted) {
+  if (preempted != nullptr) *preempted = false;
+  const auto deadline = std::chrono::steady_clock::now() + hold_wait;
+  for (;;) {
+    bool any_hold = false;
+    if (int slot = TryBeginWrite(false, &any_hold); slot >= 0) return slot;
+    // Every slot but the newest is pinned. Pins without a hold are taken at once; a held one is
+    // waited for, at most until the deadline (the documented bound on persistence's cost).
+    if (!any_hold || std::chrono::steady_clock::now() >= deadline) {
+      int slot = TryBeginWrite(true, nullptr);
+      if (slot >= 0) {
+        if (preempted != nullptr) *preempted = true;
+        return slot;
+      }
+      return Status::Internal("snapshot arena has no slot besides the newest");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  return Status::FailedPrecondition("every snapshot slot is pinned by a reader");
 }
 
-int SnapshotArena::TryBeginWrite() {
+int SnapshotArena::TryBeginWrite(bool take_pinned, bool* any_hold) {
   Header* h = header();
   const int n = num_slots();
-  // Preference: empty/abandoned slots, then ready ones oldest first; the newest ready slot last.
+  // Preference: empty/abandoned slots, then ready ones oldest first. The newest ready slot is
+  // never a candidate: it is the snapshot a writer killed mid-copy must leave behind.
   std::vector<std::pair<uint64_t, int>> order;
   int newest = -1;
   uint64_t newest_seq = 0;
@@ -238,17 +252,40 @@ int SnapshotArena::TryBeginWrite() {
     order.emplace_back(seq, i);
   }
   std::sort(order.begin(), order.end());
-  if (newest >= 0) {
-    std::erase_if(order, [&](const auto& p) { return p.second == newest; });
-    order.emplace_back(newest_seq, newest);
+  if (newest >= 0) std::erase_if(order, [&](const auto& p) { return p.second == newest; });
+  if (take_pinned) {
+    // Preempt: a pinned slot whose pinner did not ask for a hold first, else the oldest.
+    int pick = order.empty() ? -1 : order.front().second;
+    for (const auto& [seq, i] : order) {
+      if (A(h->slots[i].hold).load() == 0) {
+        pick = i;
+        break;
+      }
+    }
+    if (pick >= 0) {
+      A(h->slots[pick].state).exchange(kWriting);
+      Take(pick);
+    }
+    return pick;
   }
   for (const auto& [seq, i] : order) {
     auto& s = h->slots[i];
     uint32_t before = A(s.state).exchange(kWriting);  // seq_cst: pairs with Pin()'s store
-    if (!PinnedByLiveProcess(i)) return i;
+    if (!PinnedByLiveProcess(i)) {
+      Take(i);
+      return i;
+    }
+    if (any_hold != nullptr && A(s.hold).load() != 0) *any_hold = true;
     A(s.state).store(before);  // untouched: give it back as it was
   }
   return -1;
+}
+
+void SnapshotArena::Take(int slot) {
+  // seq 0 marks the slot as taken (a probe above only flips the state and gives it back): a
+  // reader's Unchanged() fails from here on, and it must see that before any byte of new data.
+  A(header()->slots[slot].seq).store(0);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
 void SnapshotArena::Publish(int slot, uint64_t seq, int64_t step, uint64_t manifest_len,
@@ -286,18 +323,36 @@ bool SnapshotArena::StillReady(int slot, uint64_t seq) const {
   return A(s.state).load() == kReady && A(s.seq).load() == seq;
 }
 
-bool SnapshotArena::Pin(int slot, uint64_t seq) {
+bool SnapshotArena::Unchanged(int slot, uint64_t seq) const {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return A(header()->slots[slot].seq).load() == seq;
+}
+
+bool SnapshotArena::Pin(int slot, uint64_t seq, bool hold) {
   auto& s = header()->slots[slot];
   const auto me = static_cast<uint32_t>(::getpid());
   uint32_t cur = A(s.pin_pid).load();
   if (cur != 0 && cur != me && PinnedByLiveProcess(slot)) return false;
   if (!A(s.pin_pid).compare_exchange_strong(cur, me)) return false;
+  A(s.hold).store(hold ? 1 : 0);
   if (StillReady(slot, seq)) return true;  // seq_cst load after the pin store (see BeginWrite)
-  A(s.pin_pid).store(0);
+  Unpin(slot);
   return false;
 }
 
-void SnapshotArena::Unpin(int slot) { A(header()->slots[slot].pin_pid).store(0); }
+void SnapshotArena::Unpin(int slot) {
+  auto& s = header()->slots[slot];
+  uint32_t me = static_cast<uint32_t>(::getpid());
+  A(s.hold).store(0);
+  // Only this process's own pin: after a preemption the slot may be someone else's by now.
+  A(s.pin_pid).compare_exchange_strong(me, 0);
+}
+
+uint64_t SnapshotArena::allocated_bytes() const {
+  struct stat st {};
+  if (::stat(file_path_.c_str(), &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_blocks) * 512;
+}
 
 void SnapshotArena::SetChecksum(int slot, uint64_t seq, uint64_t checksum) {
   auto& s = header()->slots[slot];

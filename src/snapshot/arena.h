@@ -4,13 +4,16 @@
 // agent) finds the newest snapshot by path.
 //
 // Protocol (single writer, any number of readers and pinners, across processes):
-// - The writer marks a slot kWriting (seq_cst), then checks its pin; a pinned slot is left alone.
-//   It never picks the newest ready slot unless every other slot is pinned, so the newest complete
-//   snapshot survives a writer that dies mid-copy. Publish() stores seq/lengths and then kReady
-//   (release): a reader never sees a half-written slot as ready.
-// - A persister pins a ready slot (stores its pid, seq_cst) and then re-checks state and seq;
-//   while pinned the writer does not touch it. Pins of dead processes are ignored.
-// - Readers that do not pin use the seqlock check StillReady(slot, seq) after copying.
+// - The writer never takes the newest ready slot, so the newest complete snapshot survives a
+//   writer that dies mid-copy, with any number of slots (2 included). Among the others it prefers
+//   an unpinned one: it marks it kWriting (seq_cst) and then checks its pin. When every other
+//   slot is pinned it takes one anyway (preemption): at once, or, when a pinner asked for a hold,
+//   after waiting at most `hold_wait` for the pin to go. Publish() stores seq/lengths and then
+//   kReady (release): a reader never sees a half-written slot as ready.
+// - A pin is therefore advice, not a lock: every reader (persister, restore) re-checks
+//   Unchanged(slot, seq) after it has read what it needs (a seqlock: a writer that takes a slot
+//   sets its seq to 0 before writing) and discards what it read when the slot was taken. A pinner stores its pid (seq_cst) and then re-checks state
+//   and seq. Pins of dead processes are ignored.
 //
 // Thread-safety: the object is immutable after creation except through the atomics in the
 // mapping; one thread writes (BeginWrite/Publish), any thread may read, pin and unpin.
@@ -18,6 +21,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -30,6 +34,10 @@ namespace efdl::snapshot {
 
 inline constexpr int kMaxSlots = 4;
 inline constexpr uint64_t kPageBytes = 4096;
+// The longest a commit waits for a persister's held pin before it takes the slot anyway: the bound
+// on how long persistence can block commit() (docs/snapshots.md, "Footprint"). Without a hold a
+// commit never waits.
+inline constexpr std::chrono::milliseconds kMaxHoldWait{500};
 
 struct SlotInfo {
   int slot = -1;
@@ -67,9 +75,12 @@ class SnapshotArena {
   // Where slot's data area starts in the file (readers may pread instead of mapping).
   uint64_t data_file_offset(int slot) const;
 
-  // Writer side. BeginWrite returns the slot to fill (marked kWriting), or FailedPrecondition
-  // when every slot is pinned.
-  Result<int> BeginWrite();
+  // Writer side. BeginWrite returns the slot to fill (marked kWriting): never the newest ready
+  // one; an unpinned other one if there is one, else a pinned one (preempted), after waiting up
+  // to `hold_wait` while its pinner holds it (Pin with hold). `preempted`, when given, is set to
+  // whether the slot was taken from a live pinner.
+  Result<int> BeginWrite(std::chrono::milliseconds hold_wait = kMaxHoldWait,
+                         bool* preempted = nullptr);
   uint8_t* manifest_area(int slot) const;
   uint8_t* data_area(int slot) const;
   void Publish(int slot, uint64_t seq, int64_t step, uint64_t manifest_len, uint64_t data_len);
@@ -78,8 +89,17 @@ class SnapshotArena {
   // Reader side. Ready slots, highest seq first.
   std::vector<SlotInfo> ReadySlots() const;
   bool StillReady(int slot, uint64_t seq) const;
-  bool Pin(int slot, uint64_t seq);
+  // The seqlock check after reading a slot of snapshot `seq`: false once a writer has taken the
+  // slot (what was read may be torn). Unlike StillReady, not fooled by the writer's probe of a
+  // pinned slot (which flips its state to kWriting and back for an instant).
+  bool Unchanged(int slot, uint64_t seq) const;
+  // Pins a ready slot for reading. `hold`: ask the writer to wait (at most its hold_wait) before
+  // taking this slot; a persister asks for it only after commits took its slot several times in a
+  // row, so that persistence cannot starve. Whatever the pin, re-check StillReady after reading.
+  bool Pin(int slot, uint64_t seq, bool hold = false);
   void Unpin(int slot);
+  // Bytes the arena file occupies in its file system (allocated blocks, as /dev/shm counts them).
+  uint64_t allocated_bytes() const;
   // A checksum computed by a pinner for (slot, seq); readers verify with it when present.
   void SetChecksum(int slot, uint64_t seq, uint64_t checksum);
   std::optional<uint64_t> Checksum(int slot, uint64_t seq) const;
@@ -89,8 +109,10 @@ class SnapshotArena {
   SnapshotArena(std::string path, std::string file_path, uint8_t* base, uint64_t size,
                 ino_t inode);
   Header* header() const;
-  int TryBeginWrite();  // -1: every slot pinned right now
+  // -1: every slot but the newest is pinned right now. `take_pinned`: take the oldest such one.
+  int TryBeginWrite(bool take_pinned, bool* any_hold);
   bool PinnedByLiveProcess(int slot) const;
+  void Take(int slot);  // the writer has it: seq 0 until Publish
 
   std::string path_;       // final path
   std::string file_path_;  // where the file is now (differs from path_ until Install)

@@ -252,7 +252,7 @@ std::vector<ArenaEntry> ScanArenaDir(const std::string& dir,
         std::string text(reinterpret_cast<const char*>((*arena)->manifest_area(slot.slot)),
                          slot.manifest_len);
         auto m = Manifest::Parse(text);
-        if (!m.ok() || !(*arena)->StillReady(slot.slot, slot.seq)) continue;
+        if (!m.ok() || !(*arena)->Unchanged(slot.slot, slot.seq)) continue;
         a.job = m->job;
         a.newest_seq = slot.seq;
         a.newest_step = slot.step;

@@ -126,9 +126,17 @@ class Engine final : public SnapshotEngine {
         arena->data_capacity() < data_bytes_ || arena->manifest_capacity() < text.size()) {
       // Grow: fill a new arena and only then rename it over the old one, so the newest complete
       // snapshot is in shared memory at every moment.
+      // Data areas are sized exactly (page-aligned): most states never grow after their first
+      // layout, so the 1/8 headroom every arena had until issue #35 was unused shared memory in
+      // each slot. Only a state seen growing by a little (less than 1/8: an arena too small for
+      // it) gets 1/8 more, so that one growing a little at a time does not make a new arena at
+      // every commit; a jump (optimizer state appearing after the first step) is sized exactly.
+      // The manifest area keeps room for its per-commit text (the meta) to grow.
+      const bool grew = arena != nullptr && arena->data_capacity() < data_bytes_ &&
+                        data_bytes_ - arena->data_capacity() < arena->data_capacity() / 8;
       auto created = SnapshotArena::Create(options_.arena_path, options_.num_slots,
                                            text.size() * 2 + (uint64_t{64} << 10),
-                                           data_bytes_ + data_bytes_ / 8);
+                                           data_bytes_ + (grew ? data_bytes_ / 8 : 0));
       if (!created.ok()) return created.status();
       fresh = std::move(created).value();
       arena = fresh.get();
@@ -201,7 +209,7 @@ class Engine final : public SnapshotEngine {
                          slot.manifest_len);
         auto m = Manifest::Parse(text);
         if (!m.ok() || !m->Validate().ok() || m->data_bytes != slot.data_len ||
-            !(*arena)->StillReady(slot.slot, slot.seq)) {
+            !(*arena)->Unchanged(slot.slot, slot.seq)) {
           continue;
         }
         out.push_back({SnapshotRef::Source::kMemory, options_.arena_path, slot.slot,
@@ -243,7 +251,7 @@ class Engine final : public SnapshotEngine {
     SnapshotArena& arena = **opened;
     const uint64_t seq = ref.manifest.seq;
     const bool pinned = arena.Pin(ref.slot, seq);
-    if (!pinned && !arena.StillReady(ref.slot, seq)) {
+    if (!pinned && !arena.Unchanged(ref.slot, seq)) {
       return Status::Unavailable(fmt::format("snapshot seq {} was replaced while restoring", seq));
     }
     // The data is read with pread, not through the mapping: a fresh mapping faults on every
@@ -297,7 +305,7 @@ class Engine final : public SnapshotEngine {
     } else {
       for (size_t i = 0; i < pieces.size(); ++i) body(i);
     }
-    const bool intact = arena.StillReady(ref.slot, seq);
+    const bool intact = arena.Unchanged(ref.slot, seq);
     if (pinned) arena.Unpin(ref.slot);
     for (const auto& e : errors) EFDL_RETURN_IF_ERROR(e);
     if (!intact) {

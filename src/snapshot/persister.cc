@@ -56,6 +56,11 @@ uint64_t Persister::persisted_seq() const {
   return persisted_seq_;
 }
 
+uint64_t Persister::preemptions() const {
+  MutexLock lock(mu_);
+  return preemptions_;
+}
+
 void Persister::Loop() {
   // A name tools (and tests) can see in /proc/<pid>/task/*/comm: which process persists.
   ::pthread_setname_np(::pthread_self(), "efdl-persist");
@@ -70,10 +75,11 @@ void Persister::Loop() {
       MutexLock lock(mu_);
       idle_ = true;
       cv_.wait_for(lock, options_.poll_interval,
-                   [&]() EFDL_REQUIRES(mu_) { return stop_ || notified_ != seen; });
+                   [&]() EFDL_REQUIRES(mu_) { return stop_ || notified_ != seen || retry_now_; });
       idle_ = false;
       if (stop_) return;
       seen = notified_;
+      retry_now_ = false;
     }
     if (options_.min_interval.count() > 0) {
       // Rate limit: sleep out the rest of the interval (interruptible by stop).
@@ -118,14 +124,38 @@ Result<bool> Persister::PersistLocked() {
     MutexLock lock(mu_);
     done = persisted_seq_;
   }
+  bool hold;
+  {
+    MutexLock lock(mu_);
+    hold = preempted_in_a_row_ >= kHoldAfterPreemptions;
+  }
   for (const SlotInfo& slot : arena_->ReadySlots()) {
     if (slot.seq <= done) return false;
-    if (!arena_->Pin(slot.slot, slot.seq)) continue;  // overwritten meanwhile: try the next
+    if (!arena_->Pin(slot.slot, slot.seq, hold)) continue;  // overwritten meanwhile: try the next
+    bool pinned = true;
+    bool preempted = false;
+    // The seqlock check: a commit may take the pinned slot (arena.h); then what was read is
+    // discarded. At `all_written` the data is in the file and the slot is released.
+    auto source_check = [&](bool all_written) -> Status {
+      if (!arena_->Unchanged(slot.slot, slot.seq)) {
+        preempted = true;
+        return Status::Cancelled(fmt::format(
+            "snapshot seq {} was taken by a newer commit while it was written", slot.seq));
+      }
+      if (all_written) {
+        arena_->Unpin(slot.slot);
+        pinned = false;
+      }
+      return Status::OK();
+    };
     Status s;
+    bool wrote = false;
     std::string text(reinterpret_cast<const char*>(arena_->manifest_area(slot.slot)),
                      slot.manifest_len);
     auto manifest = Manifest::Parse(text);
-    if (!manifest.ok()) {
+    if (!arena_->Unchanged(slot.slot, slot.seq)) {
+      s = source_check(false);  // the manifest may be torn: a commit took the slot already
+    } else if (!manifest.ok()) {
       s = manifest.status().WithContext(fmt::format("{} slot {}", arena_->path(), slot.slot));
     } else if (manifest->data_bytes != slot.data_len || !manifest->Validate().ok()) {
       s = Status::Corruption(fmt::format("{} slot {} has an inconsistent manifest",
@@ -135,21 +165,44 @@ Result<bool> Persister::PersistLocked() {
       auto checksum = arena_->Checksum(slot.slot, slot.seq);
       if (!checksum) {
         checksum = ChecksumOfRegion(manifest->tensors, data, nullptr);
-        arena_->SetChecksum(slot.slot, slot.seq, *checksum);
+        s = source_check(false);  // hashed from a slot a commit took: not its checksum
+        if (s.ok()) arena_->SetChecksum(slot.slot, slot.seq, *checksum);
       }
-      const auto began = std::chrono::steady_clock::now();
-      s = store_.Write(*manifest, data, *checksum, options_.before_publish);
-      const auto ended = std::chrono::steady_clock::now();
-      if (options_.after_write) {
-        options_.after_write(s, std::chrono::duration<double>(ended - began).count(),
-                             s.ok() ? &*manifest : nullptr);
+      if (s.ok()) {
+        wrote = true;
+        const auto began = std::chrono::steady_clock::now();
+        s = store_.Write(*manifest, data, *checksum, options_.before_publish, source_check);
+        const auto ended = std::chrono::steady_clock::now();
+        if (options_.after_write && !preempted) {
+          options_.after_write(s, std::chrono::duration<double>(ended - began).count(),
+                               s.ok() ? &*manifest : nullptr);
+        }
       }
-      MutexLock lock(mu_);
-      last_write_ = ended;
     }
-    arena_->Unpin(slot.slot);
-    if (!s.ok()) return s;
+    if (pinned) arena_->Unpin(slot.slot);
     MutexLock lock(mu_);
+    if (preempted) {
+      ++preemptions_;
+      ++preempted_in_a_row_;
+      if (!hold) {
+        // Go again at once with the newest snapshot (nothing was written: no rate limit).
+        retry_now_ = true;
+        return false;
+      }
+      // Even with a hold: a commit waited kMaxHoldWait and took the slot. The next (held) try
+      // waits for the rate limit, so that commits pay that wait at most once per interval.
+      last_write_ = std::chrono::steady_clock::now();
+      retry_now_ = true;
+      return Status::Unavailable(fmt::format(
+          "persistence cannot keep up with commits: they took the snapshot being written {} "
+          "times in a row, the last one after waiting up to {} ms for it; storage lags shared memory "
+          "until a write fits between two commits (commit less often, or set "
+          "EFDL_SNAPSHOT_SLOTS=3: then commits never take the snapshot being written)",
+          preempted_in_a_row_, kMaxHoldWait.count()));
+    }
+    if (wrote) last_write_ = std::chrono::steady_clock::now();
+    if (!s.ok()) return s;
+    preempted_in_a_row_ = 0;
     persisted_seq_ = std::max(persisted_seq_, slot.seq);
     cv_.notify_all();
     EFDL_LOG_DEBUG("snapshot seq {} step {} persisted to {}", slot.seq, slot.step, store_.dir());

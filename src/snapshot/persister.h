@@ -3,8 +3,14 @@
 // Works on an arena path, not an object, so the same class runs on a background thread of the
 // worker (no agent) or in the node's agent for its workers' arenas; it re-opens the arena when
 // the writer replaced it (grown). The slot being written is pinned, so commits continue into the
-// other slot meanwhile. Failures (a full disk) are logged once each, kept in last_status(), and
-// retried on the next commit; the previous snapshot in storage stays.
+// other slots meanwhile; with two slots a commit may take it (the arena never lets a commit write
+// into the newest snapshot): the persister sees that between chunks and at the end of the data
+// (a seqlock check), discards the temporary and goes on at once with the newest snapshot. After
+// kHoldAfterPreemptions such preemptions in a row it pins with a hold, which a commit waits for
+// at most kMaxHoldWait (arena.h), so persistence progresses whenever copying a snapshot to the
+// file fits in a commit interval plus that bound. The slot is released as soon as the data is
+// in the file, before the sync. Failures (a full disk) are logged once each, kept in
+// last_status(), and retried on the next commit; the previous snapshot in storage stays.
 //
 // Thread-safety: all public methods are thread-safe. The destructor stops and joins the thread.
 #pragma once
@@ -42,6 +48,9 @@ struct PersisterOptions {
   std::function<void(const Status& status, double seconds, const Manifest* m)> after_write;
 };
 
+// Preemptions in a row after which the persister pins with a hold (arena.h, Pin).
+inline constexpr int kHoldAfterPreemptions = 2;
+
 class Persister {
  public:
   explicit Persister(PersisterOptions options);
@@ -58,6 +67,8 @@ class Persister {
   Status Flush(std::chrono::milliseconds timeout);
   Status last_status() const;
   uint64_t persisted_seq() const;
+  // Writes abandoned because a commit took the slot being written (since the start).
+  uint64_t preemptions() const;
 
  private:
   void Loop();
@@ -73,6 +84,9 @@ class Persister {
   uint64_t notified_ EFDL_GUARDED_BY(mu_) = 0;
   bool idle_ EFDL_GUARDED_BY(mu_) = false;    // waiting for a commit
   uint64_t persisted_seq_ EFDL_GUARDED_BY(mu_) = 0;
+  uint64_t preemptions_ EFDL_GUARDED_BY(mu_) = 0;
+  int preempted_in_a_row_ EFDL_GUARDED_BY(mu_) = 0;
+  bool retry_now_ EFDL_GUARDED_BY(mu_) = false;  // the last try was preempted: try again at once
   Status last_status_ EFDL_GUARDED_BY(mu_);
   std::string last_logged_error_ EFDL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point last_write_ EFDL_GUARDED_BY(mu_){};

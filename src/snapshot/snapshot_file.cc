@@ -95,7 +95,7 @@ uint64_t ChecksumOfRegion(const std::vector<TensorEntry>& tensors, const uint8_t
 }
 
 Status WriteSnapshotFile(WritableFile* file, const Manifest& manifest, const uint8_t* data,
-                         uint64_t data_checksum) {
+                         uint64_t data_checksum, const std::function<Status()>& after_chunk) {
   const std::string text = manifest.Serialize();
   FileHeader h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
@@ -115,6 +115,7 @@ Status WriteSnapshotFile(WritableFile* file, const Manifest& manifest, const uin
   constexpr uint64_t kChunk = uint64_t{8} << 20;
   for (uint64_t off = 0; off < h.data_len; off += kChunk) {
     EFDL_RETURN_IF_ERROR(file->Append(data + off, std::min(kChunk, h.data_len - off)));
+    if (after_chunk) EFDL_RETURN_IF_ERROR(after_chunk());
   }
   return Status::OK();
 }

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,8 +33,11 @@ struct SnapshotFileInfo {
 };
 
 // Writes header, manifest and the data region to `file` (no sync: the caller syncs).
+// `after_chunk`, when given, is asked after each piece of data (8 MiB) is appended; a non-OK
+// answer stops the write with it (the persister's check that its arena slot was not taken).
 Status WriteSnapshotFile(WritableFile* file, const Manifest& manifest, const uint8_t* data,
-                         uint64_t data_checksum);
+                         uint64_t data_checksum,
+                         const std::function<Status()>& after_chunk = {});
 // Reads and checks header and manifest (not the data).
 Result<SnapshotFileInfo> ReadSnapshotInfo(const RandomAccessFile& file, const std::string& path);
 // Hashes the data region and compares with the header's checksum.

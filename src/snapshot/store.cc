@@ -59,7 +59,8 @@ void SnapshotStore::RemoveStaleTemporaries() {
 
 Status SnapshotStore::Write(const Manifest& manifest, const uint8_t* data,
                             uint64_t data_checksum,
-                            const std::function<Status(const Manifest&)>& before_publish) {
+                            const std::function<Status(const Manifest&)>& before_publish,
+                            const std::function<Status(bool)>& source_check) {
   if (dir_made_ && !env_->FileExists(dir_)) {
     // Someone removed the job's directory while it ran: say so, then store there again.
     EFDL_LOG_WARN("snapshot: the job's snapshot directory {} disappeared while the job ran, "
@@ -81,7 +82,10 @@ Status SnapshotStore::Write(const Manifest& manifest, const uint8_t* data,
   }
   auto file = env_->NewWritableFile(tmp);
   if (!file.ok()) return file.status();
-  Status s = WriteSnapshotFile(file->get(), *to_write, data, data_checksum);
+  std::function<Status()> after_chunk;
+  if (source_check) after_chunk = [&source_check] { return source_check(false); };
+  Status s = WriteSnapshotFile(file->get(), *to_write, data, data_checksum, after_chunk);
+  if (s.ok() && source_check) s = source_check(true);  // the data is in the file: source free
   if (s.ok()) s = (*file)->Sync();
   Status c = (*file)->Close();
   if (s.ok()) s = c;

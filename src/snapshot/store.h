@@ -28,8 +28,12 @@ class SnapshotStore {
   // `before_publish`, when given, is asked (with the snapshot's manifest) once the file is
   // durable and right before it is renamed into place; a non-OK answer removes the temporary
   // instead (nothing published).
+  // `source_check`, when given, is asked after each 8 MiB of data is written (false) and once
+  // more when all of it is (true), before the file is synced: a non-OK answer removes the
+  // temporary (the persister's seqlock check on its arena slot, which it releases at true).
   Status Write(const Manifest& manifest, const uint8_t* data, uint64_t data_checksum,
-               const std::function<Status(const Manifest&)>& before_publish = {});
+               const std::function<Status(const Manifest&)>& before_publish = {},
+               const std::function<Status(bool all_written)>& source_check = {});
   // Snapshot files by seq, newest first (names only parsed, contents not read).
   struct Entry {
     uint64_t seq = 0;

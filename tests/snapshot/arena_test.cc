@@ -3,7 +3,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "common/net.h"
 #include "snapshot/arena.h"
@@ -67,19 +69,126 @@ TEST_F(ArenaTest, WriterNeverPicksTheNewestCompleteSnapshot) {
   }
 }
 
-TEST_F(ArenaTest, PinnedSlotIsLeftAloneAndFallsBackToOverwritingTheNewest) {
+TEST_F(ArenaTest, WithTwoSlotsAPinnedOlderSlotIsTakenNeverTheNewest) {
   auto a = NewArena();
   int first = Write(*a, 1, 1);
   ASSERT_TRUE(a->Pin(first, 1));
   int second = Write(*a, 2, 2);
-  EXPECT_NE(second, first);
-  // Only two slots: the older one is pinned (being persisted), so the writer reuses the newest.
-  int third = Write(*a, 3, 3);
-  EXPECT_EQ(third, second);
-  EXPECT_EQ(a->data_area(first)[0], 1) << "pinned slot was overwritten";
+  EXPECT_NE(second, first) << "an unpinned slot was free";
+  // Only two slots: the older one is pinned (being persisted). The writer takes it (preemption)
+  // rather than the newest, and at once: the pin has no hold.
+  const auto t0 = std::chrono::steady_clock::now();
+  bool preempted = false;
+  auto third = a->BeginWrite(std::chrono::seconds(5), &preempted);
+  ASSERT_TRUE(third.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1))
+      << "a pin without a hold made the writer wait";
+  EXPECT_EQ(*third, first) << "the writer took the newest snapshot's slot";
+  EXPECT_TRUE(preempted);
+  EXPECT_FALSE(a->Unchanged(first, 1)) << "the pinner's seqlock check cannot see the preemption";
+  EXPECT_EQ(a->data_area(second)[0], 2) << "the newest snapshot was touched";
+  a->Publish(*third, 3, 30, 1, 1024);
   a->Unpin(first);
-  EXPECT_EQ(Write(*a, 4, 4), first);
   EXPECT_FALSE(a->Pin(first, 1)) << "pinning a slot whose seq changed must fail";
+}
+
+TEST_F(ArenaTest, WriterKilledMidCopyWithTwoSlotsWhileAPersisterPinsTheOtherKeepsTheNewest) {
+  auto a = NewArena(2);
+  int older = Write(*a, 1, 0x11);
+  // Another live process (the persister) pins the older snapshot for a long write.
+  int to_child[2], from_child[2];
+  ASSERT_EQ(::pipe(to_child), 0);
+  ASSERT_EQ(::pipe(from_child), 0);
+  pid_t persister = ::fork();
+  ASSERT_GE(persister, 0);
+  if (persister == 0) {
+    auto mine = SnapshotArena::Open(path_);
+    char ok = mine.ok() && (*mine)->Pin(older, 1) ? 'p' : 'x';
+    (void)!::write(from_child[1], &ok, 1);
+    char c;
+    (void)!::read(to_child[0], &c, 1);  // holds the pin until told
+    ::_exit(0);
+  }
+  char pinned = 0;
+  ASSERT_EQ(::read(from_child[0], &pinned, 1), 1);
+  ASSERT_EQ(pinned, 'p');
+  int newest = Write(*a, 2, 0x22);
+  ASSERT_NE(newest, older);
+  // The next commit: its writer dies half-way through the copy.
+  pid_t writer = ::fork();
+  ASSERT_GE(writer, 0);
+  if (writer == 0) {
+    auto mine = SnapshotArena::Open(path_);
+    if (!mine.ok()) ::_exit(1);
+    auto slot = (*mine)->BeginWrite();
+    if (!slot.ok()) ::_exit(1);
+    std::memset((*mine)->data_area(*slot), 0xEE, 512);  // half a copy, then death
+    ::kill(::getpid(), SIGKILL);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(writer, &status, 0), writer);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  auto b = SnapshotArena::Open(path_);
+  ASSERT_TRUE(b.ok());
+  auto ready = (*b)->ReadySlots();
+  ASSERT_FALSE(ready.empty());
+  EXPECT_EQ(ready[0].seq, 2u) << "the last acknowledged commit is gone";
+  EXPECT_EQ(ready[0].slot, newest);
+  EXPECT_EQ((*b)->data_area(newest)[0], 0x22);
+  EXPECT_EQ((*b)->data_area(newest)[1023], 0x22);
+  // The killed writer took the persister's slot: the persister's check says so.
+  EXPECT_FALSE((*b)->Unchanged(older, 1));
+  char c = 'q';
+  ASSERT_EQ(::write(to_child[1], &c, 1), 1);
+  ASSERT_EQ(::waitpid(persister, &status, 0), persister);
+  for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) ::close(fd);
+}
+
+TEST_F(ArenaTest, AHeldPinIsWaitedForAtMostTheBoundAndNotAfterItGoes) {
+  auto a = NewArena(2);
+  int older = Write(*a, 1, 1);
+  ASSERT_TRUE(a->Pin(older, 1, /*hold=*/true));
+  Write(*a, 2, 2);
+  // The pin stays: the writer waits the whole bound, then takes the slot anyway.
+  const auto wait = std::chrono::milliseconds(300);
+  auto t0 = std::chrono::steady_clock::now();
+  bool preempted = false;
+  auto slot = a->BeginWrite(wait, &preempted);
+  auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(slot.ok());
+  EXPECT_EQ(*slot, older);
+  EXPECT_TRUE(preempted);
+  EXPECT_GE(took, wait) << "a held pin was not waited for";
+  EXPECT_LT(took, wait + std::chrono::seconds(2)) << "the wait exceeded its bound";
+  a->Publish(*slot, 3, 30, 1, 1024);
+  a->Unpin(older);
+  // A held pin released during the wait: the writer gets the slot then, not preempted.
+  auto ready = a->ReadySlots();
+  ASSERT_EQ(ready.size(), 2u);
+  const SlotInfo old2 = ready[1];
+  ASSERT_TRUE(a->Pin(old2.slot, old2.seq, /*hold=*/true));
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    a->Unpin(old2.slot);
+  });
+  t0 = std::chrono::steady_clock::now();
+  slot = a->BeginWrite(std::chrono::seconds(20), &preempted);
+  took = std::chrono::steady_clock::now() - t0;
+  release.join();
+  ASSERT_TRUE(slot.ok());
+  EXPECT_EQ(*slot, old2.slot);
+  EXPECT_FALSE(preempted);
+  EXPECT_GE(took, std::chrono::milliseconds(90));
+  EXPECT_LT(took, std::chrono::seconds(10)) << "the writer did not see the pin go";
+  a->Abandon(*slot);
+}
+
+TEST_F(ArenaTest, DataAreasAreSizedWithoutHeadroom) {
+  // 2 slots of 1 MiB data: the file is the header page plus 2 x (manifest page + 1 MiB).
+  auto a = SnapshotArena::Create(path_, 2, 4096, 1 << 20);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ((*a)->data_capacity(), uint64_t{1} << 20);
+  EXPECT_EQ((*a)->allocated_bytes(), kPageBytes + 2 * (kPageBytes + (uint64_t{1} << 20)));
 }
 
 TEST_F(ArenaTest, PinOfADeadProcessIsIgnored) {

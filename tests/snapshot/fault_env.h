@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -17,6 +18,9 @@ class FaultEnv final : public Env {
   std::atomic<bool> fail_rename{false};
   // Bytes the disk still takes; afterwards writes fail with ENOSPC. Negative: unlimited.
   std::atomic<int64_t> space_left{-1};
+  // Called after each successful Append with the file's bytes so far (set it before the writes
+  // start; e.g. to commit while a persister is in the middle of a file).
+  std::function<void(uint64_t written)> after_append;
 
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
     auto inner = Env::Posix()->NewWritableFile(path);
@@ -54,7 +58,10 @@ class FaultEnv final : public Env {
         }
         env_->space_left -= static_cast<int64_t>(n);
       }
-      return inner_->Append(data, n);
+      Status s = inner_->Append(data, n);
+      written_ += n;
+      if (s.ok() && env_->after_append) env_->after_append(written_);
+      return s;
     }
     Status Sync() override { return inner_->Sync(); }
     Status Close() override { return inner_->Close(); }
@@ -63,6 +70,7 @@ class FaultEnv final : public Env {
     FaultEnv* env_;
     std::string path_;
     std::unique_ptr<WritableFile> inner_;
+    uint64_t written_ = 0;
   };
 };
 

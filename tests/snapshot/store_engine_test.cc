@@ -4,11 +4,13 @@
 #include <cstring>
 #include <fstream>
 #include <numeric>
+#include <thread>
 
 #include "common/net.h"
 #include "efdl/snapshot.h"
 #include "snapshot/arena.h"
 #include "snapshot/layout.h"
+#include "snapshot/persister.h"
 #include "snapshot/store.h"
 #include "tests/snapshot/fault_env.h"
 #include "../support/temp_dir_test.h"
@@ -305,6 +307,151 @@ TEST_F(EngineTest, CommitsContinueWhileAReaderHoldsASlot) {
   EXPECT_EQ(first, 1.0f);
   EXPECT_EQ(e->Candidates().at(0).manifest.step, 5);
   (*arena)->Unpin(held.slot);
+}
+
+TEST_F(EngineTest, ArenaDataAreasAreTheStateSizeWithoutHeadroom) {
+  auto e = Open(false);
+  std::vector<float> w(3 << 20, 1.0f);  // 12 MiB + the step
+  ASSERT_TRUE(e->SetLayout(Layout(w.size())).ok());
+  ASSERT_TRUE(CommitValues(*e, w, 1).ok());
+  auto arena = SnapshotArena::Open(arena_);
+  ASSERT_TRUE(arena.ok());
+  const uint64_t state = AlignUp(w.size() * 4, kTensorAlign) + 8;
+  EXPECT_EQ((*arena)->data_capacity(), AlignUp(state, kPageBytes));
+  // The whole file: 3 slots of (manifest area + data) and the header page, nothing else.
+  EXPECT_LT((*arena)->allocated_bytes(),
+            kPageBytes + 3 * ((*arena)->manifest_capacity() + AlignUp(state, kPageBytes)) +
+                (uint64_t{64} << 10));
+}
+
+// Two slots, a persister writing the older one to storage: commits take its slot (they never
+// write into the newest), the persister discards what it read and writes the newest next.
+class PreemptionTest : public EngineTest {
+ protected:
+  std::unique_ptr<SnapshotEngine> OpenTwoSlots() {
+    EngineOptions o;
+    o.job_id = "j";
+    o.arena_path = arena_;
+    o.storage_dir = Dir();
+    o.persist = false;
+    o.num_slots = 2;
+    o.env = &env_;
+    auto e = SnapshotEngine::Open(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(e).value();
+  }
+  std::unique_ptr<Persister> NewPersister() {
+    PersisterOptions p;
+    p.arena_path = arena_;
+    p.storage_dir = Dir();
+    p.env = &env_;
+    return std::make_unique<Persister>(std::move(p));
+  }
+  std::vector<float> w_ = std::vector<float>(5 << 20);  // 20 MiB: three 8 MiB chunks
+  void Commit(SnapshotEngine& e, int64_t step) {
+    std::fill(w_.begin(), w_.end(), static_cast<float>(step));
+    ASSERT_TRUE(CommitValues(e, w_, step).ok());
+  }
+  // Every file in storage verifies and holds the values of its step.
+  void ExpectStorageConsistent() {
+    SnapshotStore store(&env_, Dir(), 2);
+    for (const auto& entry : store.List()) {
+      EXPECT_TRUE(store.Verify(entry.path, nullptr).ok()) << entry.path << " is torn";
+    }
+    auto names = env_.GetChildren(Dir());
+    ASSERT_TRUE(names.ok());
+    for (const auto& n : *names) EXPECT_FALSE(n.starts_with(".tmp")) << n << " left behind";
+  }
+};
+
+TEST_F(PreemptionTest, APersisterWhoseSlotACommitTookPublishesNothingAndThenWritesTheNewest) {
+  auto e = OpenTwoSlots();
+  ASSERT_TRUE(e->SetLayout(Layout(w_.size())).ok());
+  Commit(*e, 1);
+  Commit(*e, 2);
+  auto persister = NewPersister();
+  // While the persister writes step 2's slot (pinned, no hold), two commits: step 3 goes to the
+  // free slot, step 4 must take the persister's (the other one is the newest, step 3).
+  bool armed = true;
+  env_.after_append = [&](uint64_t written) {
+    if (!armed || written < (uint64_t{8} << 20)) return;
+    armed = false;
+    Commit(*e, 3);
+    Commit(*e, 4);
+  };
+  auto r = persister->PersistNewestOnce();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(*r) << "a write whose slot was taken reported success";
+  EXPECT_FALSE(armed);
+  EXPECT_EQ(persister->preemptions(), 1u);
+  EXPECT_TRUE(SnapshotStore(&env_, Dir(), 2).List().empty()) << "a torn snapshot was published";
+  ExpectStorageConsistent();
+  // The next try writes the newest snapshot, step 4, whole.
+  r = persister->PersistNewestOnce();
+  ASSERT_TRUE(r.ok() && *r) << r.status().ToString();
+  auto c = e->Candidates();
+  auto stored = std::find_if(c.begin(), c.end(), [](const SnapshotRef& ref) {
+    return ref.source == SnapshotRef::Source::kStorage;
+  });
+  ASSERT_NE(stored, c.end());
+  EXPECT_EQ(stored->manifest.step, 4);
+  std::vector<float> out(w_.size());
+  int64_t step = 0;
+  ASSERT_TRUE(e->Restore(*stored, {out.data(), &step}).ok());
+  EXPECT_EQ(out, w_);
+  ExpectStorageConsistent();
+}
+
+TEST_F(PreemptionTest, AfterTwoPreemptionsThePersisterHoldsAndACommitWaitsForItBounded) {
+  auto e = OpenTwoSlots();
+  ASSERT_TRUE(e->SetLayout(Layout(w_.size())).ok());
+  Commit(*e, 1);
+  Commit(*e, 2);
+  auto persister = NewPersister();
+  int64_t step = 2;
+  int preempt = kHoldAfterPreemptions;
+  env_.after_append = [&](uint64_t written) {
+    if (preempt == 0 || written < (uint64_t{8} << 20)) return;
+    --preempt;
+    Commit(*e, ++step);
+    Commit(*e, ++step);
+  };
+  for (int i = 0; i < kHoldAfterPreemptions; ++i) {
+    auto r = persister->PersistNewestOnce();
+    ASSERT_TRUE(r.ok() && !*r) << "try " << i << ": " << r.status().ToString();
+  }
+  EXPECT_EQ(persister->preemptions(), static_cast<uint64_t>(kHoldAfterPreemptions));
+  EXPECT_TRUE(SnapshotStore(&env_, Dir(), 2).List().empty());
+  // The next try holds its slot: two commits from another thread meanwhile; the second waits
+  // until the persister has the data in its file (not until its sync), at most kMaxHoldWait.
+  const int64_t held_step = step;
+  std::thread committer;
+  std::chrono::steady_clock::duration waited{};
+  std::atomic<bool> second{false};
+  bool started = false;
+  env_.after_append = [&](uint64_t written) {
+    if (started || written < (uint64_t{8} << 20)) return;
+    started = true;
+    committer = std::thread([&] {
+      Commit(*e, held_step + 1);
+      second = true;
+      const auto t0 = std::chrono::steady_clock::now();
+      Commit(*e, held_step + 2);
+      waited = std::chrono::steady_clock::now() - t0;
+    });
+    while (!second) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));  // the second commit waits
+  };
+  auto r = persister->PersistNewestOnce();
+  committer.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(*r) << "the held write was preempted";
+  EXPECT_EQ(persister->persisted_seq(), static_cast<uint64_t>(held_step));  // seq == step here
+  EXPECT_EQ(persister->preemptions(), static_cast<uint64_t>(kHoldAfterPreemptions));
+  EXPECT_GE(waited, std::chrono::milliseconds(100)) << "the commit did not wait for the hold";
+  EXPECT_LT(waited, kMaxHoldWait + std::chrono::seconds(1)) << "the wait exceeded its bound";
+  EXPECT_EQ(e->Candidates().at(0).manifest.step, held_step + 2);
+  ExpectStorageConsistent();
 }
 
 TEST(EngineOptions, BadOptionsAreInvalidArgument) {
