@@ -8,39 +8,16 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <set>
-#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "agent/stale_dirs.h"
-#include "agent/zygote.h"
 #include "common/env_names.h"
 #include "common/log.h"
-#include "horovod/rendezvous_server.h"
-#include "horovod/slots.h"
 
 namespace efdl::agent {
 
 namespace {
-
-// The numeric addresses of the round's members (the rank-0 node's assignment lists their
-// advertise addresses), for the Gloo rendezvous server's client filter. Empty (no filter, with a
-// warning) when a member's name does not resolve here: the round's token still guards it.
-std::vector<std::string> HorovodClientFilter(const rdzv::Assignment& a) {
-  std::vector<std::string> out;
-  for (const auto& host : a.horovod_clients) {
-    auto numeric = NumericAddresses(host);
-    if (!numeric.ok()) {
-      EFDL_LOG_WARN("round {}: {}; Horovod's Gloo rendezvous serves every client that has the "
-                    "round's token this round", a.round, numeric.status().message());
-      return {};
-    }
-    out.insert(out.end(), numeric->begin(), numeric->end());
-  }
-  return out;
-}
 
 std::string SignalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
@@ -80,6 +57,8 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
       snapshots_({options_.job_id, options_.node_id, options_.snapshot_dir, options_.job_secret,
                   /*persist=*/!options_.launcher, options_.metrics},
                  rendezvous),
+      workers_({options_.job_id, options_.node_id, options_.control_socket_path,
+                options_.stop_grace, options_.launcher, options_.job_secret}),
       warm_(rendezvous),
       hangs_({options_.job_id, options_.node_id, options_.nproc, options_.hang_timeout_s,
               [this](std::chrono::steady_clock::time_point seen, double silent_s, bool own) {
@@ -93,17 +72,16 @@ Agent::Agent(AgentOptions options, rdzv::Rendezvous& rendezvous)
 
 Agent::~Agent() {
   // Workers first: their stop may still talk to the control socket.
-  RetireOldWorkers(/*wait=*/true);
-  group_.reset();
+  workers_.StopAll();
   warm_.Stop();
   snapshots_.Close();  // its flusher answers through the control socket
-  control_.reset();
+  workers_.Close();
   // ~NodeSnapshots releases the holder lock.
 }
 
 int Agent::Run() {
   const int code = RunUntilDone();
-  RetireOldWorkers(/*wait=*/true);   // workers of an earlier round still exiting
+  workers_.Retire(/*wait=*/true);   // workers of an earlier round still exiting
   if (left_on_signal_ != 0) {
     // The last line of a node that left on a signal: that it left, and the exit code.
     EFDL_LOG_INFO("node {} left job '{}' on {}; its workers are stopped; exit code {}",
@@ -125,24 +103,10 @@ int Agent::RunUntilDone() {
     EFDL_LOG_WARN("cannot become a child subreaper ({}): pre-started workers are started, not "
                   "forked from a zygote", std::strerror(errno));
   }
-  socket_path_ = options_.control_socket_path;
-  if (socket_path_.empty()) {
-    const char* tmp = std::getenv("TMPDIR");
-    RemoveStaleAgentDirs(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp");
-    auto dir = TempDir::Create("efdl-agent");
-    if (!dir.ok()) {
-      EFDL_LOG_ERROR("{}", dir.status().message());
-      return 1;
-    }
-    socket_dir_ = std::move(dir).value();
-    socket_path_ = socket_dir_.path() + "/control.sock";
-  }
-  auto control = ControlServer::Start({socket_path_, options_.job_id, options_.node_id});
-  if (!control.ok()) {
-    EFDL_LOG_ERROR("{}", control.status().message());
+  if (Status st = workers_.OpenControl(); !st.ok()) {
+    EFDL_LOG_ERROR("{}", st.message());
     return 1;
   }
-  control_ = std::move(control).value();
   StartHangMonitor();
   if (Status st = snapshots_.Open(); !st.ok()) {
     EFDL_LOG_ERROR("{}", st.message());
@@ -186,15 +150,11 @@ int Agent::RunUntilDone() {
     CheckHang();
     observer_.Update(Sight());
     CheckStragglers();
-    snapshots_.ServeFlushes(*control_);
+    snapshots_.ServeFlushes(workers_.control());
     ServeInProcessFailures();
     NoteReturnedWorkers();
     warm_.Maintain();
-    if (!retiring_.empty()) RetireOldWorkers(/*wait=*/false);
-    if (const auto now = std::chrono::steady_clock::now(); now >= next_orphan_reap_) {
-      ReapAdoptedOrphans();
-      next_orphan_reap_ = now + std::chrono::seconds(1);
-    }
+    workers_.Maintain();
     if (auto event = rdzv_.WaitEvent(options_.poll_interval)) {
       if (auto code = HandleEvent(*event)) return *code;
     }
@@ -210,50 +170,46 @@ std::string LocalRanks(const rdzv::Assignment& a) {
 }  // namespace
 
 void Agent::NoteReturnedWorkers() {
-  if (!group_ || group_paused_ || options_.launcher) return;
-  const int64_t round = group_->round();
-  if (returned_noted_ == round) return;
-  const std::vector<int> returned = control_->ReturnedRanks(round);
-  if (std::set<int>(returned.begin(), returned.end()).size() < group_->size()) return;
+  const std::optional<int64_t> round = workers_.AllReturned();
+  if (!round) return;
   // Every worker's program returned (in-process, they said so before tearing down): if the
   // peers still train, the round is about to break and this node is its cause; the next ack
   // says so before the exits are reaped, which can take longer than the coordinator waits.
-  returned_noted_ = round;
-  exited0_ = {round, LocalRanks(assignment_)};
-  rdzv_.NoteWorkersReturned(round, exited0_->second);
+  workers_.SetExited0({*round, LocalRanks(assignment_)});
+  rdzv_.NoteWorkersReturned(*round, workers_.exited0()->second);
 }
 
 std::optional<int> Agent::PollWorkers() {
-  if (!group_) return std::nullopt;
-  switch (group_->Poll()) {
+  WorkerGroup* group = workers_.group();
+  if (!group) return std::nullopt;
+  switch (group->Poll()) {
     case WorkerGroup::State::kRunning:
       return std::nullopt;
     case WorkerGroup::State::kSucceeded: {
-      EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group_->round(),
+      EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group->round(),
                     assignment_.nproc);
       snapshots_.PersistNewest("reporting the workers' success");
-      exited0_ = {group_->round(), LocalRanks(assignment_)};
-      rdzv_.ReportWorkersExited0(group_->round(), exited0_->second);
-      group_.reset();
-      group_paused_ = false;
+      workers_.SetExited0({group->round(), LocalRanks(assignment_)});
+      rdzv_.ReportWorkersExited0(group->round(), workers_.exited0()->second);
+      workers_.Succeeded();
       return std::nullopt;
     }
     case WorkerGroup::State::kFailed:
       break;
   }
-  const int64_t round = group_->round();
+  const int64_t round = group->round();
   // Stalled for most of the hang timeout: another node ended the hang's cause, which broke
   // these workers' collectives (a failure of that node, not of this one).
   const bool stalled = hangs_.Stalled();
-  WorkerExit failure = *group_->first_failure();
-  std::optional<WorkerExit> early = EarlyExit0();
+  WorkerExit failure = *group->first_failure();
+  std::optional<WorkerExit> early = workers_.EarlyExit0(assignment_.rank_offset);
   if (!early) {
     // The failure may be a lost peer and the peer a rank of this node that returned: reaped in
     // the same poll as the failure, or still tearing down (its exit is often reaped after the
     // failure it caused; the failing rank's traceback may not even be read yet, so its output
     // cannot tell). Give a rank still running a moment to exit by itself before the stop's
     // signals; a rank that lost the same peer fails too and ends the wait at once.
-    early = AwaitOwnExit0();
+    early = workers_.AwaitOwnExit0();
   }
   BeginPause(std::chrono::steady_clock::now());
   std::string detail =
@@ -268,12 +224,13 @@ std::optional<int> Agent::PollWorkers() {
     BlameEarlyExit0(round, *early);
     return std::nullopt;
   }
+  const RoundWorkers::LastStop& stopped = workers_.last_stop();
   pending_failure_ = PendingFailure{round,
                                     assignment_.nnodes,
                                     detail,
-                                    last_connect_error_,
-                                    last_failure_tail_,
-                                    CollateralCause(stalled, last_failure_tail_)};
+                                    stopped.connect_error,
+                                    stopped.failure_tail,
+                                    CollateralCause(stalled, stopped.failure_tail)};
   if (!pending_failure_->collateral.empty()) {
     EFDL_LOG_WARN("round {}: {} because {}: not this node's failure", round, detail,
                   pending_failure_->collateral);
@@ -299,37 +256,38 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       // failure closed the round first: reap it before stopping the rest, or a program that
       // fails on every node is counted only on the node whose failure happened to be seen first.
       if (auto code = PollWorkers()) return *code;
-      if (!event.graceful && group_ && !group_paused_) {
+      if (!event.graceful && workers_.active()) {
         // A rank of this node returned while the others trained (in-process it said so before
         // the failure it caused reached this loop): this node's failure, reported before the
         // coordinator forms the next round without a cause.
-        if (const auto early = EarlyExit0();
+        if (const auto early = workers_.EarlyExit0(assignment_.rank_offset);
             early && (!pending_failure_ || !pending_failure_->collateral.empty())) {
-          BlameEarlyExit0(group_->round(), *early);
+          BlameEarlyExit0(workers_.group()->round(), *early);
         }
       }
-      if (group_ && group_->round() <= event.round && !group_paused_) {
+      if (workers_.active() && workers_.group()->round() <= event.round) {
         const std::string reason = event.message.empty()
                                        ? fmt::format("round {} is closing", event.round)
                                        : event.message;
         std::vector<int> unpaused;
-        if (PauseInProcess(event.graceful, reason, unpaused)) {
+        if (workers_.Pause(event.graceful, reason, unpaused,
+                           [this] { return PendingSignal() != 0; })) {
           if (event.graceful) snapshots_.PersistNewest("a graceful round change");
           return std::nullopt;
         }
         // A worker that failed on its own while pausing is this node's failure, as above.
         if (auto code = PollWorkers()) return *code;
-        if (!group_) return std::nullopt;
-        if (!event.graceful && WaitForOwnExits()) {
+        if (!workers_.group()) return std::nullopt;
+        if (!event.graceful && workers_.WaitForOwnExits()) {
           // A worker ended by itself after all (its own exception, or a return while its peers
           // trained): this node's failure or exit 0, reported as such (issue #32, blame).
           if (auto code = PollWorkers()) return *code;
-          if (!group_) return std::nullopt;
+          if (!workers_.group()) return std::nullopt;
           // One of several returned while the others live on (paused in-process after their
           // collective lost it, a lost peer so far).
-          if (const auto early = EarlyExit0();
+          if (const auto early = workers_.EarlyExit0(assignment_.rank_offset);
               early && (!pending_failure_ || !pending_failure_->collateral.empty())) {
-            BlameEarlyExit0(group_->round(), *early);
+            BlameEarlyExit0(workers_.group()->round(), *early);
           }
         }
         // Graceful: the next round's workers may start while these exit (after their final
@@ -389,21 +347,21 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
 }
 
 std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::string& why) {
-  if (group_ && !group_paused_) {
+  if (workers_.active()) {
     StopWorkers(/*graceful=*/false, fmt::format("round {} started", a.round));
   }
   // A change of the job's node count ends a streak of collateral failures (issue #32).
   if (!a.standby) failures_.RoundFormed(a.nnodes);
-  if (a.early_exit && exited0_ && !pending_failure_) {
+  if (const auto& exited0 = workers_.exited0(); a.early_exit && exited0 && !pending_failure_) {
     // This node's workers all exited 0 while their peers still trained: the peers'
     // collectives lost them, and the coordinator named this node the cause (NameCause).
     const std::string detail =
-        fmt::format("{} exited 0 before the job completed", exited0_->second);
+        fmt::format("{} exited 0 before the job completed", exited0->second);
     EFDL_LOG_WARN("round {}: {}: their peers' collectives lost them and the round was formed "
-                  "again; this node's failure", exited0_->first, detail);
-    pending_failure_ = PendingFailure{exited0_->first, a.nnodes, detail, std::nullopt, {}, {}};
+                  "again; this node's failure", exited0->first, detail);
+    pending_failure_ = PendingFailure{exited0->first, a.nnodes, detail, std::nullopt, {}, {}};
   }
-  exited0_.reset();
+  workers_.ForgetExited0();
   if (auto code = CountPendingFailure(a)) return code;
   // The round it withdrew from, or one announced before the withdrawal took effect: an
   // excluded node registers again only once the cool-down is over.
@@ -420,10 +378,10 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   assignment_ = a;
   observer_.RoundStarts(a);
   if (!a.standby) observer_.BeginLedgerPart(a, why, Sight());
-  control_->SetRound(a.round);
+  workers_.SetRound(a.round);
   snapshots_.SetRound(a.rank_offset, a.standby ? 0 : a.nproc);
   if (a.standby) {
-    if (group_) {
+    if (workers_.group()) {
       // Paused in-process at the last round's close: they snapshotted and wait; they exit now.
       StopWorkers(/*graceful=*/true, fmt::format("round {}: this node is a standby", a.round));
     }
@@ -437,7 +395,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
     return std::nullopt;
   }
   const int restart_count = rounds_started_++;
-  if (group_ && ContinueInProcess(a, restart_count)) {
+  if (workers_.paused() && ContinueInProcess(a, restart_count)) {
     round_started_ = std::chrono::steady_clock::now();
     ArmHangMonitor(/*fresh=*/false);
     return std::nullopt;
@@ -464,7 +422,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
     spec.rank = a.rank_offset + lr;
     spec.env = options_.launcher
                    ? LauncherEnvironment(options_, a, restart_count, snapshots_.holder())
-                   : WorkerEnvironment(options_, a, lr, restart_count, socket_path_,
+                   : WorkerEnvironment(options_, a, lr, restart_count, workers_.socket_path(),
                                        snapshots_.holder());
     spec.log_path = WorkerLogPath(a.round, spec.rank);
     wg.workers.push_back(std::move(spec));
@@ -473,14 +431,14 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
                 a.node_rank, a.nnodes, a.rank_offset, a.rank_offset + a.nproc - 1, a.world_size,
                 a.master_addr, a.master_port,
                 options_.launcher ? " (one launcher process for them)" : "");
-  StartHorovodRendezvous(a);
+  workers_.StartHorovodRendezvous(a);
   auto group = WorkerGroup::Start(std::move(wg));
   if (!group.ok()) {
     EFDL_LOG_ERROR("cannot start workers: {}", group.status().message());
     rdzv_.Leave();
     return 1;
   }
-  group_ = std::move(group).value();
+  workers_.Started(std::move(group).value());
   round_started_ = std::chrono::steady_clock::now();
   ArmHangMonitor(/*fresh=*/true);
   return std::nullopt;
@@ -585,7 +543,7 @@ void Agent::StartSparePool() {
   so.zygote = options_.zygote;
   // The agent's own directory (its control socket's), removed when it ends.
   if (options_.learn_imports) {
-    so.imports_dir = std::filesystem::path(socket_path_).parent_path().string();
+    so.imports_dir = std::filesystem::path(workers_.socket_path()).parent_path().string();
   }
   so.reaper = reaper_.get();
   // What a worker's environment will hold apart from the per-round variables (OMP_NUM_THREADS,
@@ -594,7 +552,7 @@ void Agent::StartSparePool() {
   typical.nproc = options_.nproc;
   for (int lr = 0; lr < options_.nproc; ++lr) {
     so.start_env[lr] =
-        WorkerEnvironment(options_, typical, lr, 0, socket_path_, snapshots_.holder());
+        WorkerEnvironment(options_, typical, lr, 0, workers_.socket_path(), snapshots_.holder());
   }
   warm_.Start(std::move(so));
 }
@@ -602,31 +560,6 @@ void Agent::StartSparePool() {
 int Agent::PendingSignal() const {
   const int sig = shutdown_signal_.load();
   return sig == 0 && options_.poll_signal ? options_.poll_signal() : sig;
-}
-
-std::optional<WorkerExit> Agent::EarlyExit0() const {
-  if (!group_) return std::nullopt;
-  if (group_->exited0_early()) return group_->exited0_early();
-  // In-process, the worker says so before its exit closes its sockets: ahead of the failure of
-  // the collectives that lose it, which may come before its exit is reaped.
-  const std::vector<int> returned = control_->ReturnedRanks(group_->round());
-  if (returned.empty() || static_cast<int>(returned.size()) >= static_cast<int>(group_->size())) {
-    return std::nullopt;   // none, or all of them: the job's end
-  }
-  const int local = returned.front();
-  return WorkerExit{local, assignment_.rank_offset + local, 0};
-}
-
-std::optional<WorkerExit> Agent::AwaitOwnExit0() {
-  const auto until = std::chrono::steady_clock::now() + kOwnExitWait;
-  auto step = std::chrono::milliseconds(1);
-  while (group_->running() > 0 && !group_->first_exited0() &&
-         std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(step);
-    step = std::min(step * 2, std::chrono::milliseconds(10));
-    group_->Poll();
-  }
-  return group_->first_exited0();
 }
 
 void Agent::BlameEarlyExit0(int64_t round, const WorkerExit& early) {
@@ -651,72 +584,10 @@ void Agent::ReportOwnFailure(int64_t round, const std::string& detail) {
   rdzv_.ReportWorkerFailure(round, detail);
 }
 
-bool Agent::WaitForOwnExits() {
-  // A process whose program raised or returned closes its sockets as it tears down, and may
-  // still be tearing down (its traceback, its State's last flush, torch's exit) when its peers'
-  // collectives fail and the round closes: the stop's signals now would hide what it died of,
-  // and the node would count nothing. Wait a little for workers that are exiting; stop at once
-  // when one failed, when all exited, or when none exited by itself within kOwnExitWait.
-  const auto until = std::chrono::steady_clock::now() + kOwnExitWait;
-  auto step = std::chrono::milliseconds(1);
-  while (true) {
-    const WorkerGroup::State st = group_->Poll();
-    const bool some = group_->running() < static_cast<int>(group_->size());
-    if (st != WorkerGroup::State::kRunning) return true;
-    if (!some && std::chrono::steady_clock::now() >= until) return false;
-    if (std::chrono::steady_clock::now() >= until + kOwnExitWait) return some;
-    std::this_thread::sleep_for(step);
-    step = std::min(step * 2, std::chrono::milliseconds(10));
-  }
-}
-
 void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot,
                         const std::vector<int>& terminate_now) {
-  horovod_server_.reset();   // the round is over for this node
-  group_paused_ = false;
   hangs_.Disarm();
-  if (!group_) return;
-  const int64_t round = group_->round();
-  if (group_->running() > 0) {
-    EFDL_LOG_INFO("round {}: stopping {} worker(s) ({}): {}", round, group_->running(),
-                  graceful ? "graceful" : "not graceful", reason);
-  }
-  StopPolicy policy{graceful, reason, options_.stop_grace, release_after_snapshot};
-  group_->Stop(policy, control_.get(), terminate_now);
-  if (group_->running() > 0) {
-    // Released after their final snapshot: only a graceful stop, whose failures count for
-    // nothing and whose output explains no failure, gets here.
-    EFDL_LOG_DEBUG("round {}: {} worker(s) took their final snapshot and are exiting; the next "
-                   "round may start",
-                   round, group_->running());
-    last_connect_error_.reset();
-    last_failure_tail_.clear();
-    retiring_.push_back(std::move(group_));
-    return;
-  }
-  group_->Close();   // every line of their output read: the connect error below is complete
-  last_connect_error_ = group_->peer_connect_error();
-  const auto& failed = group_->first_failure();
-  last_failure_tail_ = failed ? group_->stderr_tail(failed->rank) : std::vector<std::string>{};
-  group_.reset();
-}
-
-void Agent::RetireOldWorkers(bool wait) {
-  auto step = std::chrono::milliseconds(1);
-  while (!retiring_.empty()) {
-    for (auto it = retiring_.begin(); it != retiring_.end();) {
-      if ((*it)->Retire()) {
-        (*it)->Close();
-        EFDL_LOG_DEBUG("round {}: its last worker exited", (*it)->round());
-        it = retiring_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (!wait || retiring_.empty()) return;
-    std::this_thread::sleep_for(step);
-    step = std::min(step * 2, std::chrono::milliseconds(10));
-  }
+  workers_.Stop(graceful, reason, release_after_snapshot, terminate_now);
 }
 
 void Agent::ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& e) {
@@ -749,8 +620,8 @@ int Agent::Suspend(const rdzv::Event& event) {
   // Their final commit — or the newest one when they were already gone (crashed, between
   // rounds) — goes to storage, which is read next.
   snapshots_.PersistNewest("the suspend report");
-  const std::optional<int64_t> reported = control_->newest_persisted_step();
-  const std::optional<int64_t> committed = control_->newest_step();
+  const std::optional<int64_t> reported = workers_.channel().newest_persisted_step();
+  const std::optional<int64_t> committed = workers_.control().newest_step();
   const std::optional<rdzv::PersistedPoint> stored = snapshots_.NewestStored();
   // Storage is the truth for a resume; the workers' reports only tell whether it is behind.
   std::optional<rdzv::PersistedPoint> point = stored;
@@ -797,39 +668,6 @@ int Agent::Shutdown(int signal) {
                                              SignalName(signal)));
   snapshots_.PersistNewest("exiting");  // also when no workers ran (a crash between rounds)
   return 128 + signal;
-}
-
-void Agent::StartHorovodRendezvous(const rdzv::Assignment& a) {
-  horovod_server_.reset();
-  if (a.standby || a.node_rank != 0 || a.horovod_port == 0 || a.horovod_hosts.empty()) return;
-  std::vector<horovod::HostSlots> hosts;
-  hosts.reserve(a.horovod_hosts.size());
-  for (const auto& [id, nproc] : a.horovod_hosts) hosts.push_back({id, nproc});
-  auto slots = horovod::AssignSlots(hosts);
-  Status failed = slots.status();
-  if (slots.ok()) {
-    horovod::RendezvousServerOptions o;
-    o.bind_addr = a.master_addr;   // this node's advertise address: never every interface
-    o.port = a.horovod_port;
-    // Every request must carry the round's token (from the job's secret), and where the
-    // members' names resolve, also come from a member's address.
-    o.allowed_clients = HorovodClientFilter(a);
-    auto token = horovod::RendezvousToken(options_.job_secret, a.round);
-    if (token.ok()) o.token = std::move(token).value();
-    auto server = token.ok() ? horovod::RendezvousServer::Start(o, *slots)
-                             : Result<std::unique_ptr<horovod::RendezvousServer>>(token.status());
-    if (server.ok()) {
-      horovod_server_ = std::move(server).value();
-      EFDL_LOG_DEBUG("round {}: serving Horovod's Gloo rendezvous on {}:{} for {} processes",
-                     a.round, a.master_addr, a.horovod_port, a.world_size);
-      return;
-    }
-    failed = server.status();
-  }
-  // Only real Horovod needs the server: a torch.distributed job of this round is unaffected.
-  EFDL_LOG_WARN("round {}: cannot serve Horovod's Gloo rendezvous on {}:{}: {}; real Horovod "
-                "workers of this round will fail to initialise", a.round, a.master_addr,
-                a.horovod_port, failed.message());
 }
 
 }  // namespace efdl::agent

@@ -1,9 +1,11 @@
 // The node agent's elastic loop: follows the rendezvous' events and runs this node's workers.
 //
 // The Agent never touches etcd; it drives a rdzv::Rendezvous (real, or a scripted test double)
-// and owns the control socket and the WorkerGroup of the current round. Run() is single-threaded
-// and must be called from a thread that outlives the workers (their PR_SET_PDEATHSIG follows the
-// spawning thread): normally the process' main thread.
+// and its collaborators, one job each (docs/ARCHITECTURE.md, src/agent/): RoundWorkers (the
+// control socket and the round's workers), NodeSnapshots, WarmPool, HangWatch, StragglerWatch,
+// NodeFailures and NodeObserver. Run() is single-threaded and must be called from a thread that
+// outlives the workers (their PR_SET_PDEATHSIG follows the spawning thread): normally the
+// process' main thread.
 #pragma once
 
 #include <unistd.h>
@@ -17,26 +19,21 @@
 #include <string>
 #include <vector>
 
-#include "agent/control_server.h"
 #include "agent/hang_watch.h"
 #include "agent/node_failures.h"
 #include "agent/node_observer.h"
 #include "agent/node_snapshots.h"
+#include "agent/round_workers.h"
 #include "agent/straggler_watch.h"
 #include "agent/warm_pool.h"
 #include "agent/worker_group.h"
 #include "common/group_reaper.h"
 #include "common/job_spec.h"
-#include "common/net.h"
 #include "health/exclusion_rules.h"
 #include "health/hang_monitor.h"
 #include "health/straggler_rules.h"
 #include "metrics/agent_metrics.h"
 #include "rendezvous/rendezvous.h"
-
-namespace efdl::horovod {
-class RendezvousServer;
-}  // namespace efdl::horovod
 
 namespace efdl::agent {
 
@@ -149,7 +146,7 @@ class Agent {
   // Times this node was excluded for a cool-down so far.
   int exclusions() const { return failures_.exclusions(); }
   // The control socket's path while Run() is running (empty before).
-  const std::string& control_socket() const { return socket_path_; }
+  const std::string& control_socket() const { return workers_.socket_path(); }
 
  private:
   struct PendingFailure {
@@ -174,12 +171,6 @@ class Agent {
   // In-process: once every worker of the round said "returned", tells the rendezvous (their
   // exits, reaped later, are what complete a job).
   void NoteReturnedWorkers();
-  // A rank of this node that returned (exit 0) while the others still trained: reaped so
-  // (WorkerGroup::exited0_early) or, in-process, said so ("returned"). nullopt: none.
-  std::optional<WorkerExit> EarlyExit0() const;
-  // After a failure while other workers of this node run: waits up to kOwnExitWait for them to
-  // exit by themselves; the first that exited 0, if any.
-  std::optional<WorkerExit> AwaitOwnExit0();
   // `early` (a rank of this node) returned while the node's other ranks trained: their
   // collectives lost it. Records it as this node's failure of `round` and reports it.
   void BlameEarlyExit0(int64_t round, const WorkerExit& early);
@@ -199,14 +190,10 @@ class Agent {
   void ReportOwnFailure(int64_t round, const std::string& detail);
 
   // In-process round changes (agent_in_process.cc; docs/control-protocol.md): workers under
-  // efdl.elastic.run are paused at a round's close and given the next round's place instead of
-  // being stopped and started again.
-  // At a round's close: pauses the workers when every one of them takes round changes
-  // in-process; true once all paused (group_ is kept for the next round). False: stop them
-  // (the restart path); `unpaused` then holds the local ranks that did not pause in the grace.
-  bool PauseInProcess(bool graceful, const std::string& reason, std::vector<int>& unpaused);
+  // efdl.elastic.run are paused at a round's close (RoundWorkers::Pause) and given the next
+  // round's place instead of being stopped and started again.
   // At the next round: gives the paused workers their place in `a`; false when they cannot
-  // continue (this node's worker count changed, a worker is gone): then group_ is stopped.
+  // continue (this node's worker count changed, a worker is gone): then they are stopped.
   bool ContinueInProcess(const rdzv::Assignment& a, int restart_count);
   // A worker's report that a collective of the current round failed: the round is redone.
   void ServeInProcessFailures();
@@ -241,57 +228,32 @@ class Agent {
   void StartSparePool();
   // The shutdown signal received (or, in tests, options_.poll_signal's); 0: none.
   int PendingSignal() const;
-  // `release_after_snapshot` (a graceful round change): returns once each worker exited or
-  // reported its final snapshot without a GPU; those still exiting go to retiring_.
-  // `terminate_now`: local ranks that get SIGTERM at once (WorkerGroup::Stop).
+  // RoundWorkers::Stop, with the hang monitor disarmed.
   void StopWorkers(bool graceful, const std::string& reason, bool release_after_snapshot = false,
                    const std::vector<int>& terminate_now = {});
-  // Reaps retiring workers that exited and escalates the stop of the others; with `wait`, until
-  // none is left.
-  void RetireOldWorkers(bool wait);
   // The first time a failure counted against --max-restarts came with a worker that could not
   // connect to a peer: says which address was tried, what this node gave its workers and what
   // to set (once per agent). Failures that came with a node leaving are not explained: a peer
   // that died is refused too, and that needs no setting.
   void ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& error);
-  // The rank-0 node serves Horovod's Gloo rendezvous for the round it starts (docs/horovod.md);
-  // the server lives exactly as long as the round's workers.
-  void StartHorovodRendezvous(const rdzv::Assignment& assignment);
 
   const AgentOptions options_;
   rdzv::Rendezvous& rdzv_;
   std::atomic<int> shutdown_signal_{0};
-  TempDir socket_dir_;
-  std::string socket_path_;
   // The holder lock of the job's arenas, the persister, flushes, arena removal
-  // (node_snapshots.h): declared before control_, whose answers its flusher sends; closed first.
+  // (node_snapshots.h): its flusher answers through workers_' control socket; closed first.
   NodeSnapshots snapshots_;
   // Kills the workers' and spares' process groups (what they started included) should this
   // agent die without stopping them; declared before them so it outlives them.
   std::unique_ptr<GroupReaper> reaper_;
-  std::unique_ptr<ControlServer> control_;
+  // The control socket, the round's workers, retiring ones, the Horovod server, pause and
+  // continue (round_workers.h).
+  RoundWorkers workers_;
   // The spares (with options_.prestart for a python command) and the agent store (warm_pool.h).
   WarmPool warm_;
-  std::chrono::steady_clock::time_point next_orphan_reap_{};
-  std::unique_ptr<WorkerGroup> group_;
-  // group_'s workers paused in-process at the close of their round (PauseInProcess).
-  bool group_paused_ = false;
-  // Workers of earlier rounds that took their final snapshot and are still exiting, while the
-  // next round's run (StopPolicy::release_after_snapshot).
-  std::vector<std::unique_ptr<WorkerGroup>> retiring_;
-  std::unique_ptr<horovod::RendezvousServer> horovod_server_;   // rank-0 node, current round
   // Hang detection: the progress board and the state of a hang (hang_watch.h; without a
   // monitor: --hang-timeout 0, --launcher, or no board).
   HangWatch hangs_;
-  // The round this node's workers all exited 0 in and their ranks ("rank 1", "ranks 2..3"),
-  // until the next round starts: an assignment marked early_exit then counts it (issue #32).
-  std::optional<std::pair<int64_t, std::string>> exited0_;
-  int64_t returned_noted_ = -1;   // the round whose returned workers NoteReturnedWorkers told
-  // At a round's close that was not graceful, before the stop's signals: whether a worker
-  // exited by itself (it waits up to kOwnExitWait for a first exit, and as long again for the
-  // rest, returning at once when one fails); PollWorkers then reports it.
-  bool WaitForOwnExits();
-  static constexpr std::chrono::milliseconds kOwnExitWait{1000};
   // When this node's workers of the newest round started (or continued in-process).
   std::chrono::steady_clock::time_point round_started_{};
   rdzv::Assignment assignment_;            // of the newest round started
@@ -307,8 +269,6 @@ class Agent {
   // The node's metrics and its part of the goodput ledger (node_observer.h).
   NodeObserver observer_;
   bool peer_connect_explained_ = false;
-  std::vector<std::string> last_failure_tail_;   // of the group StopWorkers stopped last
-  std::optional<PeerConnectError> last_connect_error_;   // of the group StopWorkers stopped last
 };
 
 }  // namespace efdl::agent

@@ -39,19 +39,21 @@ std::string Agent::CollateralCause(bool stalled, const std::vector<std::string>&
 
 void Agent::StartHangMonitor() {
   if (!HangDetectionOn(options_)) return;
-  hangs_.Start(std::filesystem::path(socket_path_).parent_path().string());
+  hangs_.Start(std::filesystem::path(workers_.socket_path()).parent_path().string());
 }
 
 void Agent::ArmHangMonitor(bool fresh) {
-  hangs_.Arm(group_ ? group_->pids() : std::vector<pid_t>{}, fresh);
+  WorkerGroup* group = workers_.group();
+  hangs_.Arm(group ? group->pids() : std::vector<pid_t>{}, fresh);
 }
 
 void Agent::CheckHang() {
-  if (!hangs_.monitor() || !group_ || group_paused_ || pending_failure_) return;
-  const int64_t round = group_->round();
+  if (!hangs_.monitor() || !workers_.active() || pending_failure_) return;
+  WorkerGroup* group = workers_.group();
+  const int64_t round = group->round();
   const HangWatch::Verdict v =
       hangs_.Check(std::chrono::steady_clock::now(), round, assignment_.rank_offset,
-                   [this] { return group_->Poll() == WorkerGroup::State::kRunning; });
+                   [group] { return group->Poll() == WorkerGroup::State::kRunning; });
   switch (v.kind) {
     case HangWatch::Verdict::Kind::kNone:
       return;
@@ -59,7 +61,7 @@ void Agent::CheckHang() {
       EndHungWorkers(round, v.detail);
       return;
     case HangWatch::Verdict::Kind::kNoCause:
-      group_->Close();
+      group->Close();
       StopWorkers(/*graceful=*/false, v.detail);
       pending_failure_ = PendingFailure{round, assignment_.nnodes, v.detail, std::nullopt, {}, {}};
       pending_failure_->collateral = "a hang whose cause no node found";   // counted against nobody
@@ -71,7 +73,7 @@ void Agent::CheckHang() {
 void Agent::EndHungWorkers(int64_t round, const std::string& detail) {
   EFDL_LOG_ERROR("job {} round {}: {}: the hang is this node's ({}); ending its workers",
                  options_.job_id, round, detail, options_.node_id);
-  group_->Close();   // SIGKILL: a stopped or stuck process answers nothing else
+  workers_.group()->Close();   // SIGKILL: a stopped or stuck process answers nothing else
   StopWorkers(/*graceful=*/false, detail);
   pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
   ReportOwnFailure(round, detail);

@@ -11,13 +11,13 @@ NodeObserver::Sight Agent::Sight() const {
   NodeObserver::Sight s;
   if (health::HangMonitor* board = hangs_.monitor()) {
     s.board = true;
-    s.armed = group_ && board->armed();
+    s.armed = workers_.group() && board->armed();
     s.progress = [board] { return board->Progress(); };
     s.uncommitted = [board] { return board->Uncommitted(); };
   }
-  s.paused = group_paused_;
+  s.paused = workers_.paused();
   s.rank_offset = assignment_.rank_offset;
-  s.rank0 = group_ && !assignment_.standby && assignment_.node_rank == 0;
+  s.rank0 = workers_.group() && !assignment_.standby && assignment_.node_rank == 0;
   s.restarts = failures_.restarts();
   return s;
 }

@@ -14,7 +14,7 @@ void Agent::CheckStragglers() {
   const auto now = std::chrono::steady_clock::now();
   health::HangMonitor* board = hangs_.monitor();
   if (!board || !stragglers_.SampleDue(now)) return;
-  if (!group_ || group_paused_ || !board->armed() || assignment_.standby) return;
+  if (!workers_.active() || !board->armed() || assignment_.standby) return;
   if (auto eviction = stragglers_.Sample(now, assignment_, board->Progress())) {
     EvictAsStraggler(*eviction);
   }

@@ -50,6 +50,13 @@ bool BoolField(const json& j, const char* key, bool fallback) {
   return it->get<bool>();
 }
 
+WorkerReport ReportOf(WorkerReport::Kind kind, int64_t step = -1) {
+  WorkerReport r;
+  r.kind = kind;
+  r.step = step;
+  return r;
+}
+
 std::string Line(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
 }
@@ -112,10 +119,6 @@ ControlServer::~ControlServer() {
 void ControlServer::SetRound(int64_t round) {
   MutexLock lock(mutex_);
   round_ = round;
-  stopping_.erase(stopping_.begin(), stopping_.lower_bound(round - 1));  // keep it bounded
-  released_.erase(released_.begin(), released_.lower_bound(round - 1));
-  paused_.erase(paused_.begin(), paused_.lower_bound(round - 1));
-  returned_.erase(returned_.begin(), returned_.lower_bound(round - 1));
 }
 
 bool ControlServer::IsConnected(int64_t round, int local_rank) const {
@@ -159,18 +162,6 @@ std::vector<int> ControlServer::RequestPause(int64_t round, bool graceful,
   return SendToRound(control::kPause, round, graceful, reason, /*in_process_only=*/true);
 }
 
-std::vector<int> ControlServer::ReturnedRanks(int64_t round) const {
-  MutexLock lock(mutex_);
-  auto it = returned_.find(round);
-  return it == returned_.end() ? std::vector<int>{} : it->second;
-}
-
-std::vector<int> ControlServer::PausedRanks(int64_t round) const {
-  MutexLock lock(mutex_);
-  auto it = paused_.find(round);
-  return it == paused_.end() ? std::vector<int>{} : it->second;
-}
-
 bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round, int new_rank,
                                 const std::map<std::string, std::string>& env) {
   // The place itself as typed fields; `env` is what a worker started for it would get.
@@ -189,21 +180,31 @@ bool ControlServer::AssignRound(int64_t round, int local_rank, int64_t new_round
   return false;
 }
 
-std::vector<InProcessFailure> ControlServer::TakeInProcessFailures() {
+std::vector<WorkerReport> ControlServer::TakeReports() {
   MutexLock lock(mutex_);
-  std::vector<InProcessFailure> out;
-  out.swap(failures_);
+  std::vector<WorkerReport> out;
+  out.swap(reports_);
   return out;
+}
+
+void ControlServer::Report(const Client& client, WorkerReport report) {
+  if (reports_.size() >= kMaxReports) {
+    if (!reports_dropped_) {
+      EFDL_LOG_WARN("control socket: {} worker reports wait for the agent; dropping more",
+                    reports_.size());
+    }
+    reports_dropped_ = true;
+    return;
+  }
+  report.round = client.round;
+  report.rank = client.rank;
+  report.local_rank = client.local_rank;
+  reports_.push_back(std::move(report));
 }
 
 std::optional<int64_t> ControlServer::newest_step() const {
   MutexLock lock(mutex_);
   return newest_step_;
-}
-
-std::optional<int64_t> ControlServer::newest_persisted_step() const {
-  MutexLock lock(mutex_);
-  return newest_persisted_;
 }
 
 std::vector<FlushRequest> ControlServer::TakeFlushRequests() {
@@ -228,18 +229,6 @@ void ControlServer::AnswerFlush(const FlushRequest& request, const Status& statu
       return;
     }
   }
-}
-
-std::vector<int> ControlServer::ReleasedRanks(int64_t round) const {
-  MutexLock lock(mutex_);
-  auto it = released_.find(round);
-  return it == released_.end() ? std::vector<int>{} : it->second;
-}
-
-std::vector<int> ControlServer::StoppingRanks(int64_t round) const {
-  MutexLock lock(mutex_);
-  auto it = stopping_.find(round);
-  return it == stopping_.end() ? std::vector<int>{} : it->second;
 }
 
 void ControlServer::SendLocked(int fd, const std::string& json_line) {
@@ -285,8 +274,9 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
       // A worker that does not say (an older efdl) may hold GPU memory: not released early.
       const bool gpu = BoolField(msg, "gpu", false);
       if (client.said_hello) {
-        stopping_[client.round].push_back(client.local_rank);
-        if (msg.contains("gpu") && !gpu) released_[client.round].push_back(client.local_rank);
+        WorkerReport r = ReportOf(WorkerReport::Kind::kStopping, step);
+        r.released = msg.contains("gpu") && !gpu;
+        Report(client, std::move(r));
       }
       EFDL_LOG_INFO("rank {} stopping after step {} (snapshot: {}{})", client.rank, step,
                     BoolField(msg, "snapshot", false), gpu ? "; it used a GPU" : "");
@@ -305,34 +295,23 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
   // A worker speaks for its own round only (the one it said hello for, or was assigned): the
   // message's "round" is not trusted, so nothing here grows with made-up rounds.
   if (type == control::kFailed || type == control::kRaised) {
-    const int64_t round = client.round;
-    const std::string message = StringField(msg, "message");
-    if (client.said_hello && failures_.size() < kMaxPendingFlushes) {
-      failures_.push_back({round, client.rank, client.local_rank,
-                           message.empty() ? "no detail given" : message,
-                           type == control::kRaised});
+    if (client.said_hello) {
+      WorkerReport r = ReportOf(type == control::kRaised ? WorkerReport::Kind::kRaised
+                                                         : WorkerReport::Kind::kFailed);
+      r.message = StringField(msg, "message");
+      Report(client, std::move(r));
     }
     return true;
   }
   if (type == control::kReturned) {
-    // Once per rank (the program's loop and efdl's exit both may say it); not from a rank that
-    // said `stopping` in this round: it exits 0 because the agent asked it to.
-    auto& ranks = returned_[client.round];
-    const auto stopped = stopping_.find(client.round);
-    const bool asked = stopped != stopping_.end() &&
-                       std::ranges::find(stopped->second, client.local_rank) !=
-                           stopped->second.end();
-    if (client.said_hello && !asked && ranks.size() < kMaxPendingFlushes &&
-        std::ranges::find(ranks, client.local_rank) == ranks.end()) {
-      ranks.push_back(client.local_rank);
-    }
+    if (client.said_hello) Report(client, ReportOf(WorkerReport::Kind::kReturned));
     return true;
   }
   if (type == control::kPaused) {
     const int64_t round = client.round;
     const int64_t step = IntField(msg, "step", -1);
     if (step >= 0 && (!newest_step_ || step > *newest_step_)) newest_step_ = step;
-    if (client.said_hello) paused_[round].push_back(client.local_rank);
+    if (client.said_hello) Report(client, ReportOf(WorkerReport::Kind::kPaused, step));
     // "step": the State's step of this rank's newest commit (its "step" value, else the job's
     // commit count, python/efdl/state.py); the next round says the snapshot step it continues at.
     EFDL_LOG_INFO("rank {} paused in round {} after its commit of step {} ({})", client.rank,
@@ -342,8 +321,7 @@ bool ControlServer::HandleLine(int fd, Client& client, const std::string& line) 
     return true;
   }
   if (type == control::kPersisted) {
-    int64_t step = IntField(msg, "step", -1);
-    if (step >= 0 && (!newest_persisted_ || step > *newest_persisted_)) newest_persisted_ = step;
+    Report(client, ReportOf(WorkerReport::Kind::kPersisted, IntField(msg, "step", -1)));
     return true;
   }
   json reply_id = msg.contains("id") ? msg["id"] : json(nullptr);

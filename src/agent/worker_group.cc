@@ -14,7 +14,6 @@
 
 #include <fmt/format.h>
 
-#include "agent/control_server.h"
 #include "agent/spare_pool.h"
 #include "common/log.h"
 
@@ -236,7 +235,7 @@ void WorkerGroup::Renumber(int64_t round, const std::vector<int>& ranks,
   }
 }
 
-void WorkerGroup::Stop(const StopPolicy& policy, ControlServer* control,
+void WorkerGroup::Stop(const StopPolicy& policy, StopChannel* control,
                        const std::vector<int>& terminate_now) {
   stop_policy_ = policy;
   stop_start_ = Clock::now();

@@ -25,8 +25,21 @@
 
 namespace efdl::agent {
 
-class ControlServer;
 class SparePool;
+
+// What a stop needs of the control socket (ControlChannel, round_reports.h): the request, and
+// which workers of the round answered it.
+class StopChannel {
+ public:
+  virtual ~StopChannel() = default;
+  // Sends "stop" to every connected worker of `round`; returns the local ranks it reached.
+  virtual std::vector<int> RequestStop(int64_t round, bool graceful,
+                                       const std::string& reason) = 0;
+  // Local ranks of `round` that answered a stop with "stopping" (connected or not since).
+  virtual std::vector<int> StoppingRanks(int64_t round) = 0;
+  // Those of them that said they hold nothing on a GPU.
+  virtual std::vector<int> ReleasedRanks(int64_t round) = 0;
+};
 
 struct WorkerSpec {
   int local_rank = 0;
@@ -75,7 +88,7 @@ struct StopPolicy {
   std::string reason;
   std::chrono::milliseconds grace{std::chrono::seconds(10)};
   // With `graceful`: Stop() also returns once every worker still running has answered
-  // "stopping" without a GPU (ControlServer::ReleasedRanks): its final snapshot is complete and
+  // "stopping" without a GPU (StopChannel::ReleasedRanks): its final snapshot is complete and
   // it touches no arena again, so the next round's workers may start while it exits (an
   // interpreter's exit takes 0.2-2 s). Retire() then finishes the stop sequence.
   bool release_after_snapshot = false;
@@ -118,7 +131,7 @@ class WorkerGroup {
   // no worker is reachable that way (all get SIGTERM at once). `terminate_now`: local ranks
   // that get SIGTERM at once, whatever the policy says: in-process workers that did not pause
   // within the grace already had theirs (a collective hung on a frozen peer).
-  void Stop(const StopPolicy& policy, ControlServer* control,
+  void Stop(const StopPolicy& policy, StopChannel* control,
             const std::vector<int>& terminate_now = {});
   // After a Stop() that returned with workers still running: reaps the ones that exited and
   // goes on with the stop sequence (SIGTERM, then SIGKILL, each after the policy's grace)

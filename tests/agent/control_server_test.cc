@@ -1,4 +1,5 @@
 #include "agent/control_server.h"
+#include "agent/round_reports.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -41,6 +42,7 @@ TEST_F(ControlServerTest, SocketIsPrivateToTheUser) {
 }
 
 TEST_F(ControlServerTest, HelloOfTheCurrentRoundIsWelcomedAndCanBeStopped) {
+  ControlChannel channel(*server_);   // the agent's books of the reports
   ControlConn c(server_->path());
   ASSERT_TRUE(c.connected());
   ASSERT_TRUE(c.SendJson({{"type", "hello"}, {"version", 1}, {"pid", 42}, {"rank", 5},
@@ -62,11 +64,12 @@ TEST_F(ControlServerTest, HelloOfTheCurrentRoundIsWelcomedAndCanBeStopped) {
   EXPECT_EQ(stop["reason"], "scale out");
 
   ASSERT_TRUE(c.SendJson({{"type", "stopping"}, {"round", 3}, {"step", 17}, {"snapshot", true}}));
-  EXPECT_TRUE(WaitUntil([&] { return server_->StoppingRanks(3) == std::vector<int>{1}; }));
+  EXPECT_TRUE(WaitUntil([&] { return channel.StoppingRanks(3) == std::vector<int>{1}; }));
   EXPECT_EQ(server_->newest_step(), std::optional<int64_t>(17));
 }
 
 TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRound) {
+  ControlChannel channel(*server_);   // the agent's books of the reports
   ControlConn c(server_->path());
   ControlConn plain(server_->path());
   ASSERT_EQ(Hello(c, 7, 5, 1, 3), "welcome");
@@ -87,19 +90,19 @@ TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRou
   // Reports count for the worker's own round, whatever round they name.
   ASSERT_TRUE(c.SendJson({{"type", "failed"}, {"round", 99}, {"message", "Connection reset"}}));
   ASSERT_TRUE(c.SendJson({{"type", "paused"}, {"round", 99}, {"step", 18}, {"snapshot", false}}));
-  ASSERT_TRUE(WaitUntil([&] { return server_->PausedRanks(3) == std::vector<int>{1}; }));
-  EXPECT_TRUE(server_->PausedRanks(99).empty());
-  auto failures = server_->TakeInProcessFailures();
+  ASSERT_TRUE(WaitUntil([&] { return channel.PausedRanks(3) == std::vector<int>{1}; }));
+  EXPECT_TRUE(channel.PausedRanks(99).empty());
+  auto failures = channel.TakeInProcessFailures();
   ASSERT_EQ(failures.size(), 1u);
   EXPECT_EQ(failures[0].round, 3);
   EXPECT_EQ(failures[0].rank, 5);
   EXPECT_EQ(failures[0].message, "Connection reset");
-  EXPECT_TRUE(server_->TakeInProcessFailures().empty()) << "taken once";
+  EXPECT_TRUE(channel.TakeInProcessFailures().empty()) << "taken once";
   // A rank whose program returned says so, for its own round too.
-  EXPECT_TRUE(server_->ReturnedRanks(3).empty());
+  EXPECT_TRUE(channel.ReturnedRanks(3).empty());
   ASSERT_TRUE(c.SendJson({{"type", "returned"}, {"round", 99}}));
-  ASSERT_TRUE(WaitUntil([&] { return server_->ReturnedRanks(3) == std::vector<int>{1}; }));
-  EXPECT_TRUE(server_->ReturnedRanks(99).empty());
+  ASSERT_TRUE(WaitUntil([&] { return channel.ReturnedRanks(3) == std::vector<int>{1}; }));
+  EXPECT_TRUE(channel.ReturnedRanks(99).empty());
   EXPECT_EQ(server_->newest_step(), std::optional<int64_t>(18));
 
   EXPECT_TRUE(server_->AssignRound(3, 1, 4, 9, {{"RANK", "9"}, {"WORLD_SIZE", "10"}}));
@@ -117,6 +120,7 @@ TEST_F(ControlServerTest, InProcessWorkersArePausedReportAndAreMovedToTheNextRou
 }
 
 TEST_F(ControlServerTest, ARaisedProgramIsItsOwnFailureAndAReturnCountsOnceUnlessAskedToStop) {
+  ControlChannel channel(*server_);   // the agent's books of the reports
   ControlConn a(server_->path());
   ControlConn b(server_->path());
   ASSERT_EQ(Hello(a, 7, 5, 1, 3), "welcome");
@@ -126,7 +130,7 @@ TEST_F(ControlServerTest, ARaisedProgramIsItsOwnFailureAndAReturnCountsOnceUnles
   ASSERT_TRUE(b.SendJson({{"type", "failed"}, {"round", 3}, {"message", "Connection reset"}}));
   std::vector<InProcessFailure> failures;
   ASSERT_TRUE(WaitUntil([&] {
-    for (auto& f : server_->TakeInProcessFailures()) failures.push_back(f);
+    for (auto& f : channel.TakeInProcessFailures()) failures.push_back(f);
     return failures.size() == 2;
   }));
   std::ranges::sort(failures, {}, &InProcessFailure::rank);
@@ -143,7 +147,7 @@ TEST_F(ControlServerTest, ARaisedProgramIsItsOwnFailureAndAReturnCountsOnceUnles
   ASSERT_TRUE(b.SendJson({{"type", "returned"}, {"round", 3}}));
   ASSERT_TRUE(b.SendJson({{"type", "committed"}, {"step", 9}}));   // all read after this
   ASSERT_TRUE(WaitUntil([&] { return server_->newest_step() == std::optional<int64_t>(9); }));
-  EXPECT_EQ(server_->ReturnedRanks(3), std::vector<int>{1});
+  EXPECT_EQ(channel.ReturnedRanks(3), std::vector<int>{1});
 }
 
 TEST_F(ControlServerTest, HelloFromAnOldRoundIsToldToStop) {

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "agent/control_server.h"
+#include "agent/round_reports.h"
 #include "common/net.h"
 #include "test_util.h"
 #include "../support/temp_dir_test.h"
@@ -189,6 +190,7 @@ TEST_F(WorkerGroupTest, ConnectedWorkerStopsThroughTheControlSocket) {
   auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
   ASSERT_TRUE(server.ok());
   (*server)->SetRound(4);
+  ControlChannel channel(**server);
   std::string marker = dir_.path() + "/stopped-cleanly";
   auto o = Options(testing::PythonWorker(
       "import signal, time, sys\n"
@@ -208,10 +210,10 @@ TEST_F(WorkerGroupTest, ConnectedWorkerStopsThroughTheControlSocket) {
   ASSERT_TRUE(g);
   ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
   auto start = Clock::now();
-  g->Stop({true, "scale out", 20s}, server->get());
+  g->Stop({true, "scale out", 20s}, &channel);
   EXPECT_LT(Clock::now() - start, 10s);
   EXPECT_EQ(ReadFile(marker), "True scale out");
-  EXPECT_EQ((*server)->StoppingRanks(4), std::vector<int>{0});
+  EXPECT_EQ(channel.StoppingRanks(4), std::vector<int>{0});
   EXPECT_TRUE((*server)->newest_step().has_value());
 }
 
@@ -237,6 +239,7 @@ TEST_F(WorkerGroupTest, AWorkerThatAnsweredAndHungUpBeforeTheStopIsNotSentSigter
   auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
   ASSERT_TRUE(server.ok());
   (*server)->SetRound(4);
+  ControlChannel channel(**server);
   const std::string marker = dir_.path() + "/sigterm";
   auto g = StartOk(ConnectedWorker(
       Options({}, 1, 4), (*server)->path(),
@@ -248,8 +251,8 @@ TEST_F(WorkerGroupTest, AWorkerThatAnsweredAndHungUpBeforeTheStopIsNotSentSigter
   ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
   (*server)->RequestStop(4, true, "the first request");
   ASSERT_TRUE(WaitUntil([&] { return !(*server)->IsConnected(4, 0); }, 20s));
-  ASSERT_EQ((*server)->StoppingRanks(4), std::vector<int>{0});
-  g->Stop({true, "leaving", 20s}, server->get());
+  ASSERT_EQ(channel.StoppingRanks(4), std::vector<int>{0});
+  g->Stop({true, "leaving", 20s}, &channel);
   EXPECT_EQ(g->running(), 0);
   EXPECT_FALSE(std::filesystem::exists(marker)) << "the worker got SIGTERM";
   EXPECT_FALSE(g->first_failure().has_value());
@@ -259,6 +262,7 @@ TEST_F(WorkerGroupTest, AReleasingStopReturnsOnceTheWorkerAnsweredAndRetireReaps
   auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
   ASSERT_TRUE(server.ok());
   (*server)->SetRound(4);
+  ControlChannel channel(**server);
   // The worker exits only once the test opens its gate (at most 60 s), so the checks of the
   // released, still running worker below do not race a fixed exit time on a loaded machine.
   const std::string gate = dir_.path() + "/gate";
@@ -271,9 +275,9 @@ TEST_F(WorkerGroupTest, AReleasingStopReturnsOnceTheWorkerAnsweredAndRetireReaps
   ASSERT_TRUE(g);
   ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
   StopPolicy policy{true, "scale out", 20s, /*release_after_snapshot=*/true};
-  g->Stop(policy, server->get());
+  g->Stop(policy, &channel);
   EXPECT_EQ(g->running(), 1) << "Stop() waited for the exit";
-  EXPECT_EQ((*server)->ReleasedRanks(4), std::vector<int>{0});
+  EXPECT_EQ(channel.ReleasedRanks(4), std::vector<int>{0});
   EXPECT_FALSE(g->Retire());
   { std::ofstream(gate) << "1"; }
   EXPECT_TRUE(WaitUntil([&] { return g->Retire(); }, 10s));
@@ -285,6 +289,7 @@ TEST_F(WorkerGroupTest, ARetiringWorkerThatNeverExitsIsKilledAfterTheGrace) {
   auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
   ASSERT_TRUE(server.ok());
   (*server)->SetRound(4);
+  ControlChannel channel(**server);
   auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(),
                                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                                    "while True: time.sleep(0.05)\n"));
@@ -293,7 +298,7 @@ TEST_F(WorkerGroupTest, ARetiringWorkerThatNeverExitsIsKilledAfterTheGrace) {
   const pid_t pid = g->pids()[0];
   StopPolicy policy{true, "scale out", 300ms, /*release_after_snapshot=*/true};
   const auto start = Clock::now();
-  g->Stop(policy, server->get());
+  g->Stop(policy, &channel);
   EXPECT_EQ(g->running(), 1);
   // SIGTERM (ignored) after the grace, SIGKILL after another.
   EXPECT_TRUE(WaitUntil([&] { return g->Retire(); }, 10s));
@@ -305,10 +310,11 @@ TEST_F(WorkerGroupTest, WithoutReleaseAStopWaitsForTheExitOfAWorkerThatAnswered)
   auto server = ControlServer::Start({dir_.path() + "/control.sock", "job", "node"});
   ASSERT_TRUE(server.ok());
   (*server)->SetRound(4);
+  ControlChannel channel(**server);
   auto g = StartOk(ConnectedWorker(Options({}, 1, 4), (*server)->path(), "time.sleep(0.5)\n"));
   ASSERT_TRUE(g);
   ASSERT_TRUE(WaitUntil([&] { return (*server)->IsConnected(4, 0); }, 20s));
-  g->Stop({true, "leaving", 20s}, server->get());
+  g->Stop({true, "leaving", 20s}, &channel);
   EXPECT_EQ(g->running(), 0);
 }
 
