@@ -3,6 +3,7 @@
 
     PYTHONPATH=python /usr/bin/python3 bench/snapshot.py [--gib 1.0] [--reps 3] [--digits-steps N]
                                   [--skip-big] [--skip-digits] [--skip-save] [--ddp-steps N]
+                                  [--footprint [2,3]] [--persist-interval-ms MS]
 
 Part 1, a state of about --gib GiB (parameters of large Linear layers plus SGD momentum):
   raw copy     memcpy of every tensor into pre-allocated, pre-faulted memory (2 threads): the limit
@@ -19,6 +20,15 @@ without State. Prints ratios and whether the targets hold. Times are the best of
 Part 3 (--ddp-steps N, off by default): the same loop as 2 gloo ranks under DDP (two processes,
 two "nodes" with their own arenas): steps/s with commit() every step vs without, on rank 0. This
 is what a multi-rank job pays per commit beyond part 2: the stop vote (efdl._agreement).
+Part 4 (--footprint [SLOTS,...], issue #35): for each arena slot count (EFDL_SNAPSHOT_SLOTS), a
+state of --gib GiB committed --reps times back to back while the persister writes to storage:
+state bytes, arena bytes (blocks the job's files hold in /dev/shm, not their sizes), peer-copy
+bytes (not built yet: said so, no number), and each commit's time against a raw copy of the same
+bytes timed right before it in the same run (best, median, worst: the worst shows any wait for
+the persister, bounded by kMaxHoldWait with 2 slots, docs/snapshots.md "Footprint"). The
+persister runs without a rate limit unless --persist-interval-ms says otherwise
+(EFDL_PERSIST_MIN_INTERVAL_MS=0), so it is writing to storage during every commit: the worst
+case for 2 slots.
 """
 
 import argparse
@@ -203,6 +213,71 @@ def part1(args, work):
         os.unlink(p)
 
 
+def shm_bytes_of_job(job):
+    """Blocks allocated in /dev/shm by the job's files (arenas and their lock files)."""
+    from efdl import state as state_mod
+    prefix = "efdl-" + state_mod._safe_name(job)
+    paths = [os.path.join("/dev/shm", f) for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+    return sum(os.stat(p).st_blocks * 512 for p in paths), paths
+
+
+def part4(args, work):
+    import efdl.backend.torch as efdl
+    model, optimizer = build_state(args.gib)
+    tensors = list(model.state_dict().values()) + [
+        optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    raw, total = raw_copy_fn(tensors)
+    base_job = os.environ["EFDL_JOB_ID"]
+    rows = []
+    try:
+        for slots in args.footprint:
+            os.environ["EFDL_SNAPSHOT_SLOTS"] = str(slots)
+            # By default no rate limit: the persister is writing during every commit, the worst
+            # case for 2 slots (a commit may find the persister on the only slot it may take).
+            os.environ["EFDL_PERSIST_MIN_INTERVAL_MS"] = str(args.persist_interval_ms)
+            os.environ["EFDL_JOB_ID"] = "%s-fp%d" % (base_job, slots)
+            state = efdl.State(model, optimizer, epoch=0, step=0)
+            state.step = 0
+            state.commit()  # creates and pre-faults the arena
+            state.flush()
+            raws, commits = [], []
+            for i in range(args.reps):
+                t0 = time.perf_counter()
+                raw()
+                raws.append(time.perf_counter() - t0)
+                state.step = i + 1
+                t0 = time.perf_counter()
+                state.commit()  # the previous commit's persist is running meanwhile
+                commits.append(time.perf_counter() - t0)
+            held, paths = shm_bytes_of_job(os.environ["EFDL_JOB_ID"])
+            t0 = time.perf_counter()
+            state.flush()
+            flush_s = time.perf_counter() - t0
+            del state
+            for p in paths:
+                if os.path.exists(p):
+                    os.unlink(p)
+            rows.append((slots, held, raws, commits, flush_s))
+    finally:
+        os.environ.pop("EFDL_SNAPSHOT_SLOTS", None)
+        os.environ.pop("EFDL_PERSIST_MIN_INTERVAL_MS", None)
+        os.environ["EFDL_JOB_ID"] = base_job
+    print("footprint (issue #35): state %d bytes (%.3f GiB: params + momentum, %d tensors); "
+          "peer copy: not built (issue #35 part 2), no bytes to measure"
+          % (total, total / (1 << 30), len(tensors)))
+    print("%-6s %14s %8s %10s %10s %10s %10s %12s" % (
+        "slots", "arena bytes", "x state", "raw best", "commit best", "median", "worst",
+        "best/raw"))
+    for slots, held, raws, commits, flush_s in rows:
+        print("%-6d %14d %8.3f %10.4f %10.4f %10.4f %10.4f %12.2f" % (
+            slots, held, held / total, min(raws), min(commits), statistics.median(commits),
+            max(commits), min(commits) / min(raws)))
+    for slots, held, raws, commits, flush_s in rows:
+        print("  slots %d: commit/raw per rep (each raw copy timed right before its commit): %s;"
+              " final flush %.3f s" % (slots, " ".join("%.2f" % (c / r) for c, r in
+                                                        zip(commits, raws)), flush_s))
+
+
 def digits_training():
     """The digits data set (sklearn) and the MLP of parts 2 and 3: (X, y, model, optimizer)."""
     from sklearn.datasets import load_digits
@@ -353,6 +428,10 @@ def main():
     ap.add_argument("--ddp-steps", type=int, default=0,
                     help="run part 3 (2 DDP ranks) for this many steps (0: skip it)")
     ap.add_argument("--ddp-rank", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--footprint", nargs="?", const="2,3", default=None,
+                    help="run only part 4 (footprint) for these slot counts (default 2,3)")
+    ap.add_argument("--persist-interval-ms", type=int, default=0,
+                    help="part 4's EFDL_PERSIST_MIN_INTERVAL_MS (default 0: no rate limit)")
     args = ap.parse_args()
     if args.ddp_rank:
         ddp_rank(args)
@@ -361,6 +440,13 @@ def main():
     os.environ.update(EFDL_JOB_ID="bench-snapshot-%d" % os.getpid(),
                       EFDL_SNAPSHOT_DIR=os.path.join(work, "snaps"))
     try:
+        if args.footprint is not None:
+            try:
+                args.footprint = [int(x) for x in args.footprint.split(",")]
+            except ValueError:
+                raise SystemExit("--footprint takes slot counts like 2,3, got %r" % args.footprint)
+            part4(args, work)
+            return
         if not args.skip_big:
             part1(args, work)
         if not args.skip_digits:
