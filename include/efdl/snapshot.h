@@ -71,8 +71,10 @@ struct EngineOptions {
   std::string arena_path;      // e.g. /dev/shm/efdl-<job>-<node>-node.arena
   std::string storage_dir;     // this job's (and scope's) directory; empty: no storage
   // 2..4. Three: the newest complete snapshot, one a persister may hold pinned while writing it
-  // to storage, and one to write into. With two, a commit during a persist must overwrite the
-  // newest, and a writer killed inside that commit leaves only the older one (docs/reliability.md).
+  // to storage, and one to write into. With two, a commit during a persist takes the persister's
+  // slot (never the newest: a writer killed inside it leaves the newest intact) after waiting at
+  // most kMaxHoldWait, and persistence can starve when writing a snapshot to storage takes longer
+  // than the commits leave it (docs/snapshots.md, "Footprint").
   int num_slots = 3;
   int keep = 2;                // snapshots kept in storage
   bool persist = true;         // run the background persister in this process
@@ -108,7 +110,8 @@ class SnapshotEngine {
   virtual Status SetLayout(std::vector<TensorEntry> tensors) = 0;
   virtual const std::vector<TensorEntry>& layout() const = 0;
   // Copies one snapshot into a free slot of the arena and publishes it. Never waits for the
-  // persister. Returns the snapshot's seq.
+  // persister with 3 or more slots; with 2, at most kMaxHoldWait (src/snapshot/arena.h) when
+  // the persister holds the only slot it may take. Returns the snapshot's seq.
   virtual Result<uint64_t> Commit(const std::vector<TensorSource>& sources, int64_t step,
                                   std::string_view meta_json, const FillFn& fill = {}) = 0;
   // Persists the newest committed snapshot now and waits for it (SIGTERM, graceful stop).
