@@ -284,7 +284,9 @@ int SnapshotArena::TryBeginWrite(bool take_pinned, bool* any_hold) {
 void SnapshotArena::Take(int slot) {
   // seq 0 marks the slot as taken (a probe above only flips the state and gives it back): a
   // reader's Unchanged() fails from here on, and it must see that before any byte of new data.
+  // A preempted pinner's hold is void: its pin stays until it notices, but nobody waits for it.
   A(header()->slots[slot].seq).store(0);
+  A(header()->slots[slot].hold).store(0);
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 

@@ -161,6 +161,16 @@ TEST_F(ArenaTest, AHeldPinIsWaitedForAtMostTheBoundAndNotAfterItGoes) {
   EXPECT_GE(took, wait) << "a held pin was not waited for";
   EXPECT_LT(took, wait + std::chrono::seconds(2)) << "the wait exceeded its bound";
   a->Publish(*slot, 3, 30, 1, 1024);
+  // The preempted pinner has not noticed yet: its pin stays, its hold is void (slot `older` is
+  // the newest now; the next commit takes the other slot, the one after takes `older` at once).
+  Write(*a, 4, 4);
+  t0 = std::chrono::steady_clock::now();
+  slot = a->BeginWrite(std::chrono::seconds(20), &preempted);
+  ASSERT_TRUE(slot.ok());
+  EXPECT_EQ(*slot, older);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5))
+      << "the writer waited for the hold of a pinner it had preempted already";
+  a->Publish(*slot, 5, 50, 1, 1024);
   a->Unpin(older);
   // A held pin released during the wait: the writer gets the slot then, not preempted.
   auto ready = a->ReadySlots();
