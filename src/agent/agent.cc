@@ -82,10 +82,11 @@ Agent::~Agent() {
 int Agent::Run() {
   const int code = RunUntilDone();
   workers_.Retire(/*wait=*/true);   // workers of an earlier round still exiting
-  if (left_on_signal_ != 0) {
-    // The last line of a node that left on a signal: that it left, and the exit code.
+  if (code > 128) {
+    // Only Shutdown returns 128 + a signal: the last line of a node that left on a signal says
+    // that it left, and the exit code.
     EFDL_LOG_INFO("node {} left job '{}' on {}; its workers are stopped; exit code {}",
-                  options_.node_id, options_.job_id, SignalName(left_on_signal_), code);
+                  options_.node_id, options_.job_id, SignalName(code - 128), code);
   }
   return code;
 }
@@ -175,7 +176,7 @@ void Agent::NoteReturnedWorkers() {
   // Every worker's program returned (in-process, they said so before tearing down): if the
   // peers still train, the round is about to break and this node is its cause; the next ack
   // says so before the exits are reaped, which can take longer than the coordinator waits.
-  workers_.SetExited0({*round, LocalRanks(assignment_)});
+  workers_.SetExited0({*round, LocalRanks(rounds_.newest)});
   rdzv_.NoteWorkersReturned(*round, workers_.exited0()->second);
 }
 
@@ -187,9 +188,9 @@ std::optional<int> Agent::PollWorkers() {
       return std::nullopt;
     case WorkerGroup::State::kSucceeded: {
       EFDL_LOG_INFO("round {}: all {} worker(s) of this node exited 0", group->round(),
-                    assignment_.nproc);
+                    rounds_.newest.nproc);
       snapshots_.PersistNewest("reporting the workers' success");
-      workers_.SetExited0({group->round(), LocalRanks(assignment_)});
+      workers_.SetExited0({group->round(), LocalRanks(rounds_.newest)});
       rdzv_.ReportWorkersExited0(group->round(), workers_.exited0()->second);
       workers_.Succeeded();
       return std::nullopt;
@@ -202,7 +203,7 @@ std::optional<int> Agent::PollWorkers() {
   // these workers' collectives (a failure of that node, not of this one).
   const bool stalled = hangs_.Stalled();
   WorkerExit failure = *group->first_failure();
-  std::optional<WorkerExit> early = workers_.EarlyExit0(assignment_.rank_offset);
+  std::optional<WorkerExit> early = workers_.EarlyExit0(rounds_.newest.rank_offset);
   if (!early) {
     // The failure may be a lost peer and the peer a rank of this node that returned: reaped in
     // the same poll as the failure, or still tearing down (its exit is often reaped after the
@@ -220,21 +221,21 @@ std::optional<int> Agent::PollWorkers() {
   if (early) {
     // A rank of this node returned first: the failures after it are its peers' collectives
     // losing it, this node's failure whatever their output says.
-    pending_failure_.reset();
+    failures_.pending().reset();
     BlameEarlyExit0(round, *early);
     return std::nullopt;
   }
   const RoundWorkers::LastStop& stopped = workers_.last_stop();
-  pending_failure_ = PendingFailure{round,
-                                    assignment_.nnodes,
+  failures_.pending() = PendingFailure{round,
+                                    rounds_.newest.nnodes,
                                     detail,
                                     stopped.connect_error,
                                     stopped.failure_tail,
                                     CollateralCause(stalled, stopped.failure_tail)};
-  if (!pending_failure_->collateral.empty()) {
+  if (!failures_.pending()->collateral.empty()) {
     EFDL_LOG_WARN("round {}: {} because {}: not this node's failure", round, detail,
-                  pending_failure_->collateral);
-    rdzv_.ReportLostPeer(round, detail, pending_failure_->collateral);
+                  failures_.pending()->collateral);
+    rdzv_.ReportLostPeer(round, detail, failures_.pending()->collateral);
   } else {
     ReportOwnFailure(round, detail);
   }
@@ -245,7 +246,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
   using Type = rdzv::Event::Type;
   switch (event.type) {
     case Type::kRoundStarted:
-      saw_round_ = true;
+      rounds_.any = true;
       return StartRound(event.assignment, event.message);
     case Type::kRoundClosing:
       EFDL_LOG_INFO("round {} closing ({}){}{}", event.round,
@@ -260,8 +261,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
         // A rank of this node returned while the others trained (in-process it said so before
         // the failure it caused reached this loop): this node's failure, reported before the
         // coordinator forms the next round without a cause.
-        if (const auto early = workers_.EarlyExit0(assignment_.rank_offset);
-            early && (!pending_failure_ || !pending_failure_->collateral.empty())) {
+        if (const auto early = workers_.EarlyExit0(rounds_.newest.rank_offset);
+            early && (!failures_.pending() || !failures_.pending()->collateral.empty())) {
           BlameEarlyExit0(workers_.group()->round(), *early);
         }
       }
@@ -285,8 +286,8 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
           if (!workers_.group()) return std::nullopt;
           // One of several returned while the others live on (paused in-process after their
           // collective lost it, a lost peer so far).
-          if (const auto early = workers_.EarlyExit0(assignment_.rank_offset);
-              early && (!pending_failure_ || !pending_failure_->collateral.empty())) {
+          if (const auto early = workers_.EarlyExit0(rounds_.newest.rank_offset);
+              early && (!failures_.pending() || !failures_.pending()->collateral.empty())) {
             BlameEarlyExit0(workers_.group()->round(), *early);
           }
         }
@@ -306,13 +307,13 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       snapshots_.PersistNewest("the job's end");
       snapshots_.Close();
       snapshots_.RemoveJobArenas();
-      if (!saw_round_) {
+      if (!rounds_.any) {
         // A late agent: the job id ran to completion before; it still exits 0, but says so.
         EFDL_LOG_WARN("job '{}' was already complete ({}); nothing ran on this node. To run it "
                       "again from the beginning: `efdl reset --job {} --etcd ...` once no agent "
                       "of it runs, or start it under a new --job",
                       options_.job_id, event.message, options_.job_id);
-      } else if (rounds_started_ == 0) {
+      } else if (rounds_.started_count == 0) {
         EFDL_LOG_WARN("job '{}' is complete; this node was a standby throughout (the job was at "
                       "its --nnodes MAX or --world-size): its program never ran here",
                       options_.job_id);
@@ -352,14 +353,14 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   }
   // A change of the job's node count ends a streak of collateral failures (issue #32).
   if (!a.standby) failures_.RoundFormed(a.nnodes);
-  if (const auto& exited0 = workers_.exited0(); a.early_exit && exited0 && !pending_failure_) {
+  if (const auto& exited0 = workers_.exited0(); a.early_exit && exited0 && !failures_.pending()) {
     // This node's workers all exited 0 while their peers still trained: the peers'
     // collectives lost them, and the coordinator named this node the cause (NameCause).
     const std::string detail =
         fmt::format("{} exited 0 before the job completed", exited0->second);
     EFDL_LOG_WARN("round {}: {}: their peers' collectives lost them and the round was formed "
                   "again; this node's failure", exited0->first, detail);
-    pending_failure_ = PendingFailure{exited0->first, a.nnodes, detail, std::nullopt, {}, {}};
+    RecordFailure(exited0->first, a.nnodes, detail);
   }
   workers_.ForgetExited0();
   if (auto code = CountPendingFailure(a)) return code;
@@ -375,7 +376,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
                   options_.node_id, options_.job_id);
       break;
   }
-  assignment_ = a;
+  rounds_.newest = a;
   observer_.RoundStarts(a);
   if (!a.standby) observer_.BeginLedgerPart(a, why, Sight());
   workers_.SetRound(a.round);
@@ -394,9 +395,9 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
     }
     return std::nullopt;
   }
-  const int restart_count = rounds_started_++;
+  const int restart_count = rounds_.started_count++;
   if (workers_.paused() && ContinueInProcess(a, restart_count)) {
-    round_started_ = std::chrono::steady_clock::now();
+    rounds_.started = std::chrono::steady_clock::now();
     ArmHangMonitor(/*fresh=*/false);
     return std::nullopt;
   }
@@ -439,20 +440,20 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
     return 1;
   }
   workers_.Started(std::move(group).value());
-  round_started_ = std::chrono::steady_clock::now();
+  rounds_.started = std::chrono::steady_clock::now();
   ArmHangMonitor(/*fresh=*/true);
   return std::nullopt;
 }
 
 std::optional<int> Agent::CountPendingFailure(const rdzv::Assignment& a) {
-  if (!pending_failure_) return std::nullopt;
-  const PendingFailure f = *std::exchange(pending_failure_, std::nullopt);
+  if (!failures_.pending()) return std::nullopt;
+  const PendingFailure f = *std::exchange(failures_.pending(), std::nullopt);
   if (options_.metrics) options_.metrics->CountWorkerFailure(/*own=*/f.collateral.empty());
   if (!f.collateral.empty()) {
     // A streak of collateral failures may be this node's doing after all (NodeFailures).
-    // (round_started_ is still the failed round's: the next one starts after this count.) A
+    // (rounds_.started is still the failed round's: the next one starts after this count.) A
     // change of the job's node count starts a new streak (StartRound).
-    if (!failures_.CollateralCounts(std::chrono::steady_clock::now(), round_started_)) {
+    if (!failures_.CollateralCounts(std::chrono::steady_clock::now(), rounds_.started)) {
       EFDL_LOG_INFO("round {} failure ({}) came from {}: not counted as a restart", f.round,
                     f.detail, f.collateral);
       return std::nullopt;
@@ -567,18 +568,24 @@ void Agent::BlameEarlyExit0(int64_t round, const WorkerExit& early) {
       fmt::format("rank {} exited 0 before the job completed", early.rank);
   EFDL_LOG_WARN("round {}: {} while this node's other ranks trained: the collectives lost it; "
                 "this node's failure", round, detail);
-  pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+  RecordFailure(round, rounds_.newest.nnodes, detail);
   ReportOwnFailure(round, detail);
+}
+
+void Agent::RecordFailure(int64_t round, int nnodes, std::string detail,
+                          std::string collateral) {
+  failures_.pending() =
+      PendingFailure{round, nnodes, std::move(detail), std::nullopt, {}, std::move(collateral)};
 }
 
 void Agent::ReportOwnFailure(int64_t round, const std::string& detail) {
   // The rule CountPendingFailure applies at the next round, asked ahead: the round that failed
   // is the one the next would be judged against (the same nodes, no leave seen).
-  const bool can_exclude = failures_.CanExclude(assignment_);
-  if (pending_failure_ && pending_failure_->collateral.empty() && !failures_.out() &&
+  const bool can_exclude = failures_.CanExclude(rounds_.newest);
+  if (failures_.pending() && failures_.pending()->collateral.empty() && !failures_.out() &&
       failures_.CountAhead(std::chrono::steady_clock::now(), can_exclude).action ==
           health::FailureVerdict::Action::kExclude) {
-    CountPendingFailure(assignment_);   // counts it, and Exclude withdraws the node now
+    CountPendingFailure(rounds_.newest);   // counts it, and Exclude withdraws the node now
     return;
   }
   rdzv_.ReportWorkerFailure(round, detail);
@@ -591,8 +598,7 @@ void Agent::StopWorkers(bool graceful, const std::string& reason, bool release_a
 }
 
 void Agent::ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& e) {
-  if (!e || peer_connect_explained_) return;
-  peer_connect_explained_ = true;   // once: the next rounds would only repeat it
+  if (!e || !failures_.FirstConnectErrorExplanation()) return;
   auto setting = [](const char* name, const std::string& ours) {
     const char* user = std::getenv(name);
     if (user != nullptr) return fmt::format("{}={} (set by you)", name, user);
@@ -657,7 +663,6 @@ std::string Agent::WorkerLogPath(int64_t round, int rank) const {
 }
 
 int Agent::Shutdown(int signal) {
-  left_on_signal_ = signal;
   observer_.EndLedger("signal");
   EFDL_LOG_INFO("received {}: leaving job '{}' and stopping workers", SignalName(signal),
                 options_.job_id);

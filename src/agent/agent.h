@@ -149,22 +149,14 @@ class Agent {
   const std::string& control_socket() const { return workers_.socket_path(); }
 
  private:
-  struct PendingFailure {
-    int64_t round = 0;
-    int nnodes = 0;
-    std::string detail;                               // "rank N exited with status 1", ...
-    std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
-    std::vector<std::string> stderr_tail;             // the failing rank's last stderr lines
-    // Not this node's failure (issue #32, blame): why - another node's rank hung and was ended
-    // there, or a collective lost a peer that crashed, raised or exited. Logged, not counted.
-    // Empty: this node's own failure.
-    std::string collateral;
-  };
-
   // Why a failure of this node's workers is collateral ("" when it is its own): a hang whose
   // cause another node ended, or a worker whose stderr says its collective lost a peer.
   std::string CollateralCause(bool stalled, const std::vector<std::string>& stderr_tail) const;
 
+  // Records a failure of this node's workers in `round` of `nnodes` nodes as the pending one
+  // (NodeFailures::pending): `detail` says what failed; `collateral` why it is not this node's
+  // own ("" when it is).
+  void RecordFailure(int64_t round, int nnodes, std::string detail, std::string collateral = {});
   // Each returns an exit code when the agent must end.
   std::optional<int> HandleEvent(const rdzv::Event& event);
   std::optional<int> PollWorkers();
@@ -176,14 +168,14 @@ class Agent {
   void BlameEarlyExit0(int64_t round, const WorkerExit& early);
   // `why`: the round's reason (its ledger part says it).
   std::optional<int> StartRound(const rdzv::Assignment& assignment, const std::string& why);
-  // A failure of the round that closed (pending_failure_), counted as this node's own unless it
+  // A failure of the round that closed (failures_.pending()), counted as this node's own unless it
   // was collateral or came with a node leaving; the exclusion rule (exclusion_rules.h) then
   // restarts the workers, excludes the node (Exclude) or gives up: an exit code then.
   std::optional<int> CountPendingFailure(const rdzv::Assignment& next);
   // Records the exclusion in etcd, stops what runs of this round on this node and withdraws from
   // the job for the cool-down (Rendezvous::Withdraw); the node registers again after it.
   void Exclude(const PendingFailure& failure, const health::FailureVerdict& verdict);
-  // Reports this node's own failure just recorded in pending_failure_ to the rendezvous, unless
+  // Reports this node's own failure just recorded in failures_.pending() to the rendezvous, unless
   // it is the one that excludes this node: then it is counted and the node excluded at once,
   // before a next round can form with it (whose in-process peers would wait for its ranks in
   // that round's process-group creation until the pause and stop timeouts: seconds).
@@ -214,6 +206,7 @@ class Agent {
   // "straggler"), withdraws from the job for the cool-down and stops the workers.
   void CheckStragglers();
   void EvictAsStraggler(const StragglerWatch::Eviction& eviction);
+  // Leaves the job on `signal`: returns 128 + signal (and only it returns more than 128).
   int Shutdown(int signal);
   // What observer_ sees of this node's workers now (agent_observe.cc).
   NodeObserver::Sight Sight() const;
@@ -237,6 +230,9 @@ class Agent {
   // that died is refused too, and that needs no setting.
   void ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& error);
 
+  // 12 members: the options, the rendezvous, the shutdown signal, the newest round, and the
+  // collaborators (snapshots, the reaper, the round's workers, the warm pool, hangs, failures,
+  // stragglers, the observer).
   const AgentOptions options_;
   rdzv::Rendezvous& rdzv_;
   std::atomic<int> shutdown_signal_{0};
@@ -254,21 +250,22 @@ class Agent {
   // Hang detection: the progress board and the state of a hang (hang_watch.h; without a
   // monitor: --hang-timeout 0, --launcher, or no board).
   HangWatch hangs_;
-  // When this node's workers of the newest round started (or continued in-process).
-  std::chrono::steady_clock::time_point round_started_{};
-  rdzv::Assignment assignment_;            // of the newest round started
-  int rounds_started_ = 0;
-  bool saw_round_ = false;  // any round (standby included) reached this node
-  int left_on_signal_ = 0;  // the SIGTERM/SIGINT this node left the job on (Shutdown), or 0
-  // This node's own failures, the streak of collateral ones, the end of an exclusion
-  // (node_failures.h).
+  // What reached this node of the job's rounds.
+  struct Rounds {
+    rdzv::Assignment newest;   // the newest round started
+    // When this node's workers of the newest round started (or continued in-process).
+    std::chrono::steady_clock::time_point started{};
+    int started_count = 0;     // rounds this node's workers started in (their restart count)
+    bool any = false;          // any round (standby included) reached this node
+  };
+  Rounds rounds_;
+  // This node's own failures, the streak of collateral ones, the end of an exclusion, the
+  // failure of the round that closes (node_failures.h).
   NodeFailures failures_;
-  std::optional<PendingFailure> pending_failure_;
   // Straggler detection (straggler_watch.h): samples, summaries, the judge, eviction.
   StragglerWatch stragglers_;
   // The node's metrics and its part of the goodput ledger (node_observer.h).
   NodeObserver observer_;
-  bool peer_connect_explained_ = false;
 };
 
 }  // namespace efdl::agent

@@ -48,11 +48,11 @@ void Agent::ArmHangMonitor(bool fresh) {
 }
 
 void Agent::CheckHang() {
-  if (!hangs_.monitor() || !workers_.active() || pending_failure_) return;
+  if (!hangs_.monitor() || !workers_.active() || failures_.pending()) return;
   WorkerGroup* group = workers_.group();
   const int64_t round = group->round();
   const HangWatch::Verdict v =
-      hangs_.Check(std::chrono::steady_clock::now(), round, assignment_.rank_offset,
+      hangs_.Check(std::chrono::steady_clock::now(), round, rounds_.newest.rank_offset,
                    [group] { return group->Poll() == WorkerGroup::State::kRunning; });
   switch (v.kind) {
     case HangWatch::Verdict::Kind::kNone:
@@ -63,9 +63,9 @@ void Agent::CheckHang() {
     case HangWatch::Verdict::Kind::kNoCause:
       group->Close();
       StopWorkers(/*graceful=*/false, v.detail);
-      pending_failure_ = PendingFailure{round, assignment_.nnodes, v.detail, std::nullopt, {}, {}};
-      pending_failure_->collateral = "a hang whose cause no node found";   // counted against nobody
-      rdzv_.ReportLostPeer(round, v.detail, pending_failure_->collateral);
+      // Counted against nobody.
+      RecordFailure(round, rounds_.newest.nnodes, v.detail, "a hang whose cause no node found");
+      rdzv_.ReportLostPeer(round, v.detail, failures_.pending()->collateral);
       return;
   }
 }
@@ -75,7 +75,7 @@ void Agent::EndHungWorkers(int64_t round, const std::string& detail) {
                  options_.job_id, round, detail, options_.node_id);
   workers_.group()->Close();   // SIGKILL: a stopped or stuck process answers nothing else
   StopWorkers(/*graceful=*/false, detail);
-  pending_failure_ = PendingFailure{round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+  RecordFailure(round, rounds_.newest.nnodes, detail);
   ReportOwnFailure(round, detail);
 }
 

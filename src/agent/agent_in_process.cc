@@ -50,18 +50,18 @@ void Agent::ServeInProcessFailures() {
       // The program raised on this rank (efdl.elastic.run said so before the process tears
       // down, which may take longer than the round's close waits for it): this node's failure,
       // whatever a lost collective of a rank beside it reported first.
-      if (pending_failure_ && pending_failure_->collateral.empty()) continue;
+      if (failures_.pending() && failures_.pending()->collateral.empty()) continue;
       const std::string detail = fmt::format("rank {} raised {}", f.rank, f.message);
       EFDL_LOG_WARN("round {}: {}; this node's failure", f.round, detail);
-      pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
+      RecordFailure(f.round, rounds_.newest.nnodes, detail);
       ReportOwnFailure(f.round, detail);
       continue;
     }
-    if (pending_failure_) continue;
+    if (failures_.pending()) continue;
     // A rank of this node that returned while the others trained broke their collective: this
     // node's failure (an exit, usually reaped before the collective's error reached us).
     group->Poll();
-    if (const auto early = workers_.EarlyExit0(assignment_.rank_offset);
+    if (const auto early = workers_.EarlyExit0(rounds_.newest.rank_offset);
         early && !group->first_failure()) {
       BlameEarlyExit0(f.round, *early);
       continue;
@@ -72,11 +72,10 @@ void Agent::ServeInProcessFailures() {
     // went away, hung or raised - that peer's node counts the failure, not this one.
     EFDL_LOG_WARN("round {}: {}; the round is formed again, the workers wait in-process",
                   f.round, detail);
-    pending_failure_ = PendingFailure{f.round, assignment_.nnodes, detail, std::nullopt, {}, {}};
-    const bool stalled = hangs_.Stalled();
-    pending_failure_->collateral = stalled ? CollateralCause(true, {})
-                                           : "a collective that lost a peer (its node counts it)";
-    rdzv_.ReportLostPeer(f.round, detail, pending_failure_->collateral);
+    RecordFailure(f.round, rounds_.newest.nnodes, detail,
+                  hangs_.Stalled() ? CollateralCause(true, {})
+                                   : "a collective that lost a peer (its node counts it)");
+    rdzv_.ReportLostPeer(f.round, detail, failures_.pending()->collateral);
   }
 }
 

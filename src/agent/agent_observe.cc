@@ -16,8 +16,8 @@ NodeObserver::Sight Agent::Sight() const {
     s.uncommitted = [board] { return board->Uncommitted(); };
   }
   s.paused = workers_.paused();
-  s.rank_offset = assignment_.rank_offset;
-  s.rank0 = workers_.group() && !assignment_.standby && assignment_.node_rank == 0;
+  s.rank_offset = rounds_.newest.rank_offset;
+  s.rank0 = workers_.group() && !rounds_.newest.standby && rounds_.newest.node_rank == 0;
   s.restarts = failures_.restarts();
   return s;
 }

@@ -14,8 +14,8 @@ void Agent::CheckStragglers() {
   const auto now = std::chrono::steady_clock::now();
   health::HangMonitor* board = hangs_.monitor();
   if (!board || !stragglers_.SampleDue(now)) return;
-  if (!workers_.active() || !board->armed() || assignment_.standby) return;
-  if (auto eviction = stragglers_.Sample(now, assignment_, board->Progress())) {
+  if (!workers_.active() || !board->armed() || rounds_.newest.standby) return;
+  if (auto eviction = stragglers_.Sample(now, rounds_.newest, board->Progress())) {
     EvictAsStraggler(*eviction);
   }
 }

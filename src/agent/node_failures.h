@@ -5,7 +5,8 @@
 // job.
 //
 // It only counts: the Agent decides which failure is collateral (blame), logs, and acts on a
-// verdict (restart, exclude, give up).
+// verdict (restart, exclude, give up). It holds the failure the Agent recorded in a round until
+// the next round counts it (pending()).
 //
 // Single-threaded: called from the Agent's loop. Times are passed in (tests use fake ones).
 #pragma once
@@ -13,11 +14,28 @@
 #include <algorithm>
 #include <chrono>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "agent/worker_group.h"
 #include "health/exclusion_rules.h"
 #include "rendezvous/rendezvous.h"
 
 namespace efdl::agent {
+
+// A failure of this node's workers in a round, counted (or not) when the next round starts.
+struct PendingFailure {
+  int64_t round = 0;
+  int nnodes = 0;
+  std::string detail;                               // "rank N exited with status 1", ...
+  std::optional<PeerConnectError> connect_error;   // a worker's line about a peer, if any
+  std::vector<std::string> stderr_tail;             // the failing rank's last stderr lines
+  // Not this node's failure (issue #32, blame): why - another node's rank hung and was ended
+  // there, or a collective lost a peer that crashed, raised or exited. Logged, not counted.
+  // Empty: this node's own failure.
+  std::string collateral;
+};
 
 class NodeFailures {
  public:
@@ -74,13 +92,23 @@ class NodeFailures {
   };
   Out CheckOut(Clock::time_point now);
 
+  // The failure recorded in the round that closes, if any, until the next round counts it.
+  std::optional<PendingFailure>& pending() { return pending_; }
+  const std::optional<PendingFailure>& pending() const { return pending_; }
+  // True the first time only: a peer-connect error is explained once per agent (the next
+  // rounds would only repeat it).
+  bool FirstConnectErrorExplanation() { return !std::exchange(connect_error_explained_, true); }
+
  private:
-  // 5 members: the own failures, MIN, the collateral streak and its node count, the exclusion.
+  // 7 members: the own failures, MIN, the collateral streak and its node count, the exclusion,
+  // the pending failure, whether a connect error was explained.
   health::OwnFailures own_;
   const int min_nodes_;
   int streak_ = 0;
   int streak_nnodes_ = 0;   // the node count of the rounds of the current streak
   std::optional<Clock::time_point> out_until_;
+  std::optional<PendingFailure> pending_;
+  bool connect_error_explained_ = false;
 };
 
 }  // namespace efdl::agent

@@ -48,16 +48,16 @@ RoundWorkers::RoundWorkers(Config config) : config_(std::move(config)) {}
 RoundWorkers::~RoundWorkers() { Close(); }
 
 Status RoundWorkers::OpenControl() {
-  socket_path_ = config_.control_socket_path;
-  if (socket_path_.empty()) {
+  std::string path = config_.control_socket_path;
+  if (path.empty()) {
     const char* tmp = std::getenv("TMPDIR");
     RemoveStaleAgentDirs(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp");
     auto dir = TempDir::Create("efdl-agent");
     if (!dir.ok()) return dir.status();
     socket_dir_ = std::move(dir).value();
-    socket_path_ = socket_dir_.path() + "/control.sock";
+    path = socket_dir_.path() + "/control.sock";
   }
-  auto control = ControlServer::Start({socket_path_, config_.job_id, config_.node_id});
+  auto control = ControlServer::Start({path, config_.job_id, config_.node_id});
   if (!control.ok()) return control.status();
   control_ = std::move(control).value();
   channel_ = std::make_unique<ControlChannel>(*control_);

@@ -67,7 +67,10 @@ class RoundWorkers {
   // $TMPDIR, when it makes its own). An error says why it cannot.
   Status OpenControl();
   // The control socket's path once opened (empty before).
-  const std::string& socket_path() const { return socket_path_; }
+  const std::string& socket_path() const {
+    static const std::string kNone;
+    return control_ ? control_->path() : kNone;
+  }
   // Once opened: the transport, and the channel that keeps the books of its reports.
   ControlServer& control() { return *control_; }
   ControlChannel& channel() { return *channel_; }
@@ -144,12 +147,11 @@ class RoundWorkers {
   void ForgetExited0() { exited0_.reset(); }
 
  private:
-  // 12 members: the config, the control socket (directory, path, server, the books of its
+  // 12 members: the config, the control socket (its directory, the server, the books of its
   // reports), the group and its pause, the retiring groups, the Horovod server, what the exits
   // said (returned, last stop, exited 0), the next orphan reap.
   const Config config_;
   TempDir socket_dir_;
-  std::string socket_path_;
   std::unique_ptr<ControlServer> control_;
   std::unique_ptr<ControlChannel> channel_;   // over control_
   std::unique_ptr<WorkerGroup> group_;

@@ -98,5 +98,16 @@ TEST(NodeFailuresTest, CountedFailuresExcludeThenTheNodeIsOutUntilTheCooldownEnd
   EXPECT_EQ(f.CheckOut(v.until + 1s), NodeFailures::Out::kNo) << "back is said once";
 }
 
+TEST(NodeFailuresTest, AFailureWaitsToBeCountedAndAConnectErrorIsExplainedOnce) {
+  NodeFailures f(Policy(3), 1);
+  EXPECT_FALSE(f.pending().has_value());
+  f.pending() = PendingFailure{4, 2, "rank 1 exited with status 1", std::nullopt, {}, {}};
+  ASSERT_TRUE(f.pending().has_value());
+  EXPECT_EQ(f.pending()->round, 4);
+  EXPECT_EQ(f.restarts(), 0) << "recorded, not counted";
+  EXPECT_TRUE(f.FirstConnectErrorExplanation());
+  EXPECT_FALSE(f.FirstConnectErrorExplanation()) << "once per agent";
+}
+
 }  // namespace
 }  // namespace efdl::agent
