@@ -20,7 +20,7 @@ import time
 import pytest
 
 import faultlib
-import host_jobs  # noqa: E402 (tests/python/workers, put on sys.path by faultlib)
+import cluster  # noqa: E402 (tests/python/workers, put on sys.path by faultlib)
 import hosts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(faultlib.efdl_bin() is None,
@@ -667,11 +667,11 @@ def test_soak_random_kills_freezes_and_restarts(make_job, rng):
 def host_world():
     """Three hosts (tests/python/workers/hosts.py): each its own network namespace on a bridge,
     host name, Debian-style /etc/hosts, /dev/shm and /tmp; one etcd on the bridge
-    (host_jobs.world: all removed, and checked gone, after the test)."""
+    (cluster.host_world: all removed, and checked gone, after the test)."""
     why = hosts.HostWorld.unavailable()
     if why:
         pytest.skip(why)
-    for world, etcd, _agents in host_jobs.world():
+    for world, etcd, _agents in cluster.host_world():
         yield world, etcd
 
 

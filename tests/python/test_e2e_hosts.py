@@ -17,18 +17,17 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
-import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 
-WORKER = host_jobs.WORKER
+WORKER = cluster.HOST_WORKER
 
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
 
-world = pytest.fixture(host_jobs.world)
-Etcd, host_env, start_agent = host_jobs.Etcd, host_jobs.host_env, host_jobs.start_agent
-outputs, wait_world = host_jobs.outputs, host_jobs.wait_world
+world = pytest.fixture(cluster.host_world)
+Etcd, host_env, start_agent = cluster.bridge_etcd, cluster.host_env, cluster.start_host_agent
+outputs, wait_world = cluster.outputs, cluster.wait_for_world
 
 
 def test_three_hosts_with_default_flags_train_lose_a_host_and_get_it_back(world):

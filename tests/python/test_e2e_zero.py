@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
-import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 from zero_results import whole_state  # noqa: E402
 
@@ -37,8 +36,8 @@ STEPS = 150
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
-world = pytest.fixture(host_jobs.world)
-outputs, wait_world = host_jobs.outputs, host_jobs.wait_world
+world = pytest.fixture(cluster.host_world)
+outputs, wait_world = cluster.outputs, cluster.wait_for_world
 RESTORED = "restored its ZeroRedundancyOptimizer shard"
 
 
@@ -113,7 +112,7 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     env = {"EFDL_SNAPSHOT_PER_RANK": "1", "EFDL_PERSIST_MIN_INTERVAL_MS": "0",
            "WORKER_MODE": mode, "WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0.2"}
     extra = ["--snapshot-dir", snapshots]
-    agents += [host_jobs.start_agent(w, etcd, h, job, extra=extra, env=env, command=[
+    agents += [cluster.start_host_agent(w, etcd, h, job, extra=extra, env=env, command=[
         PYTHON, WORKER]) for h in w.hosts]
     wait_world(agents, 3, 0.0, timeout=300, live=agents)
     wait_steps(agents, 3, 10, timeout=120)   # the storage holds shards of world 3 by then
@@ -128,7 +127,7 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     # A host with empty memory joins.
     lost.start(empty_shm=True)
     back_at = time.monotonic()
-    agents.append(host_jobs.start_agent(w, etcd, lost, job, extra=extra, env=env,
+    agents.append(cluster.start_host_agent(w, etcd, lost, job, extra=extra, env=env,
                                         command=[PYTHON, WORKER]))
     live = agents[:2] + agents[3:]
     wait_world(live, 3, back_at, timeout=300, live=live)

@@ -21,7 +21,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
-import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 
 STATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
@@ -31,7 +30,7 @@ ENV = {"WORKER_EPOCHS": "1000", "WORKER_STEP_TIME": "0.1", "WORKER_COMMIT_INTERV
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
-world = pytest.fixture(host_jobs.world)
+world = pytest.fixture(cluster.host_world)
 
 RESTORED_RE = re.compile(r"RESTORED round=(\d+) rank=\d+ world=\d+ source=\S+ seq=\d+ step=(\d+)")
 
@@ -44,7 +43,7 @@ def efdl(etcd, *args, timeout=90):
 
 
 def start(w, etcd, host, job):
-    return host_jobs.start_agent(w, etcd, host, job, env=ENV,
+    return cluster.start_host_agent(w, etcd, host, job, env=ENV,
                                  command=[cluster.PYTHON, STATE_WORKER])
 
 
@@ -71,27 +70,27 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     w, etcd, agents = world
     job = "ledger"
     agents += [start(w, etcd, h, job) for h in w.hosts]
-    host_jobs.wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    cluster.wait_for_world(agents, 3, 0.0, timeout=300, live=agents)
     time.sleep(2)
 
     # A crash: the third host dies as a whole.
     lost = w.hosts[2]
     crashed_at = time.monotonic()
     lost.kill()
-    host_jobs.wait_world(agents[:2], 2, crashed_at, timeout=120, live=agents[:2])
+    cluster.wait_for_world(agents[:2], 2, crashed_at, timeout=120, live=agents[:2])
     time.sleep(2)
     # A join: the host comes back with a new agent.
     lost.start()
     joined_at = time.monotonic()
     agents.append(start(w, etcd, lost, job))
     live = [agents[0], agents[1], agents[3]]
-    host_jobs.wait_world(live, 3, joined_at, timeout=300, live=live)
+    cluster.wait_for_world(live, 3, joined_at, timeout=300, live=live)
     time.sleep(2)
     # A graceful leave.
     left_at = time.monotonic()
     # (to the process group: the Popen is nsenter, which does not forward signals)
     os.killpg(agents[3].proc.pid, signal.SIGTERM)
-    host_jobs.wait_world(agents[:2], 2, left_at, timeout=120, live=agents[:2])
+    cluster.wait_for_world(agents[:2], 2, left_at, timeout=120, live=agents[:2])
     assert agents[3].proc.wait(timeout=60) != 0
     time.sleep(2)
     # A suspend, and a resume by new agents.
@@ -102,14 +101,14 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     efdl(etcd, "resume", "--job", job)
     resumed_at = time.monotonic()
     agents += [start(w, etcd, h, job) for h in w.hosts[:2]]
-    host_jobs.wait_world(agents[4:], 2, resumed_at, timeout=300, live=agents[4:])
+    cluster.wait_for_world(agents[4:], 2, resumed_at, timeout=300, live=agents[4:])
     time.sleep(2)
     efdl(etcd, "suspend", "--job", job, "--timeout", "60")
     for a in agents[4:]:
         assert a.proc.wait(timeout=60) == 0, a.output()[-3000:]
 
     report = json.loads(efdl(etcd, "events", "--job", job, "--json"))
-    out = host_jobs.outputs(agents) + "\n" + json.dumps(report, indent=1)
+    out = cluster.outputs(agents) + "\n" + json.dumps(report, indent=1)
     kinds = [e["kind"] for e in report["events"]]
     assert kinds == ["crash", "join", "leave", "resume"], out
     for e in report["events"]:

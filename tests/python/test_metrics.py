@@ -26,7 +26,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
-import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 
 STATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
@@ -39,7 +38,7 @@ _why = (hosts.HostWorld.unavailable()
         or (None if shutil.which("prometheus") else "no prometheus server (apt: prometheus)"))
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
-world = pytest.fixture(host_jobs.world)
+world = pytest.fixture(cluster.host_world)
 
 
 class Prometheus:
@@ -123,9 +122,9 @@ def test_a_real_prometheus_scrapes_three_hosts_through_a_crash(world):
     w, etcd, agents = world
     job = "metrics"
     env = {"WORKER_EPOCHS": "1000", "WORKER_STEP_TIME": "0.1"}
-    agents += [host_jobs.start_agent(w, etcd, h, job, env=env,
+    agents += [cluster.start_host_agent(w, etcd, h, job, env=env,
                                      command=[cluster.PYTHON, STATE_WORKER]) for h in w.hosts]
-    host_jobs.wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    cluster.wait_for_world(agents, 3, 0.0, timeout=300, live=agents)
 
     # Every node announced its endpoint: the default port on its own address.
     groups = json.loads(status_targets(etcd, job))
@@ -153,7 +152,7 @@ def test_a_real_prometheus_scrapes_three_hosts_through_a_crash(world):
         lost = w.hosts[2]
         killed_at = time.monotonic()
         lost.kill()
-        host_jobs.wait_world(agents[:2], 2, killed_at, timeout=120, live=agents[:2])
+        cluster.wait_for_world(agents[:2], 2, killed_at, timeout=120, live=agents[:2])
         survivors = [a.name for a in agents[:2]]
         node_of = {}
         for a in agents:
@@ -170,7 +169,7 @@ def test_a_real_prometheus_scrapes_three_hosts_through_a_crash(world):
 
         cluster.wait_for(after_crash, 60, "prometheus to see the survivors at world size 2",
                          output=lambda: "%s %s\n%s" % (world_sizes(), node_of,
-                                                       host_jobs.outputs(agents)), interval=0.5)
+                                                       cluster.outputs(agents)), interval=0.5)
         # The drop, over the window that holds both rounds.
         peak = by_node(prom.query('max_over_time(efdl_world_size{efdl_job="%s"}[10m])' % job))
         assert all(peak[node_of[n]] == 3 for n in survivors), peak

@@ -26,7 +26,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
-import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 import slurm  # noqa: E402
 
@@ -63,7 +62,7 @@ class Env:
         os.makedirs(self.submit_dir)
 
     def site_etcd(self):
-        self.etcd = host_jobs.Etcd(self.world)   # the site's etcd, outside every allocation
+        self.etcd = cluster.bridge_etcd(self.world)   # the site's etcd, outside every allocation
         return self.etcd.endpoint
 
     def env(self, extra=None):

@@ -33,7 +33,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import cluster  # noqa: E402
-import host_jobs  # noqa: E402
 import hosts  # noqa: E402
 
 STATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
@@ -48,11 +47,11 @@ PERIOD = WINDOW / 3      # straggler_rules.h PublishPeriod at 3 nodes
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
-world = pytest.fixture(host_jobs.world)
+world = pytest.fixture(cluster.host_world)
 
 
 def start(w, etcd, host, job, extra=(), env=None, nnodes="2:3"):
-    return host_jobs.start_agent(w, etcd, host, job, extra=extra, env=dict(ENV, **(env or {})),
+    return cluster.start_host_agent(w, etcd, host, job, extra=extra, env=dict(ENV, **(env or {})),
                                  command=[cluster.PYTHON, STATE_WORKER], nnodes=nnodes)
 
 
@@ -145,7 +144,7 @@ def test_equal_nodes_are_not_named_and_a_slow_node_is_named_within_the_window(wo
     agents += [start(w, etcd, h, job) for h in w.hosts[:2]]
     agents.append(start(w, etcd, w.hosts[2], job,
                         env={"WORKER_SLOW_MS": str(SLOW_MS), "WORKER_SLOW_FILE": slow_file}))
-    host_jobs.wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    cluster.wait_for_world(agents, 3, 0.0, timeout=300, live=agents)
     slow_id = node_id(agents[2])
 
     # Equal nodes for a whole window, its summaries and judgements: nobody is named.
@@ -188,7 +187,7 @@ def test_equal_nodes_are_not_named_and_a_slow_node_is_named_within_the_window(wo
         assert list(metric(h, "efdl_straggler").values()) == [0.0]
     # Named, not evicted: the job still runs at world size 3.
     assert "evicted" not in agents[2].output()
-    host_jobs.wait_world(agents, 3, time.monotonic(), timeout=30, live=agents)
+    cluster.wait_for_world(agents, 3, time.monotonic(), timeout=30, live=agents)
 
 
 def test_evict_stragglers_removes_the_slow_node_and_throughput_rises(world):
@@ -198,7 +197,7 @@ def test_evict_stragglers_removes_the_slow_node_and_throughput_rises(world):
     agents += [start(w, etcd, h, job, extra=extra) for h in w.hosts[:2]]
     agents.append(start(w, etcd, w.hosts[2], job, extra=extra,
                         env={"WORKER_SLOW_MS": str(SLOW_MS)}))
-    host_jobs.wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    cluster.wait_for_world(agents, 3, 0.0, timeout=300, live=agents)
     formed = time.monotonic()
     slow_id = node_id(agents[2])
     cluster.wait_for(lambda: "is evicted from job '%s'" % job in agents[2].output(), 90,
@@ -207,7 +206,7 @@ def test_evict_stragglers_removes_the_slow_node_and_throughput_rises(world):
     assert re.search(r"node %s is a straggler: rank \d+" % re.escape(slow_id),
                      "\n".join(named_lines(agents, job))), named_lines(agents, job)
     before = throughput(agents, 3, formed, evicted)
-    host_jobs.wait_world(agents[:2], 2, evicted, timeout=60, live=agents[:2])
+    cluster.wait_for_world(agents[:2], 2, evicted, timeout=60, live=agents[:2])
     resumed = time.monotonic()
     time.sleep(10)
     after = throughput(agents, 2, resumed, time.monotonic())
@@ -229,11 +228,11 @@ def test_a_straggler_the_job_cannot_go_on_without_stays(world):
     agents.append(start(w, etcd, w.hosts[0], job, extra=extra, nnodes="2:2"))
     agents.append(start(w, etcd, w.hosts[1], job, extra=extra, nnodes="2:2",
                         env={"WORKER_SLOW_MS": str(SLOW_MS)}))
-    host_jobs.wait_world(agents, 2, 0.0, timeout=300, live=agents)
+    cluster.wait_for_world(agents, 2, 0.0, timeout=300, live=agents)
     cluster.wait_for(lambda: "but the job cannot go on without it" in agents[1].output(), 60,
                      "the straggler saying it stays")
     line = [x for x in agents[1].output().splitlines() if "cannot go on without it" in x]
     print(line)
     assert len(line) == 1 and "(1 other node(s), --nnodes MIN 2): it stays" in line[0], line
     assert "evicted" not in agents[1].output()
-    host_jobs.wait_world(agents, 2, time.monotonic(), timeout=30, live=agents)
+    cluster.wait_for_world(agents, 2, time.monotonic(), timeout=30, live=agents)

@@ -1,8 +1,11 @@
-"""A loopback cluster for the end-to-end tests: one real etcd and several `efdl run` agents.
+"""The tests' cluster harness, for tests/python and tests/faults (faultlib.Job is built on it):
+real etcd members (Etcd), `efdl run` agents whose output is collected line by line with the
+time each line arrived (Agent), a loopback job of them (Cluster), jobs on the hosts of
+workers/hosts.py (host_world, bridge_etcd, start_host_agent), and waiting for conditions
+instead of sleeping (poll_until, wait_for, wait_for_output, wait_for_world).
 
 Every process it starts leads its own session (process group) and is killed by pid/group when
-the cluster is closed, whatever the test did. Agent output is collected line by line with the
-time each line arrived, so tests wait for conditions instead of sleeping.
+the cluster (or host world) is closed, whatever the test did.
 """
 
 import contextlib
@@ -24,6 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 PYTHON = "/usr/bin/python3"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "allreduce_worker.py")
 # A worker's step line, with the agent's "[rank N] " prefix (efdl) or without (torchrun).
+# The worker of jobs on hosts: plain DDP, no efdl import.
+HOST_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_plain_worker.py")
 STEP_RE = re.compile(r"^(?:\[rank \d+\] )?STEP round=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
 
 
@@ -394,3 +399,52 @@ class Cluster:
                     os.unlink(path)
             except OSError:
                 pass
+
+
+# -- jobs on the hosts of workers/hosts.py ------------------------------------------------------
+
+def bridge_etcd(world):
+    """A real etcd listening on a HostWorld's bridge (the root namespace side)."""
+    return Etcd(os.path.join(world.dir, "etcd"), os.path.join(world.dir, "etcd.log"),
+                name="hosts", host=world.bridge_addr)
+
+
+def host_env(extra=None):
+    env = off_loopback(base_env())
+    env["WORKER_STEP_TIME"] = "0.2"
+    env.update(extra or {})
+    return env
+
+
+def start_host_agent(world, etcd, host, job, extra=(), env=None, command=None, nnodes="2:3"):
+    """`efdl run` with default flags on `host`, its working directory on the shared disk."""
+    cwd = os.path.join(world.shared, host.name)
+    os.makedirs(cwd, exist_ok=True)
+    argv = host.enter_prefix(cwd) + [efdl_bin(), "run", "--etcd", etcd.endpoint,
+                                     "--job", job, "--nnodes", nnodes] + list(extra) + [
+        "--"] + (command or [PYTHON, HOST_WORKER])
+    return Agent(host.name, argv, host_env(env))
+
+
+def host_world(n=3):
+    """A fixture body (`world = pytest.fixture(cluster.host_world)`): yields (a HostWorld of n
+    hosts, its bridge_etcd, the list the test appends its agents to); afterwards the hosts, the
+    agents and etcd are killed, the world closed, and nothing of it may be left."""
+    import hosts
+    w = hosts.HostWorld(n)
+    agents = []
+    etcd = None
+    try:
+        etcd = bridge_etcd(w)
+        yield w, etcd, agents
+    finally:
+        try:
+            for h in w.hosts:
+                h.kill()
+            for a in agents:
+                a.kill()
+            if etcd is not None:
+                etcd.close()
+        finally:
+            w.close()
+        assert w.leftovers() == [], w.leftovers()
