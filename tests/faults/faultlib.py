@@ -152,7 +152,6 @@ class Job:
                     "FAULT_MARK_DIR": self.marks, "EFDL_PERSIST_MIN_INTERVAL_MS": "100"}
         self.env.update(env or {})
         self.nodes = {}                     # name -> cluster.Agent (the latest of that name)
-        self.all_agents = []
         self.tracker = ProcessTracker()     # watches the agents' sessions
 
     # -- processes -----------------------------------------------------------------------------
@@ -171,26 +170,23 @@ class Job:
         restarted under the same name finds what its previous incarnation committed. host: a
         tests/python/workers/hosts.py Host to run it in (its own network, name, /dev/shm and
         /tmp; default network flags), instead of this machine's loopback."""
-        e = cluster.base_env()
-        e.update(self.env)
+        e = dict(self.env)
         if host is None:
             e["EFDL_SHM_DIR"] = self.shm_dir(name)
-            e["TMPDIR"] = self.c.tmp_dir   # a killed agent's own directory stays in the job's
-        else:
-            cluster.off_loopback(e)
-            prefix = host.enter_prefix(self.dir)
         e.update(env or {})
-        argv = self.c.agent_argv(name, nnodes=nnodes or self.nnodes, nproc=nproc,
-                                 extra=extra, command=command or [PYTHON, WORKER])
-        argv[argv.index("--snapshot-dir") + 1] = self.snapshot_dir
-        if ttl is not None:
-            argv[argv.index("--ttl") + 1] = str(ttl)
-        agent = cluster.Agent(name, list(prefix) + argv, e)
+        agent = self.c.start_agent(name, env=e, host=host, prefix=prefix,
+                                   nnodes=nnodes or self.nnodes, nproc=nproc, extra=extra,
+                                   command=command or [PYTHON, WORKER],
+                                   snapshot_dir=self.snapshot_dir,
+                                   ttl=3 if ttl is None else ttl)
         self.tracker.watch(agent.proc.pid)
-        self.c.agents.append(agent)
-        self.all_agents.append(agent)
         self.nodes[name] = agent
         return agent
+
+    @property
+    def all_agents(self):
+        """Every agent started, in order (a node restarted under its name: each incarnation)."""
+        return self.c.agents
 
     def groups_of(self, names):
         """The process groups of the nodes `names` (each agent's and its workers'), for

@@ -61,15 +61,8 @@ def finals_of(agent):
 
 def wait_world(agents, world, since, timeout=60):
     """Waits until every rank of a round of `world` ranks logged a step after `since`."""
-    def seen():
-        by_round = {}
-        for a in agents:
-            for s in steps_of(a):
-                if s[0] >= since and s[3] == world:
-                    by_round.setdefault(s[1], set()).add(s[2])
-        return any(len(ranks) == world for ranks in by_round.values())
-    cluster.wait_for(seen, timeout, "a round of world %d after t=%.1f; outputs:\n%s" % (
-        world, since, "\n----\n".join(a.name + ":\n" + a.output()[-2500:] for a in agents)))
+    cluster.wait_for_world(agents, world, since, timeout, steps=lambda a: [
+        (s[0], s[2], s[1], s[3]) for s in steps_of(a)])
 
 
 def reference_params(tmp_path, steps):
@@ -274,15 +267,8 @@ def hsteps_of(agent):
 
 
 def wait_hvd_size(agents, size, since, timeout=60):
-    def seen():
-        by_round = {}
-        for a in agents:
-            for s in hsteps_of(a):
-                if s[0] >= since and s[3] == size:
-                    by_round.setdefault(s[1], set()).add(s[2])
-        return any(len(r) == size for r in by_round.values())
-    cluster.wait_for(seen, timeout, "a round of size %d; outputs:\n%s" % (
-        size, "\n----\n".join(a.name + ":\n" + a.output()[-2500:] for a in agents)))
+    cluster.wait_for_world(agents, size, since, timeout, steps=lambda a: [
+        (s[0], s[2], s[1], s[3]) for s in hsteps_of(a)])
 
 
 def test_a_horovod_elastic_program_keeps_its_processes_across_a_kill_and_a_join(job):

@@ -155,16 +155,18 @@ def wait_for_output(agent, text, timeout=90):
              output=lambda: agent.output()[-3000:], fail=exited([agent]))
 
 
-def wait_for_world(agents, world, since=0.0, timeout=60, full=True, by_round=True, live=()):
+def wait_for_world(agents, world, since=0.0, timeout=60, full=True, by_round=True, live=(),
+                   steps=None):
     """Waits until some round of world size `world` ran a step on every one of its ranks
     (full) after `since`, in the STEP lines of `agents`; returns the time of the first such
     step. by_round=False: ranks of any round count (torchrun has no shared round number).
-    Fails at once when an agent of `live` exits."""
+    Fails at once when an agent of `live` exits. steps: steps(agent) gives the (time, rank,
+    round, world, ...) of each step line of a worker printing other lines than STEP_RE's."""
     def found():
         rounds = {}
         for a in agents:
-            for t, rank, round_, w, step in a.steps(since):
-                if w == world:
+            for t, rank, round_, w, *_ in (steps(a) if steps else a.steps(since)):
+                if w == world and t >= since:
                     rounds.setdefault(round_ if by_round else 0, {}).setdefault(rank, t)
         for ranks in rounds.values():
             if not full or len(ranks) == world:
@@ -342,11 +344,11 @@ class Cluster:
         return self.endpoint
 
     def agent_argv(self, node_id, nnodes="2:3", nproc=1, extra=(), command=None,
-                   snapshot_dir=None):
+                   snapshot_dir=None, ttl=3):
         """snapshot_dir: this node's storage (default: one directory shared by all nodes)."""
         argv = [efdl_bin(), "run", "--etcd", self.endpoint, "--job", self.job,
                 "--nnodes", nnodes, "--node-id", node_id, "--nproc-per-node", str(nproc),
-                "--ttl", "3", "--last-call", "1", "--stop-grace", "3",
+                "--ttl", str(ttl), "--last-call", "1", "--stop-grace", "3",
                 "--snapshot-dir", snapshot_dir or os.path.join(self.dir, "snapshots")]
         argv += list(extra)
         argv += ["--"] + (command or [PYTHON, WORKER])
@@ -360,11 +362,19 @@ class Cluster:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def start_agent(self, node_id, env=None, **kwargs):
+    def start_agent(self, node_id, env=None, host=None, prefix=(), **kwargs):
+        """`efdl run` for node `node_id` (agent_argv's kwargs), `env` over base_env(). host: a
+        workers/hosts.py Host to run it in (its own network, name, /dev/shm and /tmp; default
+        network flags, working directory this cluster's) instead of this machine's loopback;
+        prefix: a command line the agent's is appended to (e.g. a cgroup's)."""
         e = base_env()
-        e["TMPDIR"] = self.tmp_dir
+        if host is None:
+            e["TMPDIR"] = self.tmp_dir   # a killed agent's own directory stays in the cluster's
+        else:
+            off_loopback(e)
+            prefix = host.enter_prefix(self.dir)
         e.update(env or {})
-        agent = Agent(node_id, self.agent_argv(node_id, **kwargs), e)
+        agent = Agent(node_id, list(prefix) + self.agent_argv(node_id, **kwargs), e)
         self.agents.append(agent)
         return agent
 
