@@ -183,7 +183,8 @@ std::map<std::string, std::string> SparePool::WithPreloadPath(
 }
 
 SparePool::SparePool(SparePoolOptions options, PythonCommand cmd)
-    : options_(std::move(options)), cmd_(std::move(cmd)), slots_(options_.nproc) {
+    : options_(std::move(options)), cmd_(std::move(cmd)), slots_(options_.nproc),
+      learned_(options_.imports_dir) {
   for (Slot& s : slots_) s.due = Clock::now();
   if (auto it = options_.start_env.find(0); it != options_.start_env.end()) {
     zygote_env_ = it->second;
@@ -248,24 +249,22 @@ bool SparePool::ZygoteSettled() {
       return true;
     }
     zygote_ = std::move(z).value();
-    learned_sent_ = 0;   // a new zygote: the learned imports go to it once it is ready
-    import_sent_at_.reset();
+    learned_.NewZygote();   // the learned imports go to it once it is ready
   }
-  if (zygote_ready_ && !learning_off_ && learned_sent_ < learned_.size()) {
-    std::vector<std::string> more(learned_.begin() + static_cast<std::ptrdiff_t>(learned_sent_),
-                                  learned_.end());
+  if (std::vector<std::string> more = zygote_ready_ ? learned_.Unsent()
+                                                    : std::vector<std::string>{};
+      !more.empty()) {
     if (zygote_->Import(more).ok()) {
       Say(fmt::format("pre-started workers: the zygote imports {} more module(s) the program "
                       "imported ({}{}; --no-learn-imports turns this off)",
                       more.size(), fmt::join(more.begin(), more.begin() + std::min<size_t>(
                                                                            more.size(), 5), ", "),
                       more.size() > 5 ? ", ..." : ""));
-      learned_sent_ = learned_.size();
+      learned_.Sent(Clock::now());
       zygote_ready_ = false;
-      import_sent_at_ = Clock::now();
     }   // else it is gone: noticed below
   }
-  if (import_sent_at_) {   // its answer, or its end, to the import request
+  if (learned_.awaiting()) {   // its answer, or its end, to the import request
     zygote_->DrainOutput();
     auto answer = zygote_->Ready();
     if (answer.ok() && !*answer) return false;
@@ -308,9 +307,7 @@ bool SparePool::ZygoteSettled() {
 }
 
 bool SparePool::ImportAnswered(const Result<bool>& ready) {
-  const double took =
-      std::chrono::duration<double>(Clock::now() - *import_sent_at_).count();
-  import_sent_at_.reset();
+  const double took = learned_.Answered(Clock::now());
   if (ready.ok()) {
     zygote_ready_ = true;
     // The idle spares were forked without those modules: fork them again.
@@ -325,7 +322,7 @@ bool SparePool::ImportAnswered(const Result<bool>& ready) {
                     "forked again", took, again));
     return true;
   }
-  learning_off_ = true;
+  learned_.TurnOff();
   zygote_.reset();
   zygote_ready_ = false;
   Say(fmt::format("pre-started workers: {}; a new zygote imports without them (no more "
@@ -333,36 +330,8 @@ bool SparePool::ImportAnswered(const Result<bool>& ready) {
   return false;
 }
 
-void SparePool::ReadImportReports() {
-  if (options_.imports_dir.empty() || learning_off_) return;
-  const auto now = Clock::now();
-  if (now < next_report_scan_) return;
-  next_report_scan_ = now + std::chrono::seconds(1);
-  for (auto& name : TakeImportReports(options_.imports_dir)) {
-    if (learned_names_.insert(name).second) learned_.push_back(std::move(name));
-  }
-}
-
-std::vector<std::string> TakeImportReports(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string f = e.path().filename().string();
-    if (!IsImportReportName(f)) continue;
-    std::ifstream in(e.path());
-    auto list = nlohmann::json::parse(in, nullptr, false);
-    in.close();
-    std::filesystem::remove(e.path(), ec);
-    if (!list.is_array()) continue;
-    for (const auto& n : list) {
-      if (n.is_string()) names.push_back(n.get<std::string>());
-    }
-  }
-  return names;
-}
-
 bool SparePool::ForksFor(int local_rank) const {
-  if (!zygote_ || (!zygote_ready_ && !import_sent_at_)) return false;
+  if (!zygote_ || (!zygote_ready_ && !learned_.awaiting())) return false;
   auto it = options_.start_env.find(local_rank);
   return SameStartup(zygote_env_, it != options_.start_env.end()
                                       ? it->second
@@ -444,7 +413,7 @@ Status SparePool::StartSpare(int local_rank, Slot& slot) {
 
 void SparePool::Maintain() {
   if (!enabled_) return;
-  if (zygote_) ReadImportReports();
+  if (zygote_) learned_.Read(Clock::now());
   // While the zygote imports, due slots wait for its forks (cheaper than interpreters of their
   // own, which would compete with it for the CPU).
   const bool settled = ZygoteSettled();

@@ -43,6 +43,7 @@
 #include <string_view>
 #include <vector>
 
+#include "agent/learned_imports.h"
 #include "agent/zygote.h"
 #include "common/subprocess.h"
 #include "efdl/status.h"
@@ -167,12 +168,13 @@ class SparePool {
   bool ZygoteSettled();
   void ZygoteFailed(const Status& why);
   bool ForksFor(int local_rank) const;
-  // Reads the workers' import reports (at most once a second) into learned_.
-  void ReadImportReports();
   // The zygote answered an import request: `ok`, or it refused (learning is turned off and a
   // new zygote imports without them). False when the caller must settle a new zygote.
   bool ImportAnswered(const Result<bool>& ready);
 
+  // 12 members: the options and command, the slots, whether the pool is on (and why not), the
+  // zygote's life (the package given to it, the process, ready, off, restarts, its start
+  // environment), the learned imports.
   SparePoolOptions options_;
   PythonCommand cmd_;
   std::vector<Slot> slots_;
@@ -185,18 +187,9 @@ class SparePool {
   int zygote_restarts_ = 0;                          // after dying once it was ready
   // The start environment the zygote runs with (local rank 0's, or the one learned last).
   std::map<std::string, std::string> zygote_env_;
-  // The program's imports reported by its workers, in the order first reported; the current
-  // zygote was sent learned_[0, learned_sent_).
-  std::vector<std::string> learned_;
-  std::set<std::string> learned_names_;
-  size_t learned_sent_ = 0;
-  std::optional<std::chrono::steady_clock::time_point> import_sent_at_;   // unanswered request
-  bool learning_off_ = false;                        // learned imports started threads once
-  std::chrono::steady_clock::time_point next_report_scan_{};
+  // The program's imports reported by its workers and the zygote's side of them
+  // (learned_imports.h).
+  LearnedImports learned_;
 };
-
-// The module names in the import reports (`imports-*.json`, zygote.h) in `dir`, which are
-// removed once read; unreadable reports are removed too. Names appear in the order read.
-std::vector<std::string> TakeImportReports(const std::string& dir);
 
 }  // namespace efdl::agent

@@ -181,6 +181,10 @@ class WorkerGroup {
   // Helpers the workers started in their groups must not outlive the round.
   void KillGroupStragglers();
 
+  // 16 members: one round's processes need them together: the options and round, the workers
+  // and what their exits said (first failure, early and first exit 0), the stop in progress
+  // (policy, start), and the output thread's (streams, the mutex and the names, connect error
+  // and stderr tails it guards, the wake pipe's two ends, the thread).
   const WorkerGroupOptions options_;
   int64_t round_ = 0;                 // options_.round, then Renumber()'s
   std::vector<Worker> workers_;
