@@ -18,10 +18,12 @@
 #include <string_view>
 
 #include "agent/control_server.h"
+#include "agent/round_reports.h"
 #include "common/net.h"
 
 namespace {
 
+using efdl::agent::ControlChannel;
 using efdl::agent::ControlServer;
 
 // The server under test and its directory; built on first use, destroyed (thread joined, socket
@@ -34,9 +36,12 @@ struct Fixture {
     auto started = ControlServer::Start({dir.path() + "/control.sock", "fuzzjob", "fuzznode"});
     if (!started.ok()) std::abort();
     server = std::move(started).value();
+    channel = std::make_unique<ControlChannel>(*server);
   }
   efdl::TempDir dir;
   std::unique_ptr<ControlServer> server;
+  // The agent's books of the server's reports (round_reports.h); declared after the server.
+  std::unique_ptr<ControlChannel> channel;
 };
 
 int Connect(const std::string& path) {
@@ -100,7 +105,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   fixture.server->RequestStop(round, true, "fuzz");
   (void)fixture.server->IsConnected(round, 0);
-  (void)fixture.server->StoppingRanks(round);
+  (void)fixture.channel->StoppingRanks(round);   // takes the reports in
   (void)fixture.server->newest_step();
   ::shutdown(fd, SHUT_WR);
   if (!DrainUntilClosed(fd)) std::abort();
