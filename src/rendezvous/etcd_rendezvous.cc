@@ -93,22 +93,12 @@ void EtcdRendezvous::Push(Input in) {
 void EtcdRendezvous::Emit(Event e) {
   EFDL_LOG_DEBUG("rdzv {}: event {} round {} {}", opt_.node_id, static_cast<int>(e.type), e.round,
                  e.message);
-  {
-    MutexLock lock(ev_mu_);
-    events_.push_back(std::move(e));
-  }
-  ev_cv_.notify_all();
+  events_.Push(std::move(e));
   if (opt_.on_event) opt_.on_event();
 }
 
 std::optional<Event> EtcdRendezvous::WaitEvent(std::chrono::milliseconds timeout) {
-  MutexLock lock(ev_mu_);
-  if (!ev_cv_.wait_for(lock, timeout, [&]() EFDL_REQUIRES(ev_mu_) { return !events_.empty(); })) {
-    return std::nullopt;
-  }
-  Event e = std::move(events_.front());
-  events_.pop_front();
-  return e;
+  return events_.Wait(timeout);
 }
 
 etcd::WatchCallback EtcdRendezvous::WatchInto(Input::Type type, uint64_t generation) {
@@ -156,7 +146,7 @@ void EtcdRendezvous::Withdraw(std::chrono::milliseconds cooldown) {
 }
 
 void EtcdRendezvous::ReportRestarts(int restarts) {
-  counted_restarts_.store(restarts);
+  notes_.SetRestarts(restarts);
   Input in;
   in.type = Input::Type::kRestarts;
   Push(std::move(in));
@@ -224,7 +214,7 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
   if (unplaced_since_) {
     take(*unplaced_since_ + opt_.join_timeout);
     take(std::max(*unplaced_since_, last_wait_notice_) + kWaitNoticeInterval);
-    if (peer_gave_up_ && OwnBreak()) take(next_failed_check_);
+    take(end_check_.NextCheck());
   }
   take(coordinator_.NextDeadline());
   return d;
@@ -237,8 +227,7 @@ void EtcdRendezvous::OnTimers() {
     last_wait_notice_ = now;
     WaitNotice(now);
   }
-  if (unplaced_since_ && peer_gave_up_ && OwnBreak() && now >= next_failed_check_) {
-    next_failed_check_ = now + std::chrono::seconds(1);
+  if (unplaced_since_ && end_check_.Due(now)) {
     CheckEveryNodeFailed();
     if (finished_) return;
   }
@@ -320,19 +309,14 @@ void EtcdRendezvous::WaitNotice(TimePoint now) {
   }
 }
 
-std::optional<std::string> EtcdRendezvous::OwnBreak() const {
-  if (own_failure_) return fmt::format("this node's workers failed too ({})", *own_failure_);
-  if (round_broken_) return fmt::format("this node's round broke with it ({})", *round_broken_);
-  return std::nullopt;
-}
-
 void EtcdRendezvous::CheckEveryNodeFailed() {
   auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
   if (!count.ok() || count->count >= opt_.min_nodes) return;
   Fail(fmt::format(
       "job {} cannot go on: {}; {}, and {} of at least {} nodes remain. Fix the program, then "
       "start the job again",
-      opt_.job_id, *peer_gave_up_, *OwnBreak(), count->count, opt_.min_nodes));
+      opt_.job_id, *end_check_.peer_gave_up(), *end_check_.OwnBreak(), count->count,
+      opt_.min_nodes));
 }
 
 Status EtcdRendezvous::RecordGiveUp(const std::string& reason,
@@ -481,19 +465,20 @@ void EtcdRendezvous::Handle(Input& in) {
         if (rec.ok() && !rec->stderr_tail.empty()) {
           why += fmt::format("; its last stderr line: {}", rec->stderr_tail.back());
         }
-        peer_gave_up_ = fmt::format("node {} gave up: {}", id, why);
-        Emit(MakeEvent(Event::Type::kPeerGaveUp, CurrentRoundForEvents(), false, *peer_gave_up_));
+        end_check_.PeerGaveUp(fmt::format("node {} gave up: {}", id, why));
+        Emit(MakeEvent(Event::Type::kPeerGaveUp, CurrentRoundForEvents(), false,
+                       *end_check_.peer_gave_up()));
       }
-      next_failed_check_ = Clock::now();
+      end_check_.CheckFrom(Clock::now());
       break;
     case Input::Type::kWorkerFailure: {
-      own_failure_ = in.detail;
-      ++restarts_;
+      end_check_.WorkersFailed(in.detail);
+      acks_.CountFailure();
       // The ack key holds one record: a report about a round older than the one already
       // acked must not overwrite that ack (the coordinator would leave this node out).
       NoteOutcome(in.round, in.lost_peer ? kOutcomeLost : kOutcomeFailed, in.detail,
                   AckState::kFailed);
-      if (in.round < acked_round_) break;
+      if (in.round < part_.acked_round) break;
       if (round_.round == in.round && round_.phase == Phase::kActive) {
         const RoundRecord next = FailureProposal(round_, opt_.node_id, in.detail, in.lost_peer);
         if (!CasRoundAt(next, round_mod_rev_)) RereadRound();
@@ -501,8 +486,7 @@ void EtcdRendezvous::Handle(Input& in) {
       break;
     }
     case Input::Type::kWorkersSucceeded:
-      own_failure_.reset();
-      round_broken_.reset();
+      end_check_.WorkersSucceeded();
       NoteOutcome(in.round, kOutcomeDone, in.detail, AckState::kDone);
       break;
     case Input::Type::kWorkersReturned:
@@ -516,15 +500,11 @@ void EtcdRendezvous::Handle(Input& in) {
       WithdrawFor(in.delay);
       break;
     case Input::Type::kRestarts: {
-      const int counted = counted_restarts_.load();
-      if (registration_.lease() == 0 || registration_.lease() != last_sent_lease_ ||
-          last_sent_.round == 0 || last_sent_.restarts == counted) {
-        break;
-      }
-      last_sent_.restarts = counted;
-      if (last_ack_.round == last_sent_.round) last_ack_.restarts = counted;
-      if (auto put = client_.Put(keys_.Ack(opt_.node_id), last_sent_.Encode(),
-                                 registration_.lease());
+      const std::optional<int> counted = notes_.restarts();
+      const std::optional<AckRecord> again =
+          acks_.WithRestarts(registration_.lease(), counted.value_or(-1));
+      if (!again) break;
+      if (auto put = client_.Put(keys_.Ack(opt_.node_id), again->Encode(), registration_.lease());
           !put.ok()) {
         EFDL_LOG_DEBUG("rdzv {}: restart count not written: {}", opt_.node_id,
                        put.status().message());

@@ -19,15 +19,13 @@
 #include "efdl/etcd.h"
 #include "rendezvous/coordinator.h"
 #include "rendezvous/driver_pool.h"
+#include "rendezvous/node_books.h"
 #include "rendezvous/node_rules.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/registration.h"
 #include "rendezvous/rendezvous.h"
 
 namespace efdl::rdzv::internal {
-
-using Clock = std::chrono::steady_clock;
-using TimePoint = Clock::time_point;
 
 struct Input {
   enum class Type {
@@ -67,7 +65,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
         registration_(client_, keys_, opt_.job_id, opt_.node_id, RegistrationCallbacks()),
         coordinator_(client_, keys_,
                      {static_cast<const JobSpec&>(opt_), opt_.last_call, opt_.liveness_window},
-                     *this) {}
+                     *this),
+        part_{opt_.node_id} {}
   ~EtcdRendezvous() override { Leave(); }
 
   Status Join() override;
@@ -87,7 +86,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   bool MayPublish(double committed_at) const override {
     return registration_.MayPublish(committed_at);
   }
-  void OfferAgentStore(uint16_t port) override { agent_store_port_.store(port); }
+  void OfferAgentStore(uint16_t port) override { notes_.SetAgentStorePort(port); }
   // The count is in this node's ack (`efdl status` RESTARTS): the ack last sent is sent again
   // with it (on the driver thread, after any ack queued before).
   void ReportRestarts(int restarts) override;
@@ -98,10 +97,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   Result<std::map<std::string, ComputeRecord>> ReadCompute() override;
   Status RecordStragglers(const StragglerRecord& record) override;
   Result<std::optional<StragglerRecord>> ReadStragglers() override;
-  void NoteNoPrestart(const std::string& why) override {
-    MutexLock lock(note_mu_);
-    no_prestart_ = why;
-  }
+  void NoteNoPrestart(const std::string& why) override { notes_.SetNoPrestart(why); }
 
  private:
   // --- plumbing ---
@@ -153,7 +149,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void NoteOutcome(int64_t round, const char* outcome, const std::string& detail,
                    std::optional<AckState> report);
   bool CasRoundAt(const RoundRecord& rec, int64_t expect_mod_rev);   // true when we won
-  NodePart Part() const;       // this node's part, for node_rules.h
+  const NodePart& Part() const { return part_; }   // this node's part, for node_rules.h
   void UpdateDeputyWatch();
   void OnCoordinatorGone(const std::string& coordinator);
   void TakeOver();
@@ -187,9 +183,8 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   bool left_ EFDL_GUARDED_BY(in_mu_) = false;
   bool driving_ EFDL_GUARDED_BY(in_mu_) = false;   // Join handed the node to its driver
 
-  Mutex ev_mu_;
-  std::condition_variable_any ev_cv_;
-  std::deque<Event> events_ EFDL_GUARDED_BY(ev_mu_);
+  EventQueue events_;
+  AgentNotes notes_;                    // set by the agent's thread
 
   std::thread driver_;
   std::shared_ptr<DriverPool::Strand> strand_;    // on pool_, from Join on
@@ -199,37 +194,16 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   // by Leave after it stopped).
   Registration registration_;
   Coordinator coordinator_;
-  std::optional<std::string> peer_gave_up_;     // "node X gave up: why", the newest
-  std::optional<std::string> own_failure_;      // this node's last worker failure, until a success
-  // The last round this node ran a place in closed not gracefully (a peer's failure broke it,
-  // possibly before this node's workers failed: in-process they pause), until a success.
-  std::optional<std::string> round_broken_;
-  // Why this node cannot wait for the job to go on after a peer gave up: its own workers
-  // failed too, or its round broke with the peer's failure (nullopt: neither).
-  std::optional<std::string> OwnBreak() const;
-  // What this node's workers did in the round it ran last (AckRecord::prev_outcome), sent with
-  // every ack until it starts its next round. prev_round 0: nothing to tell.
-  AckRecord outcome_;
-  AckRecord last_ack_;                  // the last kAck sent (re-sent with a late outcome)
-  AckRecord last_sent_;                 // the last ack of any state sent (round 0: none)
-  int64_t last_sent_lease_ = 0;         // ... under this lease (never re-sent under another)
+  NodePart part_;                       // acked, started, fenced rounds (node_rules.h)
+  JobEndCheck end_check_;
+  AckBook acks_;
   TimePoint last_wait_notice_{};
-  TimePoint next_failed_check_{};
   std::optional<TimePoint> takeover_at_;
   Succession succession_;                       // whom this node follows (UpdateDeputyWatch)
   std::mt19937_64 rng_{std::random_device{}()}; // the spread of a non-deputy's takeover
   RoundRecord round_;
   int64_t round_mod_rev_ = 0;
   std::optional<AssignRecord> assign_;
-  int64_t acked_round_ = 0;
-  int64_t started_round_ = 0;
-  bool started_standby_ = false;
-  int64_t fenced_round_ = 0;
-  int restarts_ = 0;                    // failures reported (ReportWorkerFailure)
-  std::atomic<int> counted_restarts_{-1};   // ReportRestarts (the agent's thread); -1: none yet
-  std::atomic<uint16_t> agent_store_port_{0};   // OfferAgentStore (set by the agent's thread)
-  Mutex note_mu_;
-  std::string no_prestart_ EFDL_GUARDED_BY(note_mu_);   // NoteNoPrestart (the agent's thread)
   bool finished_ = false;               // complete, failed or left: no more protocol work
   std::optional<TimePoint> unplaced_since_;
   std::optional<TimePoint> rejoin_at_;

@@ -155,7 +155,7 @@ Status EtcdRendezvous::Register() {
   last_join_latency_ =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
   if (!joined.ok()) return joined.status();
-  acked_round_ = 0;
+  part_.acked_round = 0;
   round_mod_rev_ = 0;
   unplaced_since_ = Clock::now();
   ApplyRound(joined->round, joined->round_revision);
@@ -193,12 +193,14 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
     return;
   }
   if (ClosesStartedRound(rec, Part())) {
-    if (!started_standby_) {
-      Emit(MakeEvent(Event::Type::kRoundClosing, started_round_, rec.graceful, rec.message));
-      if (!rec.graceful) round_broken_ = fmt::format("round {}: {}", started_round_, rec.message);
+    if (!part_.started_standby) {
+      Emit(MakeEvent(Event::Type::kRoundClosing, part_.started_round, rec.graceful, rec.message));
+      if (!rec.graceful) {
+        end_check_.RoundBroke(fmt::format("round {}: {}", part_.started_round, rec.message));
+      }
     }
-    started_round_ = 0;
-    started_standby_ = false;
+    part_.started_round = 0;
+    part_.started_standby = false;
     unplaced_since_ = Clock::now();
   }
   if (ShouldAck(rec, Part())) {
@@ -243,9 +245,9 @@ void EtcdRendezvous::TryStart() {
                                       "world size"
                                     : "standby: the job is at its maximum size";
   a.early_exit = assign_->early_exit;
-  started_round_ = round_.round;
-  started_standby_ = a.standby;
-  outcome_ = AckRecord{};   // news of the rounds before this one is told
+  part_.started_round = round_.round;
+  part_.started_standby = a.standby;
+  acks_.ClearOutcome();   // news of the rounds before this one is told
   unplaced_since_.reset();
   Emit(std::move(e));
   UpdateDeputyWatch();   // a waiter that became a member drops its watch of the coordinator
@@ -256,19 +258,11 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
   AckRecord ack;
   ack.round = round;
   ack.state = state;
-  const int counted = counted_restarts_.load();
-  ack.restarts = counted >= 0 ? counted : restarts_;
-  {
-    MutexLock lock(note_mu_);
-    ack.no_prestart = no_prestart_;
-  }
-  if (outcome_.prev_round != 0) {
-    ack.prev_round = outcome_.prev_round;
-    ack.prev_outcome = outcome_.prev_outcome;
-    ack.prev_detail = outcome_.prev_detail;
-  }
+  ack.restarts = acks_.Restarts(notes_);
+  ack.no_prestart = notes_.no_prestart();
+  acks_.AddOutcome(ack);
   if (state == AckState::kAck) {
-    if (const uint16_t store = agent_store_port_.load(); store != 0) {
+    if (const uint16_t store = notes_.agent_store_port(); store != 0) {
       ack.port = store;
       ack.agent_store = true;
     } else {
@@ -277,11 +271,9 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
       ack.port = port.ok() ? *port : 0;
     }
     ack.horovod_port = OfferHorovodPort(opt_.advertise_addr, ack.port);
-    acked_round_ = round;
-    last_ack_ = ack;
+    part_.acked_round = round;
   }
-  last_sent_ = ack;
-  last_sent_lease_ = registration_.lease();
+  acks_.Sent(ack, registration_.lease());
   auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
   if (!put.ok()) {
     EFDL_LOG_WARN("rdzv {}: cannot record '{}' for round {}: {}", opt_.node_id,
@@ -291,32 +283,24 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
 
 void EtcdRendezvous::NoteOutcome(int64_t round, const char* outcome, const std::string& detail,
                                  std::optional<AckState> report) {
-  if (round < started_round_) return;   // news of a round this node already left behind
-  constexpr size_t kMaxDetail = 300;    // the ack stays small
-  outcome_.prev_round = round;
-  outcome_.prev_outcome = outcome;
-  outcome_.prev_detail = detail.substr(0, kMaxDetail);
-  if (round >= acked_round_) {
+  if (round < part_.started_round) return;   // news of a round this node already left behind
+  acks_.NoteOutcome(round, outcome, detail);
+  if (round >= part_.acked_round) {
     if (report) SendAck(*report, round);
     return;
   }
   // The node acked the next proposal before its agent saw its workers end (the proposal came
   // from a peer whose collective lost them): the same ack again, now with the outcome, while
   // the proposal is still open (an ack of a decided round would read as a join).
-  if (registration_.lease() == 0 || last_ack_.round != acked_round_ ||
-      round_.round != acked_round_ || round_.phase != Phase::kProposed) {
+  std::optional<AckRecord> ack = acks_.LastAckOf(part_.acked_round);
+  if (registration_.lease() == 0 || !ack || round_.round != part_.acked_round ||
+      round_.phase != Phase::kProposed) {
     return;
   }
-  AckRecord ack = last_ack_;
-  ack.prev_round = outcome_.prev_round;
-  ack.prev_outcome = outcome_.prev_outcome;
-  ack.prev_detail = outcome_.prev_detail;
-  const int counted = counted_restarts_.load();
-  ack.restarts = counted >= 0 ? counted : restarts_;
-  last_ack_ = ack;
-  last_sent_ = ack;
-  last_sent_lease_ = registration_.lease();
-  auto put = client_.Put(keys_.Ack(opt_.node_id), ack.Encode(), registration_.lease());
+  acks_.AddOutcome(*ack);
+  ack->restarts = acks_.Restarts(notes_);
+  acks_.Sent(*ack, registration_.lease());
+  auto put = client_.Put(keys_.Ack(opt_.node_id), ack->Encode(), registration_.lease());
   if (!put.ok()) {
     EFDL_LOG_WARN("rdzv {}: cannot record the outcome of round {}: {}", opt_.node_id, round,
                   put.status().ToString());
@@ -341,10 +325,6 @@ void EtcdRendezvous::RereadRound() {
   if (!rd.ok() || !rd->has_value()) return;
   auto rec = RoundRecord::Decode((*rd)->value);
   if (rec.ok()) ApplyRound(*rec, (*rd)->mod_revision);
-}
-
-NodePart EtcdRendezvous::Part() const {
-  return {opt_.node_id, acked_round_, started_round_, started_standby_, fenced_round_};
 }
 
 void EtcdRendezvous::UpdateDeputyWatch() {
@@ -419,7 +399,7 @@ void EtcdRendezvous::TakeOver() {
 }
 
 int64_t EtcdRendezvous::CurrentRoundForEvents() const {
-  return started_round_ != 0 ? started_round_ : round_.round;
+  return part_.started_round != 0 ? part_.started_round : round_.round;
 }
 
 void EtcdRendezvous::Fence(const std::string& why) {
@@ -429,7 +409,7 @@ void EtcdRendezvous::Fence(const std::string& why) {
   registration_.Fence();   // first: from now on nothing of the old round is published
   Emit(MakeEvent(Event::Type::kFenced, round, false,
                  fmt::format("node {} was fenced out of round {}: {}", opt_.node_id, round, why)));
-  fenced_round_ = std::max(fenced_round_, FencedRound(round_, Part()));
+  part_.fenced_round = std::max(part_.fenced_round, FencedRound(round_, Part()));
   StopTakingPart();
   fenced_since_ = Clock::now();
   // At once while etcd is fast; spread when it is slow (a crowd fenced together by an
@@ -455,12 +435,7 @@ void EtcdRendezvous::WithdrawFor(std::chrono::milliseconds cooldown) {
     HandOverCoordination();
     registration_.Release();
   }
-  {
-    // Events of the registration just released are stale: the agent hears of rounds again once
-    // the node has registered anew.
-    MutexLock lock(ev_mu_);
-    events_.clear();
-  }
+  events_.Clear();   // the agent hears of rounds again once the node has registered anew
   withdrawn_until_ = now + cooldown;
   next_withdrawn_check_ = now;
   rejoin_attempt_ = 0;
@@ -593,8 +568,8 @@ void EtcdRendezvous::OnSuspended(const RoundRecord& rec) {
 }
 
 void EtcdRendezvous::StopTakingPart() {
-  started_round_ = 0;
-  started_standby_ = false;
+  part_.started_round = 0;
+  part_.started_standby = false;
   coordinator_.Stop();
   registration_.StopWatching();
   takeover_at_.reset();
