@@ -23,13 +23,6 @@
 
 namespace efdl::rdzv {
 namespace internal {
-namespace {
-
-// While a node waits for a round, how often it says what it waits for (issue #22).
-constexpr std::chrono::seconds kWaitNoticeInterval{15};
-
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // Plumbing
 
@@ -208,12 +201,11 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
     if (t && (!d || *t < *d)) d = t;
   };
   if (finished_) return d;
-  take(takeover_at_);
-  take(rejoin_at_);
-  if (withdrawn_until_) take(next_withdrawn_check_);
-  if (unplaced_since_) {
-    take(*unplaced_since_ + opt_.join_timeout);
-    take(std::max(*unplaced_since_, last_wait_notice_) + kWaitNoticeInterval);
+  take(takeover_.at());
+  take(rejoin_.NextDeadline());
+  if (const auto& since = unplaced_.since()) {
+    take(*since + opt_.join_timeout);
+    take(unplaced_.NextNotice());
     take(end_check_.NextCheck());
   }
   take(coordinator_.NextDeadline());
@@ -222,27 +214,17 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
 
 void EtcdRendezvous::OnTimers() {
   auto now = Clock::now();
-  if (unplaced_since_ && now >= std::max(*unplaced_since_, last_wait_notice_) +
-                                    kWaitNoticeInterval) {
-    last_wait_notice_ = now;
-    WaitNotice(now);
-  }
-  if (unplaced_since_ && end_check_.Due(now)) {
+  if (unplaced_.NoticeDue(now)) WaitNotice(now);
+  if (unplaced_.since() && end_check_.Due(now)) {
     CheckEveryNodeFailed();
     if (finished_) return;
   }
-  if (takeover_at_ && now >= *takeover_at_) {
-    takeover_at_.reset();
-    TakeOver();
-  }
-  if (withdrawn_until_) CheckWithdrawn(now);
-  if (rejoin_at_ && now >= *rejoin_at_) {
-    rejoin_at_.reset();
+  if (takeover_.Due(now)) TakeOver();
+  if (rejoin_.withdrawn()) CheckWithdrawn(now);
+  if (rejoin_.Due(now)) {
     Status s = Register();
     if (s.ok()) {
-      fenced_since_.reset();
-      if (withdrawn_until_) {
-        withdrawn_until_.reset();
+      if (rejoin_.Rejoined()) {
         // The cool-down is over: `efdl status` no longer shows the node as excluded.
         if (auto del = client_.Delete(keys_.Excluded(opt_.node_id)); !del.ok()) {
           EFDL_LOG_WARN("rdzv {}: cannot remove this node's exclusion record: {}", opt_.node_id,
@@ -256,25 +238,24 @@ void EtcdRendezvous::OnTimers() {
     } else if (s.IsFailedPrecondition()) {
       Fail(s.message());  // the job was suspended meanwhile: retrying cannot help
       return;
-    } else if (fenced_since_ && now - *fenced_since_ >= opt_.join_timeout) {
+    } else if (rejoin_.OutOfTime(now, opt_.join_timeout)) {
       Fail(fmt::format("node {} lost its lease and could not rejoin job {} within the join "
                        "timeout: {}",
                        opt_.node_id, opt_.job_id, s.message()));
       return;
     } else {
-      rejoin_at_ = now + std::max<std::chrono::milliseconds>(
-                             std::chrono::seconds(1),
-                             JoinBackoff(++rejoin_attempt_, last_join_latency_, UnitRandom()));
+      rejoin_.Retry(now, UnitRandom());
     }
   }
-  if (unplaced_since_ && now - *unplaced_since_ >= opt_.join_timeout && opt_.world_size > 0) {
+  const std::optional<TimePoint> unplaced_since = unplaced_.since();
+  if (unplaced_since && now - *unplaced_since >= opt_.join_timeout && opt_.world_size > 0) {
     Fail(fmt::format(
         "job {}: no round with this node formed within the join timeout of {} s (the registered "
         "nodes' --nproc-per-node never added up to --world-size {}); start nodes that make it "
         "add up",
         opt_.job_id, std::chrono::duration_cast<std::chrono::seconds>(opt_.join_timeout).count(),
         opt_.world_size));
-  } else if (unplaced_since_ && now - *unplaced_since_ >= opt_.join_timeout) {
+  } else if (unplaced_since && now - *unplaced_since >= opt_.join_timeout) {
     Fail(fmt::format(
         "job {}: no round with this node formed within the join timeout of {} s (fewer than "
         "--nnodes MIN={} nodes were available); start more nodes or lower MIN",
@@ -285,7 +266,7 @@ void EtcdRendezvous::OnTimers() {
 
 void EtcdRendezvous::WaitNotice(TimePoint now) {
   const auto left = std::chrono::duration_cast<std::chrono::seconds>(
-      *unplaced_since_ + opt_.join_timeout - now);
+      *unplaced_.since() + opt_.join_timeout - now);
   auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
   if (!count.ok()) {
     EFDL_LOG_INFO("rdzv {}: waiting for a round of job {} (etcd not answering: {}); giving up in "
@@ -450,9 +431,9 @@ void EtcdRendezvous::Handle(Input& in) {
       if (in.lease == registration_.lease()) {
         // Registered again with a longer TTL: a lease that expired because its renewals did not
         // get through in time (node_rules.h TtlAfterExpiries) must not expire again and again.
-        ++lease_expiries_;
+        rejoin_.LeaseExpired();
         Fence(fmt::format("its lease expired or was revoked; it registers again with a TTL of "
-                          "{} s", TtlAfterExpiries(opt_.ttl, lease_expiries_).count() / 1000.0));
+                          "{} s", rejoin_.Ttl(opt_.ttl).count() / 1000.0));
       }
       break;
     case Input::Type::kGaveUp:

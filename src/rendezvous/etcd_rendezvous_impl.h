@@ -197,25 +197,14 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   NodePart part_;                       // acked, started, fenced rounds (node_rules.h)
   JobEndCheck end_check_;
   AckBook acks_;
-  TimePoint last_wait_notice_{};
-  std::optional<TimePoint> takeover_at_;
-  Succession succession_;                       // whom this node follows (UpdateDeputyWatch)
-  std::mt19937_64 rng_{std::random_device{}()}; // the spread of a non-deputy's takeover
+  Unplaced unplaced_;
+  TakeoverClock takeover_;                      // whom this node follows (UpdateDeputyWatch)
+  RejoinClock rejoin_;
+  std::mt19937_64 rng_{std::random_device{}()}; // the spreads of a takeover and of a rejoin
   RoundRecord round_;
   int64_t round_mod_rev_ = 0;
   std::optional<AssignRecord> assign_;
   bool finished_ = false;               // complete, failed or left: no more protocol work
-  std::optional<TimePoint> unplaced_since_;
-  std::optional<TimePoint> rejoin_at_;
-  std::optional<TimePoint> fenced_since_;
-  // Withdrawn for a cool-down (WithdrawFor) until then; reset once registered again.
-  std::optional<TimePoint> withdrawn_until_;
-  TimePoint next_withdrawn_check_{};
-  // Overload (node_rules.h JoinBackoff, TakeoverBackoff; issue #37).
-  std::chrono::milliseconds last_join_latency_{0};   // how long the last Register took
-  int rejoin_attempt_ = 0;                            // failed rejoins since the fence
-  int lease_expiries_ = 0;                            // fences by lease expiry (TtlAfterExpiries)
-  std::deque<TimePoint> takeovers_seen_;              // within kTakeoverPeriod, oldest first
   double UnitRandom() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
 };
 

@@ -18,10 +18,6 @@
 namespace efdl::rdzv::internal {
 namespace {
 
-// While a node is withdrawn for a cool-down, how often it reads whether the job completed or was
-// suspended meanwhile (one small read per excluded node).
-constexpr std::chrono::seconds kWithdrawnCheck{2};
-
 using nlohmann::json;
 
 // --- Horovod (docs/horovod.md): a second port offered in each ack, the rank-0 node's offer in
@@ -66,7 +62,7 @@ Status EtcdRendezvous::Join() {
   // instead of failing the agent or hammering etcd again at once.
   const auto join_deadline = Clock::now() + opt_.join_timeout;
   for (int attempt = 0; s.IsDeadlineExceeded() && Clock::now() < join_deadline; ++attempt) {
-    const auto wait = JoinBackoff(attempt, last_join_latency_, UnitRandom());
+    const auto wait = rejoin_.Backoff(attempt, UnitRandom());
     EFDL_LOG_WARN("rdzv {}: etcd did not answer the registration in time ({}); trying again in "
                   "{} ms", opt_.node_id, s.message(), wait.count());
     std::this_thread::sleep_for(wait);
@@ -151,13 +147,13 @@ Status EtcdRendezvous::Register() {
   fresh.message = "job started";
   const auto began = Clock::now();
   const NodeRecord me{opt_.advertise_addr, opt_.nproc, opt_.program, opt_.metrics_addr};
-  auto joined = registration_.Open(me, TtlAfterExpiries(opt_.ttl, lease_expiries_), fresh);
-  last_join_latency_ =
-      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
+  auto joined = registration_.Open(me, rejoin_.Ttl(opt_.ttl), fresh);
+  rejoin_.NoteJoinLatency(
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began));
   if (!joined.ok()) return joined.status();
   part_.acked_round = 0;
   round_mod_rev_ = 0;
-  unplaced_since_ = Clock::now();
+  unplaced_.Since(Clock::now());
   ApplyRound(joined->round, joined->round_revision);
   // A coordinator that is gone (crashed before anyone was around to be its deputy) is replaced
   // by whoever notices first; the CAS makes that safe.
@@ -171,7 +167,7 @@ Status EtcdRendezvous::Register() {
 void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
   if (mod_rev <= round_mod_rev_) return;
   const int64_t held_round = round_mod_rev_ == 0 ? 0 : round_.round;
-  if (round_mod_rev_ != 0 && IsTakeOver(round_, rec)) takeovers_seen_.push_back(Clock::now());
+  if (round_mod_rev_ != 0 && IsTakeOver(round_, rec)) takeover_.SawTakeOver(Clock::now());
   round_ = rec;
   round_mod_rev_ = mod_rev;
   if (rec.phase == Phase::kSuspended) {
@@ -201,7 +197,7 @@ void EtcdRendezvous::ApplyRound(const RoundRecord& rec, int64_t mod_rev) {
     }
     part_.started_round = 0;
     part_.started_standby = false;
-    unplaced_since_ = Clock::now();
+    unplaced_.Since(Clock::now());
   }
   if (ShouldAck(rec, Part())) {
     SendAck(AckState::kAck, rec.round);
@@ -248,7 +244,7 @@ void EtcdRendezvous::TryStart() {
   part_.started_round = round_.round;
   part_.started_standby = a.standby;
   acks_.ClearOutcome();   // news of the rounds before this one is told
-  unplaced_since_.reset();
+  unplaced_.Placed();
   Emit(std::move(e));
   UpdateDeputyWatch();   // a waiter that became a member drops its watch of the coordinator
 }
@@ -330,41 +326,40 @@ void EtcdRendezvous::RereadRound() {
 void EtcdRendezvous::UpdateDeputyWatch() {
   // node_rules.h WhomToFollow: deputies, and every node that runs no place of an active round
   // (after the deputies), so that a round whose coordinator and deputies all died is taken over.
-  succession_ = WhomToFollow(round_, Part());
-  if (succession_.follow == registration_.followed()) return;
-  takeover_at_.reset();
+  const Succession& succession = takeover_.Follow(WhomToFollow(round_, Part()));
+  if (succession.follow == registration_.followed()) return;
+  takeover_.Disarm();
   // A deputy reads the coordinator's key first; the others (spread) watch it from the round
   // record's revision, written while that coordinator was alive, at no request's cost.
-  const int64_t after = succession_.spread ? round_mod_rev_ : 0;
-  if (registration_.FollowCoordinator(succession_.follow, after)) {
-    OnCoordinatorGone(succession_.follow);
+  const int64_t after = succession.spread ? round_mod_rev_ : 0;
+  if (registration_.FollowCoordinator(succession.follow, after)) {
+    OnCoordinatorGone(succession.follow);
   }
 }
 
 void EtcdRendezvous::OnCoordinatorGone(const std::string& coordinator) {
   if (coordinator != registration_.followed() || round_.coordinator != coordinator ||
-      takeover_at_) {
+      takeover_.at()) {
     return;
   }
-  auto delay = succession_.after_steps * opt_.takeover_step;
+  const Succession& succession = takeover_.succession();
+  auto delay = succession.after_steps * opt_.takeover_step;
   // A job whose coordinators keep vanishing (leases lost to an overloaded etcd) slows its
   // takeovers down instead of churning through coordinators (node_rules.h TakeoverBackoff).
   const auto now = Clock::now();
-  while (!takeovers_seen_.empty() && now - takeovers_seen_.front() > kTakeoverPeriod) {
-    takeovers_seen_.pop_front();
-  }
-  if (auto extra = TakeoverBackoff(takeovers_seen_.size()); extra.count() > 0) {
+  const size_t recent = takeover_.Recent(now);
+  if (auto extra = TakeoverBackoff(recent); extra.count() > 0) {
     EFDL_LOG_INFO("rdzv {}: {} takeovers in the last {} s: waiting {} ms more before taking "
-                  "over from {}", opt_.node_id, takeovers_seen_.size(),
+                  "over from {}", opt_.node_id, recent,
                   std::chrono::duration_cast<std::chrono::seconds>(kTakeoverPeriod).count(),
                   extra.count(), coordinator);
     delay += extra;
   }
-  if (succession_.spread) {
+  if (succession.spread) {
     std::uniform_int_distribution<int64_t> extra(0, kSpreadSteps * opt_.takeover_step.count());
     delay += std::chrono::milliseconds(extra(rng_));
   }
-  takeover_at_ = now + delay;
+  takeover_.Arm(now + delay);
 }
 
 void EtcdRendezvous::TakeOver() {
@@ -411,11 +406,9 @@ void EtcdRendezvous::Fence(const std::string& why) {
                  fmt::format("node {} was fenced out of round {}: {}", opt_.node_id, round, why)));
   part_.fenced_round = std::max(part_.fenced_round, FencedRound(round_, Part()));
   StopTakingPart();
-  fenced_since_ = Clock::now();
   // At once while etcd is fast; spread when it is slow (a crowd fenced together by an
   // overloaded etcd must not register again all at once: node_rules.h JoinBackoff).
-  rejoin_attempt_ = 0;
-  rejoin_at_ = Clock::now() + JoinBackoff(0, last_join_latency_, UnitRandom());
+  rejoin_.Fenced(Clock::now(), UnitRandom());
 }
 
 void EtcdRendezvous::WithdrawFor(std::chrono::milliseconds cooldown) {
@@ -429,24 +422,18 @@ void EtcdRendezvous::WithdrawFor(std::chrono::milliseconds cooldown) {
   // more, so the hand-over below is not applied to this node), then announce the leaving, hand
   // coordination over, and revoke the lease (the node key and the ack go with it).
   StopTakingPart();
-  rejoin_at_.reset();
+  rejoin_.Cancel();
   if (registration_.lease() != 0) {
     SendAck(AckState::kLeaving, round_.round);
     HandOverCoordination();
     registration_.Release();
   }
   events_.Clear();   // the agent hears of rounds again once the node has registered anew
-  withdrawn_until_ = now + cooldown;
-  next_withdrawn_check_ = now;
-  rejoin_attempt_ = 0;
-  rejoin_at_ = *withdrawn_until_;
-  fenced_since_ = *withdrawn_until_;   // the join timeout of a failing rejoin counts from here
+  rejoin_.Withdrawn(now, cooldown);
 }
 
 void EtcdRendezvous::CheckWithdrawn(TimePoint now) {
-  if (now < next_withdrawn_check_) return;
-  next_withdrawn_check_ = now + kWithdrawnCheck;
-  if (!rejoin_at_ || *rejoin_at_ <= now) return;
+  if (!rejoin_.WithdrawnCheckDue(now)) return;
   auto rd = client_.Get(keys_.round);
   if (!rd.ok() || !rd->has_value()) return;
   auto rec = RoundRecord::Decode((*rd)->value);
@@ -454,7 +441,7 @@ void EtcdRendezvous::CheckWithdrawn(TimePoint now) {
     // Registering reads it and says so (kJobComplete; a suspended job refuses the node).
     EFDL_LOG_INFO("rdzv {}: job {} is {} while this node is excluded: registering now to "
                   "learn it", opt_.node_id, opt_.job_id, PhaseName(rec->phase));
-    rejoin_at_ = now;
+    rejoin_.RejoinAt(now);
   }
 }
 
@@ -470,9 +457,9 @@ void EtcdRendezvous::ReleaseRegistration(bool announce_leaving) {
   finished_ = true;
   coordinator_.Stop();
   registration_.StopWatching();
-  takeover_at_.reset();
-  rejoin_at_.reset();
-  unplaced_since_.reset();
+  takeover_.Disarm();
+  rejoin_.Cancel();
+  unplaced_.Placed();
   if (announce_leaving && registration_.lease() != 0) {
     SendAck(AckState::kLeaving, round_.round);
     HandOverCoordination();
@@ -564,7 +551,7 @@ void EtcdRendezvous::OnSuspended(const RoundRecord& rec) {
                                      : rec.message));
   finished_ = true;
   StopTakingPart();
-  rejoin_at_.reset();
+  rejoin_.Cancel();
 }
 
 void EtcdRendezvous::StopTakingPart() {
@@ -572,8 +559,8 @@ void EtcdRendezvous::StopTakingPart() {
   part_.started_standby = false;
   coordinator_.Stop();
   registration_.StopWatching();
-  takeover_at_.reset();
-  unplaced_since_.reset();
+  takeover_.Disarm();
+  unplaced_.Placed();
 }
 
 }  // namespace efdl::rdzv::internal

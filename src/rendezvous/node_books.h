@@ -3,7 +3,12 @@
 //   EventQueue   the events for the agent (the driver pushes, the agent's thread waits);
 //   AgentNotes   what the agent's thread tells the node for its acks;
 //   AckBook      what this node told in its ack key, and the outcome it still has to tell;
-//   JobEndCheck  after a peer gave up: whether this node's own break ends the job here too.
+//   JobEndCheck  after a peer gave up: whether this node's own break ends the job here too;
+// and its clocks:
+//   Unplaced       while the node has no place: since when, and its waiting notices;
+//   TakeoverClock  whom it follows, when it takes over from them, the takeovers it saw;
+//   RejoinClock    after a fence or a withdrawal: when it registers again, until when it may try,
+//                  and what its registrations took (latency, lease expiries: the overload rules).
 // The decisions stay in node_rules.h; these only keep what the node did and when it is due again.
 #pragma once
 
@@ -20,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "common/thread_annotations.h"
+#include "rendezvous/node_rules.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/rendezvous.h"
 
@@ -187,6 +193,140 @@ class JobEndCheck {
   std::optional<std::string> own_failure_;    // this node's last worker failure, until a success
   std::optional<std::string> round_broken_;   // until a success
   TimePoint next_check_{};
+};
+
+// While this node has no place in a round (registered, closed, not yet started): since when, for
+// the join timeout, and a waiting notice every kNoticeInterval (issue #22). Driver thread only.
+class Unplaced {
+ public:
+  static constexpr std::chrono::seconds kNoticeInterval{15};
+  void Since(TimePoint now) { since_ = now; }
+  void Placed() { since_.reset(); }
+  const std::optional<TimePoint>& since() const { return since_; }
+  // When the next waiting notice is due (only while unplaced).
+  TimePoint NextNotice() const { return std::max(*since_, last_notice_) + kNoticeInterval; }
+  bool NoticeDue(TimePoint now) {
+    if (!since_ || now < NextNotice()) return false;
+    last_notice_ = now;
+    return true;
+  }
+
+ private:
+  std::optional<TimePoint> since_;
+  TimePoint last_notice_{};
+};
+
+// Whom this node follows (node_rules.h WhomToFollow), when it takes over from them once their
+// key is gone, and the takeovers it saw within kTakeoverPeriod (node_rules.h TakeoverBackoff).
+// Driver thread only.
+class TakeoverClock {
+ public:
+  const Succession& Follow(Succession succession) {
+    succession_ = std::move(succession);
+    return succession_;
+  }
+  const Succession& succession() const { return succession_; }
+  // The round record named a coordinator that took over.
+  void SawTakeOver(TimePoint now) { seen_.push_back(now); }
+  // The takeovers seen within kTakeoverPeriod before `now` (older ones are forgotten).
+  size_t Recent(TimePoint now) {
+    while (!seen_.empty() && now - seen_.front() > kTakeoverPeriod) seen_.pop_front();
+    return seen_.size();
+  }
+  void Arm(TimePoint at) { at_ = at; }
+  void Disarm() { at_.reset(); }
+  const std::optional<TimePoint>& at() const { return at_; }
+  // Whether the takeover is due now (it is then disarmed).
+  bool Due(TimePoint now) {
+    if (!at_ || now < *at_) return false;
+    at_.reset();
+    return true;
+  }
+
+ private:
+  Succession succession_;
+  std::optional<TimePoint> at_;      // the takeover, when the followed coordinator is gone
+  std::deque<TimePoint> seen_;       // oldest first
+};
+
+// When this node registers again after a fence or a withdrawal, until when it may try (the join
+// timeout from the fence, or from the end of the cool-down), and what its registrations took:
+// the latency of the last one (node_rules.h JoinBackoff) and the lease expiries (node_rules.h
+// TtlAfterExpiries). Driver thread only; `unit_random` in [0, 1) spreads the back-offs.
+class RejoinClock {
+ public:
+  // While withdrawn, how often the node reads whether the job completed or was suspended
+  // meanwhile (one small read per excluded node).
+  static constexpr std::chrono::seconds kWithdrawnCheck{2};
+
+  void NoteJoinLatency(std::chrono::milliseconds latency) { last_join_latency_ = latency; }
+  std::chrono::milliseconds Backoff(int attempt, double unit_random) const {
+    return JoinBackoff(attempt, last_join_latency_, unit_random);
+  }
+  void LeaseExpired() { ++lease_expiries_; }
+  // The TTL to register with: `ttl`, longer after lease expiries.
+  std::chrono::milliseconds Ttl(std::chrono::milliseconds ttl) const {
+    return TtlAfterExpiries(ttl, lease_expiries_);
+  }
+  // Fenced now: register again at once while etcd is fast, spread when it is slow.
+  void Fenced(TimePoint now, double unit_random) {
+    fenced_since_ = now;
+    attempt_ = 0;
+    at_ = now + Backoff(0, unit_random);
+  }
+  // Withdrawn now for `cooldown`: register again once it is over; the join timeout of a
+  // failing rejoin counts from there.
+  void Withdrawn(TimePoint now, std::chrono::milliseconds cooldown) {
+    withdrawn_until_ = now + cooldown;
+    next_withdrawn_check_ = now;
+    attempt_ = 0;
+    at_ = *withdrawn_until_;
+    fenced_since_ = *withdrawn_until_;
+  }
+  bool withdrawn() const { return withdrawn_until_.has_value(); }
+  // While withdrawn: whether to read the job's round now (every kWithdrawnCheck, while the
+  // rejoin is still ahead).
+  bool WithdrawnCheckDue(TimePoint now) {
+    if (now < next_withdrawn_check_) return false;
+    next_withdrawn_check_ = now + kWithdrawnCheck;
+    return at_ && *at_ > now;
+  }
+  void RejoinAt(TimePoint at) { at_ = at; }
+  void Cancel() { at_.reset(); }
+  std::optional<TimePoint> NextDeadline() const {
+    std::optional<TimePoint> d = at_;
+    if (withdrawn_until_ && (!d || next_withdrawn_check_ < *d)) d = next_withdrawn_check_;
+    return d;
+  }
+  // Whether to register again now (the rejoin is then no longer pending).
+  bool Due(TimePoint now) {
+    if (!at_ || now < *at_) return false;
+    at_.reset();
+    return true;
+  }
+  // Registered again; true when that ended a withdrawal.
+  bool Rejoined() {
+    fenced_since_.reset();
+    return std::exchange(withdrawn_until_, std::nullopt).has_value();
+  }
+  // A failed rejoin: whether the join timeout since the fence (or the cool-down's end) is over.
+  bool OutOfTime(TimePoint now, std::chrono::milliseconds join_timeout) const {
+    return fenced_since_ && now - *fenced_since_ >= join_timeout;
+  }
+  // A failed rejoin within the join timeout: the next attempt, backed off.
+  void Retry(TimePoint now, double unit_random) {
+    at_ = now + std::max<std::chrono::milliseconds>(std::chrono::seconds(1),
+                                                    Backoff(++attempt_, unit_random));
+  }
+
+ private:
+  std::optional<TimePoint> at_;                   // the next registration attempt
+  std::optional<TimePoint> fenced_since_;         // the join timeout of the rejoin counts from
+  int attempt_ = 0;                               // failed rejoins since the fence
+  std::chrono::milliseconds last_join_latency_{0};   // how long the last registration took
+  int lease_expiries_ = 0;                        // fences by lease expiry
+  std::optional<TimePoint> withdrawn_until_;      // withdrawn for a cool-down until then
+  TimePoint next_withdrawn_check_{};
 };
 
 }  // namespace efdl::rdzv::internal
