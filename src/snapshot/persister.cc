@@ -135,15 +135,17 @@ Result<bool> Persister::PersistLocked() {
     bool pinned = true;
     bool preempted = false;
     // The seqlock check: a commit may take the pinned slot (arena.h); then what was read is
-    // discarded. At `all_written` the data is in the file and the slot is released.
+    // discarded. At `all_written` the data is in the file and the slot is released. (The arena
+    // through a local: clang's lock analysis does not see persist_mu_ held inside the lambda.)
+    SnapshotArena* arena = arena_.get();
     auto source_check = [&](bool all_written) -> Status {
-      if (!arena_->Unchanged(slot.slot, slot.seq)) {
+      if (!arena->Unchanged(slot.slot, slot.seq)) {
         preempted = true;
         return Status::Cancelled(fmt::format(
             "snapshot seq {} was taken by a newer commit while it was written", slot.seq));
       }
       if (all_written) {
-        arena_->Unpin(slot.slot);
+        arena->Unpin(slot.slot);
         pinned = false;
       }
       return Status::OK();
