@@ -4,13 +4,15 @@
 // Coordinator (coordinator.h, carrying out the pure decisions of coordination.h while the
 // round record names this node), the node's part of the round (etcd_rendezvous_node.cc: join,
 // acks, start, fencing, succession, leaving, suspension) and, here, the driver: the inputs the
-// watches queue, the timers, and the dispatch of both, on one thread.
+// watches queue (the NodeDriver), the timers, and the dispatch of both, on one thread. The books
+// and clocks the node keeps are in node_books.h.
 //
-// Threading: each EtcdRendezvous owns one driver thread that runs the whole state machine and
-// makes every etcd call. With a DriverPool (efdl sim, issue #37) the same steps run as the node's
-// strand on a thread shared with other nodes, never on two threads at once. Watch and keep-alive
-// callbacks only append an Input to a queue (under in_mu_, which is never held while calling
-// etcd or destroying a watch), so they never block the client's shared watch thread. Public methods other than Join/Leave only queue inputs too.
+// Threading: each EtcdRendezvous owns one NodeDriver, whose thread runs the whole state machine
+// and makes every etcd call. With a DriverPool (efdl sim, issue #37) the same steps run as the
+// node's strand on a thread shared with other nodes, never on two threads at once. Watch and
+// keep-alive callbacks only append an Input to the driver's queue (under its mutex, never held
+// while calling etcd or destroying a watch), so they never block the client's shared watch
+// thread. Public methods other than Join/Leave only queue inputs too.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -68,10 +70,27 @@ void EtcdRendezvous::RequestResync() {
   Push(std::move(in));
 }
 
-void EtcdRendezvous::Push(Input in) {
+void EtcdRendezvous::Push(Input in) { driver_.Push(std::move(in)); }
+
+void NodeDriver::Start(Step step, Deadline deadline) {
+  step_ = std::move(step);
+  deadline_ = std::move(deadline);
+  if (pool_ != nullptr) {
+    strand_ = pool_->NewStrand([this] { return PoolStep(); });
+    {
+      MutexLock lock(mu_);
+      driving_ = true;
+    }
+    pool_->Wake(strand_);   // as the thread's first pass: Join may have left work to do
+  } else {
+    thread_ = std::thread([this] { Loop(); });
+  }
+}
+
+void NodeDriver::Push(Input in) {
   bool wake_strand = false;
   {
-    MutexLock lock(in_mu_);
+    MutexLock lock(mu_);
     if (stop_) return;
     inputs_.push_back(std::move(in));
     wake_strand = pool_ != nullptr && driving_;
@@ -79,8 +98,20 @@ void EtcdRendezvous::Push(Input in) {
   if (wake_strand) {
     pool_->Wake(strand_);
   } else {
-    in_cv_.notify_one();
+    cv_.notify_one();
   }
+}
+
+bool NodeDriver::Stop() {
+  {
+    MutexLock lock(mu_);
+    if (stop_) return false;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (strand_) pool_->Close(strand_);
+  return true;
 }
 
 void EtcdRendezvous::Emit(Event e) {
@@ -153,25 +184,36 @@ void EtcdRendezvous::NoteWorkersReturned(int64_t round, const std::string& ranks
   PushOutcome(Input::Type::kWorkersReturned, round, ranks);
 }
 
-void EtcdRendezvous::DriverLoop() {
-  MutexLock lock(in_mu_);
+void NodeDriver::Loop() {
+  MutexLock lock(mu_);
   bool first = true;   // Join may have made us coordinator of a job that needs no more input
   while (!stop_) {
-    auto deadline = NextDeadline();
+    auto deadline = deadline_();
     if (inputs_.empty() && !std::exchange(first, false)) {
       if (deadline) {
-        in_cv_.wait_until(lock, *deadline);
+        cv_.wait_until(lock, *deadline);
       } else {
-        in_cv_.wait(lock);
+        cv_.wait(lock);
       }
     }
     if (stop_) break;
     std::deque<Input> batch;
     batch.swap(inputs_);
     lock.unlock();
-    RunBatch(batch);
+    step_(batch);
     lock.lock();
   }
+}
+
+std::optional<TimePoint> NodeDriver::PoolStep() {
+  std::deque<Input> batch;
+  {
+    MutexLock lock(mu_);
+    if (stop_) return std::nullopt;
+    batch.swap(inputs_);
+  }
+  step_(batch);
+  return deadline_();
 }
 
 void EtcdRendezvous::RunBatch(std::deque<Input>& batch) {
@@ -182,17 +224,6 @@ void EtcdRendezvous::RunBatch(std::deque<Input>& batch) {
     OnTimers();
     coordinator_.Step(Clock::now());
   }
-}
-
-std::optional<TimePoint> EtcdRendezvous::PoolStep() {
-  std::deque<Input> batch;
-  {
-    MutexLock lock(in_mu_);
-    if (stop_) return std::nullopt;
-    batch.swap(inputs_);
-  }
-  RunBatch(batch);
-  return NextDeadline();
 }
 
 std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {

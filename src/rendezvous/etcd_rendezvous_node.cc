@@ -54,7 +54,7 @@ Status EtcdRendezvous::Join() {
         "--nnodes {}:{} is invalid: need 1 <= MIN <= MAX", opt_.min_nodes, opt_.max_nodes));
   }
   if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
-  if (joined_) return Status::FailedPrecondition("Join() was already called");
+  if (driver_.started()) return Status::FailedPrecondition("Join() was already called");
   EFDL_RETURN_IF_ERROR(CheckSameProgram());
   Status s = Register();
   // An etcd too slow to answer a registration in time (thousands of agents starting at once):
@@ -70,17 +70,8 @@ Status EtcdRendezvous::Join() {
   }
   if (s.code() == Status::Code::kAlreadyExists) s = WaitOutStaleRegistration(std::move(s));
   EFDL_RETURN_IF_ERROR(s);
-  joined_ = true;
-  if (pool_ != nullptr) {
-    strand_ = pool_->NewStrand([this] { return PoolStep(); });
-    {
-      MutexLock lock(in_mu_);
-      driving_ = true;
-    }
-    pool_->Wake(strand_);   // as the thread's first pass: Join may have left work to do
-  } else {
-    driver_ = std::thread([this] { DriverLoop(); });
-  }
+  driver_.Start([this](std::deque<Input>& batch) { RunBatch(batch); },
+                [this] { return NextDeadline(); });
   return Status::OK();
 }
 
@@ -512,15 +503,7 @@ void EtcdRendezvous::HandOverCoordination() {
 }
 
 void EtcdRendezvous::Leave() {
-  {
-    MutexLock lock(in_mu_);
-    if (left_) return;
-    left_ = true;
-    stop_ = true;
-  }
-  in_cv_.notify_all();
-  if (driver_.joinable()) driver_.join();
-  if (strand_) pool_->Close(strand_);
+  if (!driver_.Stop()) return;   // left before
   if (!finished_) {
     ReleaseRegistration(true);
   } else if (registration_.lease() != 0) {
