@@ -444,7 +444,7 @@ class Job:
         out = []
         for a in self.all_agents:
             text = a.output()
-            own = [line for line in text.splitlines() if not line.startswith("[rank")]
+            own = a.own_output().splitlines()
             out.append("==== %s (exit %s): agent lines\n%s\n---- output tail\n%s" % (
                 a.name, a.proc.poll(), "\n".join(own[-150:]), text[-tail:]))
         return "\n".join(out)

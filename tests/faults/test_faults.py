@@ -259,9 +259,7 @@ def test_sigkill_of_an_agent_alone_ends_everything_its_workers_started(make_job)
     os.kill(agent.proc.pid, signal.SIGKILL)
     fault = (t0, time.time())
     agent.proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while job.tracker.of_session(agent.proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    cluster.poll_until(lambda: not job.tracker.of_session(agent.proc.pid), 10, 0.1)
     left = job.tracker.of_session(agent.proc.pid)
     assert not left, ("10 s after a SIGKILL of %s's agent alone, processes of its session live "
                       "on: %s (of %d before)" % (victim, faultlib.describe(left), len(before)))
@@ -481,12 +479,8 @@ def test_storage_fault_mid_run_does_not_stop_training(make_job, fault):
         elif fault == "read-only":
             subprocess.run(["mount", "-o", "remount,rw", fs.path], check=True)
         repaired_step = max(e["step"] for e in job.events({"STEP"}))
-        deadline = time.monotonic() + 60
-        while job.storage_newest_step() <= repaired_step:
-            assert time.monotonic() < deadline, ("nothing newer than step %d was persisted "
-                                                 "within 60 s of the repair\n%s"
-                                                 % (repaired_step, job.dump()))
-            time.sleep(0.25)
+        job.wait_for(lambda: job.storage_newest_step() > repaired_step, 60,
+                     "a snapshot newer than step %d persisted after the repair" % repaired_step)
         assert not job.events({"DONE"}), ("persistence recovered only with the job's end, not "
                                           "while it trained\n" + job.dump())
         job.check_all(["node-a", "node-b"])

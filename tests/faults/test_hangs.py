@@ -51,8 +51,7 @@ def recovered_after(job, t0):
 
 
 def agent_lines(job, name):
-    return [line for line in job.nodes[name].output().splitlines()
-            if not line.startswith("[rank")]
+    return job.nodes[name].own_output().splitlines()
 
 
 def check_blame(job, culprit, rank, cause):

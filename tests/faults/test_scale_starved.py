@@ -15,9 +15,10 @@ import time
 
 import pytest
 
+import faultlib
+
 CG_ROOT = "/sys/fs/cgroup/cpu"
-EFDL = os.environ.get("EFDL_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build",
-                                              "efdl"))
+EFDL = faultlib.efdl_bin() or os.path.join(faultlib.REPO, "build", "efdl")
 NODES = 300
 
 
@@ -57,12 +58,10 @@ def run_sim(quota_us=None, timeout=300):
                     if line.startswith("nr_throttled "):
                         throttled = int(line.split()[1])
             # efdl sim stops its etcd before it exits; wait for the last process to leave.
-            deadline = time.monotonic() + 20
-            while True:
+            def emptied():
                 with open(os.path.join(cg, "cgroup.procs")) as f:
-                    if not f.read().strip() or time.monotonic() > deadline:
-                        break
-                time.sleep(0.1)
+                    return not f.read().strip()
+            faultlib.cluster.poll_until(emptied, 20, 0.1)
             os.rmdir(cg)
     lines = out.stdout.strip().splitlines()
     assert lines, "efdl sim printed nothing (rc %d): %s" % (out.returncode, out.stderr[-2000:])

@@ -170,14 +170,10 @@ def test_foreign_values_under_the_job_prefix_are_logged_and_ignored(job):
         etcd_put(job, key, value)
 
     # Both agents keep training in the same round, and the coordinator said what it ignored.
-    deadline = time.monotonic() + 60
-    while True:
-        logs = a.output() + b.output()
-        if "ignoring a bad node record" in logs and "ignoring a bad ack record" in logs and \
-                "ignoring a bad assignment record" in logs:
-            break
-        assert time.monotonic() < deadline, logs[-4000:]
-        time.sleep(0.1)
+    cluster.wait_for(lambda: all("ignoring a bad %s record" % kind in a.output() + b.output()
+                                 for kind in ("node", "ack", "assignment")), 60,
+                     "both agents to ignore the bad node, ack and assignment records",
+                     output=lambda: (a.output() + b.output())[-4000:], interval=0.1)
     job.wait_for_world(2, since=time.monotonic(), timeout=60)
     assert a.proc.poll() is None and b.proc.poll() is None
     logs = a.output() + b.output()
@@ -192,10 +188,9 @@ def test_foreign_values_under_the_job_prefix_are_logged_and_ignored(job):
 
     # A damaged round record: the agents log it and keep their workers running.
     etcd_put(job, p + "round", json.dumps({"r": "seven", "ph": 3, "d": [1, 2]}))
-    deadline = time.monotonic() + 30
-    while "ignoring a bad round record" not in a.output() + b.output():
-        assert time.monotonic() < deadline, (a.output() + b.output())[-4000:]
-        time.sleep(0.1)
+    cluster.wait_for(lambda: "ignoring a bad round record" in a.output() + b.output(), 30,
+                     "an agent to ignore the bad round record",
+                     output=lambda: (a.output() + b.output())[-4000:], interval=0.1)
     job.wait_for_world(2, since=time.monotonic(), timeout=60)
     assert a.proc.poll() is None and b.proc.poll() is None
     code, out, err = run_bounded(["status", "--etcd", job.endpoint, "--job", job.job], {})

@@ -9,7 +9,6 @@ model before the watch and when the program registered a communication hook of i
 """
 
 import os
-import socket
 import statistics
 import sys
 
@@ -19,15 +18,10 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "python"))
+from cluster import free_port  # noqa: E402 (tests/python/workers, on sys.path from conftest.py)
 
 STEPS = 12
 SLOW_S = 0.1
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank, model, watch, sink, hook=False, slow=0.0):
@@ -77,7 +71,7 @@ def _two_ranks(target):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -59,37 +59,18 @@ def status(c):
     return json.loads(efdl(c, "status", "--json"))
 
 
-def agent_lines(agent):
-    """The agent's own log lines (not its workers' output)."""
-    return "\n".join(l for l in agent.output().splitlines() if not l.startswith("[rank"))
-
-
 def outputs(agents):
-    return "\n----\n".join("%s (exit %s):\n%s" % (a.name, a.proc.poll(), agent_lines(a)[-3000:])
-                           for a in agents)
+    return cluster.outputs(agents, 3000, own=True)
 
 
-def wait_line(agent, pattern, timeout, agents):
-    deadline = time.monotonic() + timeout
-    while True:
-        m = re.search(pattern, agent_lines(agent))
-        if m:
-            return m
-        if time.monotonic() > deadline or agent.proc.poll() is not None:
-            raise AssertionError("%s never logged %r:\n%s" % (agent.name, pattern,
-                                                              outputs(agents)))
-        time.sleep(0.05)
+wait_line = cluster.wait_for_log
 
 
 def node_of_exit0(agents):
     """The agent whose worker ran rank 1 when it returned (its worker's own line says so)."""
-    deadline = time.monotonic() + 90
-    while True:
-        exiting = next((a for a in agents if "] EXITING0 rank=1 " in a.output()), None)
-        if exiting is not None:
-            return exiting
-        assert time.monotonic() < deadline, outputs(agents)
-        time.sleep(0.05)
+    return cluster.wait_for(
+        lambda: next((a for a in agents if "] EXITING0 rank=1 " in a.output()), None), 90,
+        "rank 1's worker to return", output=lambda: outputs(agents))
 
 
 def start_three(c, env, extra=(), nnodes="2:3", envs=None):
@@ -142,9 +123,9 @@ def test_a_rank_that_exits_0_before_the_job_completed_is_blamed_on_its_node(job,
     assert any("rank 1 exited 0 before the job completed" in e["why"] for e in events), events
     # The peers' collectives lost the rank: collateral, logged (by those whose failure reached
     # their agent before the round's close paused them), never counted, never "failed".
-    assert any("not counted as a restart" in agent_lines(p) for p in peers), outputs(agents)
+    assert any("not counted as a restart" in p.own_output() for p in peers), outputs(agents)
     for p in peers:
-        out = agent_lines(p)
+        out = p.own_output()
         assert not re.search(r"restart \d+ ", out), out
         assert "workers of node %s failed" % p.name not in out, out
         assert "exited 0 before the job completed: their peers" not in out, out
@@ -178,7 +159,7 @@ def test_one_of_a_nodes_ranks_exiting_0_early_is_blamed_on_its_node(job, mode):
     assert any("workers of node %s failed: rank 1 exited 0 before the job completed"
                % exiting.name in e["why"] for e in events), (
         "\n".join(e["why"] for e in events) + "\n" + outputs(agents))
-    out = agent_lines(peer)
+    out = peer.own_output()
     assert not re.search(r"restart \d+ ", out), out
     assert "workers of node %s failed" % peer.name not in out, out
 
@@ -203,7 +184,7 @@ def test_a_sigkilled_node_is_the_cause_not_the_survivor_that_reported_first(job,
     crash = [e for e in events if "node-c" in e["why"]]
     assert crash and crash[0]["kind"] == "crash", events
     for a in survivors:
-        out = agent_lines(a)
+        out = a.own_output()
         # A survivor says its workers lost a peer, never that they (or a peer's) failed.
         for n in NODES[:2]:
             assert "workers of node %s failed" % n not in out, out
@@ -230,13 +211,13 @@ def test_in_process_a_node_that_keeps_raising_is_excluded_and_its_peers_never_co
     raised = re.findall(r"^\[rank \d\] ValueError: a bug in the program at step 25$", before, re.M)
     assert len(raised) == 2, (len(raised), outputs(agents))
     # The next record of the job's rounds leaves it out (the exclusion is written first).
-    deadline = time.monotonic() + 30
-    while True:
+    def left_out():
         st = status(job)
-        if not any(m["id"] == "node-c" for m in st["members"] + st["standbys"] + st["waiting"]):
-            break
-        assert time.monotonic() < deadline, (st, outputs(agents))
-        time.sleep(0.1)
+        listed = st["members"] + st["standbys"] + st["waiting"]
+        return None if any(m["id"] == "node-c" for m in listed) else st
+    st = cluster.wait_for(left_out, 30, "a record of the rounds without node-c",
+                          output=lambda: "%s\n%s" % (status(job), outputs(agents)),
+                          interval=0.1)
     assert set(st["excluded"]) == {"node-c"}, (st, outputs(agents))
     assert st["excluded"]["node-c"]["failures"] == 2, st
     assert not st["gave_up"], st
@@ -249,10 +230,10 @@ def test_in_process_a_node_that_keeps_raising_is_excluded_and_its_peers_never_co
     # down: usually before their own collectives failed), or saw their collectives lose it.
     for x in (a, b):
         assert re.search(r"closing \(not graceful\): workers of node node-c failed: rank \d raised "
-                         r"ValueError|came from a collective that lost a peer", agent_lines(x)), \
+                         r"ValueError|came from a collective that lost a peer", x.own_output()), \
             outputs(agents)
     for x in (a, b):
-        out = agent_lines(x)
+        out = x.own_output()
         # node-c withdrew when it counted the failure that excluded it, before a round formed
         # with it: the healthy workers never waited in a round's group creation for its rank
         # (they kept their processes: no pause timeout, no restart).

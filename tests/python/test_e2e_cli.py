@@ -112,10 +112,8 @@ def test_sigterm_stops_a_standalone_job_and_its_workers(tmp_path):
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not (pidfile.exists() and pidfile.read_text().strip()):
-            assert time.monotonic() < deadline, "worker never started"
-            time.sleep(0.05)
+        cluster.wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 30,
+                         "the worker to start (its pid file)")
         worker = int(pidfile.read_text())
         proc.terminate()
         assert proc.wait(timeout=30) == 128 + 15

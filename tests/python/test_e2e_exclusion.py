@@ -44,19 +44,9 @@ def status(c, *extra):
     return proc.stdout
 
 
-def agent_lines(agent):
-    """The agent's own log lines (not its workers' output)."""
-    return "\n".join(l for l in agent.output().splitlines() if not l.startswith("[rank"))
-
-
 def wait_line(agent, pattern, timeout, others=()):
-    deadline = time.monotonic() + timeout
-    while not re.search(pattern, agent_lines(agent)):
-        if time.monotonic() > deadline or agent.proc.poll() is not None:
-            raise AssertionError("%s never logged %r; outputs:\n%s" % (
-                agent.name, pattern, "\n----\n".join(
-                    x.name + ":\n" + agent_lines(x)[-3000:] for x in (agent,) + tuple(others))))
-        time.sleep(0.05)
+    """Waits until `agent` logged `pattern`; returns the time it was seen."""
+    cluster.wait_for_log(agent, pattern, timeout, (agent,) + tuple(others))
     return time.monotonic()
 
 
@@ -76,7 +66,7 @@ def test_a_node_that_keeps_failing_is_excluded_the_job_goes_on_and_it_rejoins(jo
     # node-c's own failures exclude it after the second; it says until when.
     excluded_at = wait_line(c, r"node node-c is excluded from job '%s' for %d s \(exclusion 1\)"
                             % (job.job, COOLDOWN), 60, others=(a, b))
-    line = next(l for l in agent_lines(c).splitlines() if "is excluded from job" in l)
+    line = next(l for l in c.own_output().splitlines() if "is excluded from job" in l)
     assert "exited with status 1" in line, line
     assert "2 of this node's own worker failures within 60 s (--exclude-after 2)" in line, line
     assert re.search(r"it rejoins with fresh workers at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", line), line
@@ -107,8 +97,8 @@ def test_a_node_that_keeps_failing_is_excluded_the_job_goes_on_and_it_rejoins(jo
     back_at = wait_line(c, r"node node-c is back in job '%s' after its cool-down" % job.job,
                         COOLDOWN + 30, others=(a, b))
     assert back_at - excluded_at >= COOLDOWN - 0.5, back_at - excluded_at
-    assert "cool-down over: registered in job %s again" % job.job in agent_lines(c)
-    assert "node-c" not in json.loads(status(job, "--json"))["excluded"], agent_lines(c)
+    assert "cool-down over: registered in job %s again" % job.job in c.own_output()
+    assert "node-c" not in json.loads(status(job, "--json"))["excluded"], c.own_output()
     job.wait_for_world(3, since=back_at, timeout=40, full=False)
 
     # Failing again, it is excluded again, for twice as long.
@@ -119,15 +109,15 @@ def test_a_node_that_keeps_failing_is_excluded_the_job_goes_on_and_it_rejoins(jo
     # (not at the end of its cool-down) and exits 0.
     codes = [a.wait(90 - (time.monotonic() - started)), b.wait(30)]
     done_at = time.monotonic()
-    assert codes == [0, 0], (codes, agent_lines(a)[-3000:], agent_lines(b)[-3000:])
+    assert codes == [0, 0], (codes, a.own_output()[-3000:], b.own_output()[-3000:])
     code_c = c.wait(2 * COOLDOWN)
-    assert code_c == 0, (code_c, agent_lines(c)[-3000:])
-    assert time.monotonic() - done_at < 8, agent_lines(c)[-2000:]
-    assert "job '%s' is complete" % job.job in agent_lines(c), agent_lines(c)[-2000:]
+    assert code_c == 0, (code_c, c.own_output()[-3000:])
+    assert time.monotonic() - done_at < 8, c.own_output()[-2000:]
+    assert "job '%s' is complete" % job.job in c.own_output(), c.own_output()[-2000:]
     for x in (a, b):
-        out = agent_lines(x)
+        out = x.own_output()
         assert "is excluded" not in out, out
         assert "giving up" not in out, out
         assert not re.search(r"restart \d+ ", out), out
-    assert "giving up" not in agent_lines(c), agent_lines(c)
+    assert "giving up" not in c.own_output(), c.own_output()
     assert time.monotonic() - started < 90, time.monotonic() - started

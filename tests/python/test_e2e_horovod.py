@@ -27,19 +27,12 @@ FINAL_RE = re.compile(r"^\[rank (\d+)\] rank \d+ final parameters ([0-9a-f]{16})
 
 def wait_for_world(agent, world, since, timeout=120):
     """Waits until `agent`'s rank 0 printed a progress line at `world` after `since`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def seen():
         with agent._lock:
             lines = [text for t, text in agent.lines if t >= since]
-        for text in lines:
-            m = PROGRESS_RE.match(text)
-            if m and int(m.group(1)) == world:
-                return
-        if agent.proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise AssertionError("%s: no step at world %d; output:\n%s" % (agent.name, world,
-                                                                   agent.output()[-4000:]))
+        return any(m and int(m.group(1)) == world for m in map(PROGRESS_RE.match, lines))
+    cluster.wait_for(seen, timeout, "%s: a step at world %d" % (agent.name, world),
+                     output=lambda: agent.output()[-4000:], fail=cluster.exited([agent]))
 
 
 @pytest.mark.parametrize("script", ["hvd_state.py", "hvd_native.py"])

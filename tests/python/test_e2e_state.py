@@ -60,19 +60,16 @@ def restored(agents, round_=None):
 def wait_restored(agents, world, since, timeout=90):
     """Waits for a round of `world` ranks that all printed RESTORED after `since`; returns
     (round, {rank: (source, step, digest)})."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def found():
         rounds = {}
         for (round_, rank), (w, source, _, step, dig) in restored(agents).items():
             if w == world:
                 rounds.setdefault(round_, {})[rank] = (source, step, dig)
         fresh = {r for a in agents for _, _, r, w, _ in a.steps(since) if w == world}
-        for round_, ranks in rounds.items():
-            if len(ranks) == world and round_ in fresh:
-                return round_, ranks
-        time.sleep(0.1)
-    raise AssertionError("no round of world %d restored within %ss:\n%s" % (
-        world, timeout, "\n----\n".join(a.name + ":\n" + a.output()[-3000:] for a in agents)))
+        return next(((round_, ranks) for round_, ranks in rounds.items()
+                     if len(ranks) == world and round_ in fresh), None)
+    return cluster.wait_for(found, timeout, "a round of world %d that restored" % world,
+                            output=lambda: cluster.outputs(agents, 3000), interval=0.1)
 
 
 def last_steps(agents, round_):
@@ -92,10 +89,9 @@ def test_newcomer_gets_the_newest_step_and_graceful_changes_lose_nothing(job):
     job.wait_joined(a)
     b = start_node(job, "node-b", env)
     first, _ = wait_restored([a, b], 2, since=0.0)
-    deadline = time.monotonic() + 60
-    while max((s[4] for s in a.steps()), default=0) < 12:   # past the first storage write
-        assert time.monotonic() < deadline, a.output()[-3000:]
-        time.sleep(0.1)
+    cluster.wait_for(lambda: max((s[4] for s in a.steps()), default=0) >= 12, 60,
+                     "step 12 (past the first storage write)", output=lambda: a.output()[-3000:],
+                     interval=0.1)
 
     # Scale out: node-c has empty shared memory and storage; the round change is graceful.
     joined_at = time.monotonic()

@@ -10,13 +10,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 
 import hosts  # noqa: E402
+import cluster  # noqa: E402
 from cluster import PYTHON  # noqa: E402
 
 _why = hosts.HostWorld.unavailable()
@@ -74,9 +74,7 @@ def test_kill_restart_and_link_cut():
         h1, h2 = w.hosts
         # A process that left the host's session and process group still dies with the host.
         p = h1.popen(["sh", "-c", "setsid sleep 600 & sleep 600"])
-        deadline = time.monotonic() + 10
-        while len(h1.pids()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        cluster.poll_until(lambda: len(h1.pids()) >= 3, 10)
         victims = h1.pids()
         assert len(victims) >= 3, victims
         h1.run(["sh", "-c", "echo kept > /dev/shm/arena"])
@@ -100,12 +98,13 @@ def test_kill_restart_and_link_cut():
             h1.link_down()
             assert h1.run([PYTHON, "-c", CONNECT, h2.addr, "4568"]).returncode != 0
             h1.link_up()
-            deadline = time.monotonic() + 10
-            while True:
-                c = h1.run([PYTHON, "-c", CONNECT, h2.addr, "4568"])
-                if c.returncode == 0 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+            tries = []
+
+            def connected():
+                tries.append(h1.run([PYTHON, "-c", CONNECT, h2.addr, "4568"]))
+                return tries[-1].returncode == 0
+            cluster.poll_until(connected, 10, 0.2)
+            c = tries[-1]
             assert c.stdout.strip() == h1.addr, c
         finally:
             srv.kill()

@@ -9,7 +9,6 @@ have noticed it itself (a miss), not left it to luck."""
 import gc
 import glob
 import json
-import time
 import weakref
 
 import pytest
@@ -19,6 +18,8 @@ from test_state import job, make_training, train_step  # noqa: F401 (fixture)
 from test_state_commit_path import restore_both
 
 from efdl.state import State
+
+import cluster  # tests/python/workers, on sys.path from conftest.py
 
 
 def hot(state, model, optimizer, commits=3):
@@ -296,10 +297,7 @@ def persister_threads():
 
 def persister_threads_become(n):
     # The thread names itself once it runs: on a loaded machine that may come a little later.
-    deadline = time.monotonic() + 10
-    while persister_threads() != n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return persister_threads() == n
+    return cluster.poll_until(lambda: persister_threads() == n, 10, 0.01) is True
 
 
 def test_a_dropped_state_is_freed_with_its_engine(job):  # noqa: F811

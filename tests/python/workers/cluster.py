@@ -49,10 +49,11 @@ def alive(pid):
         return False
 
 
-def free_port():
+def free_port(addr="127.0.0.1"):
+    """A TCP port free on `addr` right now."""
     import socket
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 
@@ -142,10 +143,11 @@ def exited(agents):
     return check
 
 
-def outputs(agents, tail=4000):
-    """The agents' outputs (the last `tail` characters of each), for a failure message."""
-    return "\n----\n".join("%s (exit %s):\n%s" % (a.name, a.proc.poll(), a.output()[-tail:])
-                            for a in agents)
+def outputs(agents, tail=4000, own=False):
+    """The agents' outputs (the last `tail` characters of each; own: their own lines only),
+    for a failure message."""
+    return "\n----\n".join("%s (exit %s):\n%s" % (
+        a.name, a.proc.poll(), (a.own_output() if own else a.output())[-tail:]) for a in agents)
 
 
 def wait_for_output(agent, text, timeout=90):
@@ -153,6 +155,16 @@ def wait_for_output(agent, text, timeout=90):
     seconds pass first."""
     wait_for(lambda: text in agent.output(), timeout, "%s to print %r" % (agent.name, text),
              output=lambda: agent.output()[-3000:], fail=exited([agent]))
+
+
+def wait_for_log(agent, pattern, timeout, agents=()):
+    """Waits until the agent's own lines match the regular expression `pattern` (re.search,
+    multi-line text); returns the match. Fails when it exits first, or after `timeout`
+    seconds, with the own lines of `agents` (default: of `agent`)."""
+    return wait_for(lambda: re.search(pattern, agent.own_output()), timeout,
+                    "%s to log %r" % (agent.name, pattern),
+                    output=lambda: outputs(agents or [agent], 3000, own=True),
+                    fail=exited([agent]))
 
 
 def wait_for_world(agents, world, since=0.0, timeout=60, full=True, by_round=True, live=(),
@@ -251,6 +263,11 @@ class Agent:
     def output(self):
         with self._lock:
             return "\n".join(text for _, text in self.lines)
+
+    def own_output(self):
+        """The agent's own log lines, without its workers' ("[rank N] ...")."""
+        return "\n".join(line for line in self.output().splitlines()
+                         if not line.startswith("[rank"))
 
     def steps(self, since=0.0):
         """(time, rank, round, world, step) of every STEP line after `since`."""
