@@ -88,7 +88,7 @@ Result<Registration::Joined> Registration::Open(const NodeRecord& me,
     return abandon((!w1.ok() ? w1.status() : w2.status()).WithContext("cannot watch the job"));
   }
   lease_ = lease;
-  SetKeeper(std::move(*keeper), false);
+  kept_.Set(std::move(*keeper), false);
   round_watch_ = std::move(*w1);
   assign_watch_ = std::move(*w2);
   if (!gaveup_watch_) {
@@ -154,7 +154,7 @@ void Registration::StopWatching() {
 }
 
 void Registration::Fence() {
-  SetKeeper(nullptr, true);   // first: from now on nothing of the old round is published
+  kept_.Set(nullptr, true);   // first: from now on nothing of the old round is published
   StopWatching();
   lease_ = 0;
   ++generation_;
@@ -162,7 +162,7 @@ void Registration::Fence() {
 
 void Registration::Release() {
   if (lease_ != 0) {
-    SetKeeper(nullptr, false);
+    kept_.Set(nullptr, false);
     Status s = client_.LeaseRevoke(lease_);
     if (!s.ok() && !s.IsNotFound()) {
       EFDL_LOG_WARN("rdzv {}: could not revoke the lease (others will see it expire after "
@@ -170,12 +170,12 @@ void Registration::Release() {
     }
     lease_ = 0;
   }
-  SetKeeper(nullptr, false);
+  kept_.Set(nullptr, false);
 }
 
-void Registration::SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced) {
+void KeptLease::Set(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced) {
   std::unique_ptr<etcd::LeaseKeeper> old;
-  MutexLock lock(keeper_mu_);
+  MutexLock lock(mu_);
   old = std::move(keeper_);   // destroyed after the lock is released
   keeper_ = std::move(keeper);
   fenced_ = fenced;
@@ -186,8 +186,8 @@ void Registration::SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fen
   }
 }
 
-bool Registration::MayPublish(double committed_at) const {
-  MutexLock lock(keeper_mu_);
+bool KeptLease::MayPublish(double committed_at) const {
+  MutexLock lock(mu_);
   if (fenced_ || committed_at < fenced_at_wall_) return false;
   // Without a lease (before the first registration, after leaving) nothing newer can be fenced
   // against it; with one, only until its local expiry.

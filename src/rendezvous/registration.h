@@ -21,6 +21,22 @@
 
 namespace efdl::rdzv {
 
+// A registration's lease keeper and what may be published under it: the one part of a
+// Registration that another thread reads (the agent's persister, through MayPublish).
+class KeptLease {
+ public:
+  // Replaces the keeper (nullptr: none; the old one is destroyed outside the lock). `fenced`:
+  // the lease was lost, and nothing committed before now is published again.
+  void Set(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced);
+  bool MayPublish(double committed_at) const;
+
+ private:
+  mutable Mutex mu_;
+  std::unique_ptr<etcd::LeaseKeeper> keeper_ EFDL_GUARDED_BY(mu_);
+  bool fenced_ EFDL_GUARDED_BY(mu_) = false;          // until the next Set
+  double fenced_at_wall_ EFDL_GUARDED_BY(mu_) = 0;    // when last fenced (epoch s)
+};
+
 class Registration {
  public:
   enum class Stream { kRound, kAssign, kGaveUp };
@@ -80,10 +96,9 @@ class Registration {
   uint64_t generation() const { return generation_; }
   // Whether a snapshot committed at `committed_at` (epoch seconds) may still be published: not
   // while fenced, nor one committed before the last fence, nor after the lease's local expiry.
-  bool MayPublish(double committed_at) const;
+  bool MayPublish(double committed_at) const { return kept_.MayPublish(committed_at); }
 
  private:
-  void SetKeeper(std::unique_ptr<etcd::LeaseKeeper> keeper, bool fenced);
 
   etcd::Client& client_;
   const JobKeys& keys_;
@@ -93,10 +108,7 @@ class Registration {
 
   uint64_t generation_ = 0;             // bumped at each Open, Rewatch and Fence
   int64_t lease_ = 0;
-  mutable Mutex keeper_mu_;
-  std::unique_ptr<etcd::LeaseKeeper> keeper_ EFDL_GUARDED_BY(keeper_mu_);
-  bool fenced_ EFDL_GUARDED_BY(keeper_mu_) = false;          // until the next Open
-  double fenced_at_wall_ EFDL_GUARDED_BY(keeper_mu_) = 0;    // when last fenced (epoch s)
+  KeptLease kept_;                      // fenced until the next Open
   std::unique_ptr<etcd::Watch> round_watch_, assign_watch_, coordinator_watch_;
   std::unique_ptr<etcd::Watch> gaveup_watch_;   // from the first registration on
   std::string followed_;
