@@ -80,12 +80,9 @@ def test_a_wrong_interface_is_explained_once_with_the_address_tried(world):
                            env={"GLOO_SOCKET_IFNAME": "lo"}) for h in w.hosts[:2]]
     # With --max-restarts 1 a node gives up after its second failed round; the other one, its
     # own workers having failed too and below MIN now, ends as well ("cannot go on").
-    deadline = time.monotonic() + 240
-    while not any("giving up" in a.output() for a in agents):
-        if time.monotonic() > deadline:
-            raise AssertionError("no agent gave up within 240 s:\n" + outputs(agents))
-        time.sleep(0.2)
-    gave_up = next(a for a in agents if "giving up" in a.output())
+    gave_up = cluster.wait_for(lambda: next((a for a in agents if "giving up" in a.output()),
+                                            None), 240, "an agent to give up",
+                               output=lambda: outputs(agents), interval=0.2)
     assert gave_up.proc.wait(timeout=30) == 1, outputs(agents)
     explained = 0
     for a in agents:

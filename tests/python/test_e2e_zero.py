@@ -53,12 +53,11 @@ def finals(text):
 
 def wait_steps(agents, world_size, steps, timeout, since=0.0):
     """Waits until the ranks of rounds of `world_size` reported `steps` steps after `since`."""
-    deadline = time.monotonic() + timeout
-    while len({s for a in agents for _, _, _, w_, s in a.steps(since) if w_ == world_size}) < steps:
-        if time.monotonic() > deadline:
-            raise AssertionError("world %d never made %d steps:\n%s"
-                                 % (world_size, steps, outputs(agents)))
-        time.sleep(0.1)
+    cluster.wait_for(
+        lambda: len({s for a in agents for _, _, _, w_, s in a.steps(since)
+                     if w_ == world_size}) >= steps, timeout,
+        "world %d to make %d steps" % (world_size, steps), output=lambda: outputs(agents),
+        interval=0.1)
 
 
 def shard_sources(lines):

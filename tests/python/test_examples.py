@@ -205,10 +205,8 @@ def test_demo_interrupted_with_ctrl_c_stops_every_process(tmp_path):
         # zygote's and the store's too) and waits for the agents only: a worker (torch loaded) may take a moment
         # to finish dying. So this checks the demo's own cleanup; that a zygote ends with its
         # agent by itself is checked in tests/faults (SIGKILL of an agent alone).
-        deadline = time.monotonic() + 15
         children = workers + zygotes + stores
-        while [pid for pid in children if alive(pid)] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        cluster.poll_until(lambda: not [pid for pid in children if alive(pid)], 15)
         assert not [pid for pid in children if alive(pid)], (workers, zygotes, stores)
     finally:
         if proc.poll() is None:

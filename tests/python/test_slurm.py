@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -87,15 +86,10 @@ class Env:
             return ""
 
     def wait_output(self, job_id, predicate, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            out = self.output(job_id)
-            found = predicate(out)
-            if found:
-                return found
-            time.sleep(0.2)
-        raise AssertionError("no %s within %ss; job %s output:\n%s\n%s" % (
-            what, timeout, job_id, self.output(job_id)[-6000:], self.slurm.logs(1500)))
+        return cluster.wait_for(lambda: predicate(self.output(job_id)), timeout, what,
+                                output=lambda: "job %s output:\n%s\n%s" % (
+                                    job_id, self.output(job_id)[-6000:], self.slurm.logs(1500)),
+                                interval=0.2)
 
     def wait_steps(self, job_id, world, count, timeout=240):
         """Waits until rank 0 printed `count` steps at world size `world`."""
@@ -253,9 +247,7 @@ def test_d_scancel_of_the_whole_job_leaves_no_process_and_no_arena(env):
     def clean():
         return all(env.slurm.job_pids(h) == [] for h in env.world.hosts) and all(
             os.listdir(h.shm_dir) == [] for h in env.world.hosts)
-    deadline = time.monotonic() + 60
-    while not clean() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    cluster.poll_until(clean, 60, 0.2)
     for h in env.world.hosts:
         left = [open("/proc/%d/cmdline" % p, "rb").read().replace(b"\0", b" ")[:200]
                 for p in env.slurm.job_pids(h) if os.path.exists("/proc/%d" % p)]

@@ -32,17 +32,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 
+import cluster
 from hosts import _wait_gone as hosts_wait_gone
 
 _TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "scancel", "scontrol", "squeue", "munged")
-
-
-def _free_port(addr):
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc, timeout=15):
@@ -75,7 +69,7 @@ class SlurmCluster:
             for sub in ("munge", "state", "spool", "log"):
                 os.makedirs(os.path.join(self.dir, sub), mode=0o700 if sub == "munge" else 0o755)
             self._start_munge()
-            self.port = _free_port(world.bridge_addr)
+            self.port = cluster.free_port(world.bridge_addr)
             self._write_conf(slurmd_timeout, kill_wait)
             self._start_slurmctld()
             for h in self.hosts:
@@ -256,27 +250,29 @@ class SlurmCluster:
 
     def wait_job_state(self, job_id, states, timeout):
         """Waits until the job is in one of `states` (e.g. ("RUNNING",)); returns it."""
-        deadline = time.monotonic() + timeout
-        state = ""
-        while time.monotonic() < deadline:
-            state = self.job_state(job_id)
-            if state in states:
-                return state
-            time.sleep(0.2)
-        raise AssertionError("Slurm job %s is %s, not %s, after %ss\n%s" % (
-            job_id, state or "unknown", "/".join(states), timeout, self.logs()))
+        seen = [""]
+
+        def reached():
+            seen[0] = self.job_state(job_id)
+            return seen[0] if seen[0] in states else None
+        state = cluster.poll_until(reached, timeout, 0.2)
+        if state is None:
+            raise AssertionError("Slurm job %s is %s, not %s, after %ss\n%s" % (
+                job_id, seen[0] or "unknown", "/".join(states), timeout, self.logs()))
+        return state
 
     def _wait(self, predicate, timeout, what, proc):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def done():
             if predicate():
-                return
-            if proc is not None and proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-                raise RuntimeError("waiting for %s: the daemon exited (%s): %s\n%s" % (
-                    what, proc.returncode, err, self.logs()))
-            time.sleep(0.2)
-        raise RuntimeError("no %s within %ss\n%s" % (what, timeout, self.logs()))
+                return "done"
+            return "exited" if proc is not None and proc.poll() is not None else None
+        how = cluster.poll_until(done, timeout, 0.2)
+        if how is None:
+            raise RuntimeError("no %s within %ss\n%s" % (what, timeout, self.logs()))
+        if how == "exited":
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+            raise RuntimeError("waiting for %s: the daemon exited (%s): %s\n%s" % (
+                what, proc.returncode, err, self.logs()))
 
     def logs(self, tail=3000):
         out = []
