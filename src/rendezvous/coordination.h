@@ -39,7 +39,10 @@ struct MemberInfo {
 };
 
 // What the coordinator knows, from etcd's nodes/, ack/ and assign/ keys, and what it has decided
-// to do but not done yet (a re-round). The functions below are its only writers.
+// to do but not done yet (a re-round). The functions below are its only writers. 17 fields, flat
+// on purpose (issue #31): it is the input and output of pure functions, which the coordinator
+// and the interleaving checker hold alike, and its sets are the coordinator's vocabulary
+// (members, standbys, leaving, unresponsive) that coordination.cc reads across.
 struct JobView {
   std::map<std::string, MemberInfo> registered;
   std::map<std::string, AckRecord> acks;

@@ -34,6 +34,9 @@ struct JobEvent {
   std::string message;
 };
 
+// What `efdl status` shows, one field per field of its JSON (ToJson, whose names are stable
+// and read by the dashboard and scripts): flat on purpose (issue #31), it is a report, not a
+// room with behaviour.
 struct JobStatus {
   std::string job_id;
   bool exists = false;         // false: no agent ever registered this job

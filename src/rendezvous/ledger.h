@@ -31,6 +31,9 @@ namespace efdl::rdzv {
 
 inline constexpr int kKeepRounds = 64;
 
+// One node's part of one round in the ledger: one field per key of its JSON (Encode/Decode),
+// flat on purpose (issue #31): it is the record's wire form, written by NodeObserver and read
+// by Summarize.
 struct LedgerPart {
   std::string node;
   int64_t round = 0;
@@ -77,6 +80,8 @@ std::string LedgerPrefix(const std::string& job_id);
 std::string LedgerPartKey(const std::string& job_id, const std::string& node, int64_t round);
 std::string LedgerEndKey(const std::string& job_id, const std::string& node);
 
+// One change of the job's rounds as Summarize reconstructs it from the parts: what `efdl events`
+// prints, one field per column or JSON key; flat on purpose (issue #31), it is a report.
 struct LedgerEvent {
   int64_t round = 0;               // the round the change led to
   std::string kind;                // crash, failure, hang, join, leave, suspend, restart

@@ -43,7 +43,9 @@ struct RendezvousOptions : JobSpec {
   std::function<void()> on_event;
 };
 
-// Where this node stands in a formed round.
+// Where this node stands in a formed round: the round's place as one typed value. 16 fields,
+// flat on purpose (issue #31): each is one thing the workers of the round are told, which
+// WorkerEnvironment (src/agent/worker_env.cc) turns into their environment field by field.
 struct Assignment {
   int64_t round = 0;
   bool standby = false;                // registered but not taking part (job at MAX)
