@@ -369,12 +369,11 @@ class Job:
 
     def check_half_written_slot(self, node, info, slots=None):
         """After a kill inside commit() of step N: the node's arena holds the interrupted copy
-        as a `writing` slot (never `ready`), and its newest ready slot is older than N. It is
-        step N-1, the last acknowledged commit, unless a persister held a pin on the other ready
-        slot (docs/snapshots.md: with every other slot pinned the writer overwrites the newest;
-        then the pinned one, older, is what survives). `slots`: as read at the kill (a restarted
-        worker may already be committing again). Returns (newest ready slot, whether the last
-        acknowledged commit is still in the arena)."""
+        as a `writing` slot (never `ready`), and its newest ready slot is step N-1, the last
+        acknowledged commit, whatever the slot count and whoever pinned a slot: the writer
+        never takes the newest ready slot, it preempts a persister's pin instead (#35 part 3,
+        docs/snapshots.md "Footprint"). `slots`: as read at the kill (a restarted worker may
+        already be committing again). Returns the newest ready slot."""
         slots = slots or arena_slots(self.arena_path(node))
         ready = [s for s in slots if s["state"] == ARENA_READY]
         assert any(s["state"] == ARENA_WRITING for s in slots), slots
@@ -383,10 +382,9 @@ class Job:
         what = "arena of %s at the kill: %s; commit of step %d in flight, %d acknowledged" % (
             node, slots, info["step"], info["acked"])
         assert info["acked"] == info["step"] - 1, what
-        assert newest["step"] < info["step"], what
-        kept = newest["step"] == info["acked"]
-        assert kept or any(s["pin"] for s in ready), what
-        return newest, kept
+        assert newest["step"] == info["acked"], (
+            "the last acknowledged commit is not in the arena any more: " + what)
+        return newest
 
     # -- waiting -------------------------------------------------------------------------------
 
