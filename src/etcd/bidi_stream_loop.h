@@ -28,6 +28,33 @@ namespace efdl::etcd {
 using SteadyClock = std::chrono::steady_clock;
 using TimePoint = SteadyClock::time_point;
 
+// When a BidiStreamLoop opens its next stream after one broke: a back-off from kMin, doubled per
+// break up to kMax, back to kMin once a stream answered; kUrgent after the break when the
+// subclass needs a stream urgently. Loop thread only.
+class ReconnectClock {
+ public:
+  static constexpr std::chrono::milliseconds kMin{50};
+  static constexpr std::chrono::milliseconds kMax{1000};
+  static constexpr std::chrono::milliseconds kUrgent{100};
+
+  TimePoint at() const { return at_; }
+  // The subclass wants a stream urgently: at most kUrgent after the last break.
+  void Urgent() { at_ = std::min(at_, last_break_ + kUrgent); }
+  // A stream answered: the next break backs off from kMin again.
+  void Answered() { backoff_ = kMin; }
+  // A stream broke at `now`.
+  void Broke(TimePoint now) {
+    last_break_ = now;
+    at_ = last_break_ + backoff_;
+    backoff_ = std::min(backoff_ * 2, kMax);
+  }
+
+ private:
+  TimePoint at_{};
+  TimePoint last_break_{};           // when the last stream was dropped
+  std::chrono::milliseconds backoff_{kMin};
+};
+
 template <class Req, class Resp>
 class BidiStreamLoop {
  public:
@@ -79,8 +106,8 @@ class BidiStreamLoop {
   // Commands and timers; returns when it next needs to run.
   virtual TimePoint OnTick(TimePoint now) = 0;
   // Whether a broken stream must be re-opened as soon as possible: then the loop retries every
-  // kUrgentBackoff instead of backing off to kMaxBackoff, and asks gRPC to skip its own connect
-  // backoff, so the stream is back within about kUrgentBackoff of etcd serving again.
+  // ReconnectClock::kUrgent instead of backing off to kMax, and asks gRPC to skip its own connect
+  // backoff, so the stream is back within about kUrgent of etcd serving again.
   virtual bool ReconnectUrgently() { return false; }
 
   // Queues a request on the open stream; false when no stream is up.
@@ -98,6 +125,10 @@ class BidiStreamLoop {
   struct Tag {
     Op op;
   };
+  // One call on one endpoint: the gRPC objects, the answer being read, the queued requests, and
+  // which of its four asynchronous operations (start, read, write, finish) are pending, each with
+  // its tag. 18 fields, flat on purpose (issue #31): each flag pairs with one tag and one step of
+  // Handle's state machine, which reads them together.
   struct Attempt {
     explicit Attempt(size_t e) : endpoint(e) {}
     size_t endpoint;
@@ -125,13 +156,11 @@ class BidiStreamLoop {
       TimePoint wake = OnTick(now);
       now = SteadyClock::now();
       if (!stream_ && WantStream()) {
-        if (ReconnectUrgently()) {
-          reconnect_at_ = std::min(reconnect_at_, last_break_ + kUrgentBackoff);
-        }
-        if (now >= reconnect_at_) {
+        if (ReconnectUrgently()) reconnect_.Urgent();
+        if (now >= reconnect_.at()) {
           Open();
         } else {
-          wake = std::min(wake, reconnect_at_);
+          wake = std::min(wake, reconnect_.at());
         }
       }
       void* tag = nullptr;
@@ -206,7 +235,7 @@ class BidiStreamLoop {
         if (!s.got_response) {
           s.got_response = true;
           channels_->MarkGood(s.endpoint);
-          backoff_ = kMinBackoff;
+          reconnect_.Answered();
         }
         OnResponse(s.response);
         if (!s.broken) {
@@ -266,9 +295,7 @@ class BidiStreamLoop {
                      s.final_status.error_message(), static_cast<int>(s.final_status.error_code()));
     }
     channels_->MarkBad(s.endpoint);
-    last_break_ = SteadyClock::now();
-    reconnect_at_ = last_break_ + backoff_;
-    backoff_ = std::min(backoff_ * 2, kMaxBackoff);
+    reconnect_.Broke(SteadyClock::now());
     stream_.reset();
   }
 
@@ -282,18 +309,13 @@ class BidiStreamLoop {
 
   // Bounds the (rare) re-authentication before a stream opens, which blocks this loop.
   static constexpr std::chrono::milliseconds kAuthTimeout{2000};
-  static constexpr std::chrono::milliseconds kMinBackoff{50};
-  static constexpr std::chrono::milliseconds kMaxBackoff{1000};
-  static constexpr std::chrono::milliseconds kUrgentBackoff{100};
 
   const std::shared_ptr<ChannelSet> channels_;
   const std::string name_;
   grpc::CompletionQueue cq_;
   std::unique_ptr<Attempt> stream_;  // loop thread only
-  TimePoint reconnect_at_{};
-  TimePoint last_break_{};           // when the last stream was dropped; loop thread only
+  ReconnectClock reconnect_;         // loop thread only
   bool shutting_down_ = false;       // loop thread only
-  std::chrono::milliseconds backoff_{kMinBackoff};
 
   Mutex wake_mu_;
   bool wake_pending_ EFDL_GUARDED_BY(wake_mu_) = false;
