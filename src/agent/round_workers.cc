@@ -55,6 +55,9 @@ Status RoundWorkers::OpenControl() {
     auto dir = TempDir::Create("efdl-agent");
     if (!dir.ok()) return dir.status();
     socket_dir_ = std::move(dir).value();
+    // Before the socket is bound: a sibling agent's start tells this live agent's directory from
+    // a dead one's by it (stale_dirs.h).
+    if (Status s = WriteAgentOwnerFile(socket_dir_.path()); !s.ok()) return s;
     path = socket_dir_.path() + "/control.sock";
   }
   auto control = ControlServer::Start({path, config_.job_id, config_.node_id});

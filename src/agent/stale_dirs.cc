@@ -1,6 +1,7 @@
 #include "agent/stale_dirs.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -9,6 +10,9 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
 
 #include "agent/zygote.h"
 #include "health/progress_board.h"
@@ -37,7 +41,37 @@ bool DeadSocket(const std::string& path, std::chrono::seconds min_age) {
   return rc != 0 && err == ECONNREFUSED;
 }
 
+// The inode of this process' pid namespace (0 when unknown): a pid means the same process only
+// within one namespace.
+uint64_t PidNamespace() {
+  struct stat st {};
+  if (::stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino);
+}
+
+enum class Owner { kUnknown, kAlive, kGone };
+
+// What `dir`'s owner file says: unknown without one (an older agent's directory, or one not yet
+// written) or when it names another pid namespace.
+Owner OwnerOf(const std::string& dir) {
+  std::ifstream in(dir + "/" + kAgentOwnerFile);
+  long long pid = 0;
+  unsigned long long ns = 0;
+  if (!(in >> pid >> ns) || pid <= 0 || ns == 0 || ns != PidNamespace()) return Owner::kUnknown;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return Owner::kGone;
+  return Owner::kAlive;   // or a later process with its pid: kept, the safe mistake
+}
+
 }  // namespace
+
+Status WriteAgentOwnerFile(const std::string& dir) {
+  const std::string path = dir + "/" + kAgentOwnerFile;
+  std::ofstream out(path, std::ios::trunc);
+  out << ::getpid() << " " << PidNamespace() << "\n";
+  out.close();
+  if (!out) return Status::IOError(fmt::format("cannot write {}", path));
+  return Status::OK();
+}
 
 int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age,
                          std::chrono::seconds refused_age) {
@@ -59,15 +93,18 @@ int RemoveStaleAgentDirs(const std::string& base, std::chrono::seconds empty_age
       const std::string file = inner.path().filename().string();
       if (file == "control.sock") {
         has_socket = true;
-      } else if (!IsImportReportName(file, /*or_partial=*/true) &&
+      } else if (file != kAgentOwnerFile && !IsImportReportName(file, /*or_partial=*/true) &&
                  !health::IsHealthFileName(file)) {
-        ++others;   // the agent's own files: its socket, import reports, progress board, stacks
+        ++others;   // the agent's own files: owner, socket, import reports, board, stacks
       }
     }
     if (list_ec || others > 0) continue;
     const std::string sock = (entry.path() / "control.sock").string();
-    const bool stale = has_socket ? DeadSocket(sock, refused_age)
-                                  : std::time(nullptr) - st.st_mtime >= empty_age.count();
+    const Owner owner = OwnerOf(entry.path().string());
+    const bool stale = owner == Owner::kGone ||
+                       (owner == Owner::kUnknown &&
+                        (has_socket ? DeadSocket(sock, refused_age)
+                                    : std::time(nullptr) - st.st_mtime >= empty_age.count()));
     if (!stale) continue;
     std::error_code rm;
     fs::remove_all(entry.path(), rm);

@@ -2,11 +2,13 @@
 
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -101,6 +103,50 @@ TEST(RemoveStaleAgentDirs, KeepsTheDirectoryOfAnAgentBetweenBindAndListen) {
   EXPECT_TRUE(fs::exists(dir / "progress.board"));
   EXPECT_EQ(::listen(fd, 4), 0);
   ::close(fd);
+}
+
+// A process of this pid namespace that has exited and been reaped: its pid names nobody.
+pid_t GonePid() {
+  pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return pid;
+}
+
+// The agent's directory as a Slurm task epilog finds it right after SIGKILLing the agent: its
+// socket file is fresh, but its owner file names a process that is gone.
+TEST(RemoveStaleAgentDirs, RemovesAtOnceTheDirectoryWhoseOwnerIsGone) {
+  auto tmp = TempDir::Create("efdl-stale-test");
+  ASSERT_TRUE(tmp.ok());
+  const fs::path base = tmp->path();
+  const fs::path dead = base / "efdl-agent-killed";
+  const fs::path live = base / "efdl-agent-alive1";
+  for (const auto& dir : {dead, live}) {
+    fs::create_directory(dir);
+    ASSERT_TRUE(WriteAgentOwnerFile(dir.string()).ok());
+    BoundSocket(dir / "control.sock", /*close_it=*/true);
+    fs::last_write_time(dir / "control.sock", fs::file_time_type::clock::now());
+    std::ofstream(dir / "progress.board") << "board";
+  }
+  // This process owns `live` (alive); `dead`'s owner is rewritten to a reaped child's pid in the
+  // same namespace.
+  std::string line;
+  std::getline(std::ifstream(dead / kAgentOwnerFile), line);
+  const std::string ns = line.substr(line.find(' ') + 1);
+  std::ofstream(dead / kAgentOwnerFile, std::ios::trunc) << GonePid() << " " << ns << "\n";
+
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 1);
+  EXPECT_FALSE(fs::exists(dead));
+  // A live owner keeps its directory even with an old socket that refuses.
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string(), std::chrono::seconds(0), std::chrono::seconds(0)),
+            0);
+  EXPECT_TRUE(fs::exists(live / "control.sock"));
+  // An owner file of another pid namespace says nothing: the socket's age decides.
+  std::ofstream(live / kAgentOwnerFile, std::ios::trunc) << GonePid() << " 1\n";
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string()), 0);
+  EXPECT_EQ(RemoveStaleAgentDirs(base.string(), std::chrono::seconds(60), std::chrono::seconds(0)),
+            1);
 }
 
 }  // namespace
