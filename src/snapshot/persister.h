@@ -51,6 +51,12 @@ struct PersisterOptions {
 // Preemptions in a row after which the persister pins with a hold (arena.h, Pin).
 inline constexpr int kHoldAfterPreemptions = 2;
 
+// 17 data members, on purpose (issue #31): besides its options, store, arena and thread, the
+// persister is one mutex's state - what Loop's two waits test (stop, notified, idle, retry now,
+// the last write for the rate limit), what PersistLocked decides a try from and counts (the
+// persisted seq, the preemptions and those in a row, which turn on the hold), and the last
+// status with the error last logged - read and written together under mu_ in one pass of the
+// loop, so that splitting it would split that lock's invariants across objects.
 class Persister {
  public:
   explicit Persister(PersisterOptions options);
