@@ -56,7 +56,7 @@ struct RankProgress {
 };
 
 // 33 data members, on purpose (issue #31): a registry whose state is one handle per exported
-// metric family or series (docs/operations.md "Metrics" lists them, one row each), each written
+// metric family or series (the table of docs/operations.md "4b. Metrics"), each written
 // by the one method that updates it; grouping them would only hide that list. Beside them: the
 // port, the registry, the exposer, the per-rank and per-category series, the newest commit time.
 class AgentMetrics : public etcd::CallObserver {
