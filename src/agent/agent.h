@@ -39,7 +39,8 @@ namespace efdl::agent {
 
 // The job's identity (job and node id, nproc, min/max nodes, world size: >0 a fragmented job,
 // here only for messages; advertise_addr: this node's numeric address, MASTER_ADDR when it is
-// rank 0, for messages) plus how this agent runs its workers.
+// rank 0, for messages) plus how this agent runs its workers: one field per `efdl run` setting
+// that shapes them, flat on purpose (a plain value PlanRun builds once and the agent only reads).
 struct AgentOptions : JobSpec {
   std::vector<std::string> command;        // the worker program and its arguments
   // Worker failures of this node's own (not collateral) after which it gives up for good, where

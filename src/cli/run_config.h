@@ -23,7 +23,9 @@ enum class PrestartMode {
   kOff,   // always spawn workers
 };
 
-// The flags as the user gave them (after environment fallbacks).
+// The flags as the user gave them (after environment fallbacks). One field per `efdl run` flag
+// (docs/agent.md's table), flat on purpose: a plain record that PlanRun turns into the
+// structured options below.
 struct RunFlags {
   std::vector<std::string> etcd_endpoints;   // parsed; empty: a private embedded etcd
   std::string job_id;                        // empty: "default" without --etcd, else an error

@@ -22,6 +22,8 @@ namespace efdl {
 
 class GroupReaper;
 
+// One field per choice of a child's start (argv, environment, stdio, process group, inherited
+// descriptors, reaper), flat on purpose: a plain value in posix_spawn's style.
 struct SpawnOptions {
   enum class Stdio { kInherit, kPipe, kNull, kFile };
   std::vector<std::string> argv;                  // argv[0] is looked up in PATH

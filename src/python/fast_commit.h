@@ -53,6 +53,9 @@ struct FastCommitInputs {
   std::string meta_tail;         // the program field: appended to the meta object's members
 };
 
+// Over 12 members on purpose: the Python objects whose sameness each commit checks, held once
+// (model, optimizer, parameter lists, optimizer state, keyword tensors, their sources), and the
+// interned names, so that the per-commit path allocates no Python object of its own.
 class FastCommit {
  public:
   // Fails (InvalidArgument) when the inputs do not describe a state the fast path can repeat.

@@ -37,6 +37,9 @@ class KeptLease {
   double fenced_at_wall_ EFDL_GUARDED_BY(mu_) = 0;    // when last fenced (epoch s)
 };
 
+// 13 members: the node's identity and callbacks (const), the lease with its generation and
+// keeper (KeptLease), the four watches it owns and the coordinator it follows: one room, the
+// node's presence in etcd, ended in one call.
 class Registration {
  public:
   enum class Stream { kRound, kAssign, kGaveUp };

@@ -50,6 +50,10 @@ bool SameLayout(const std::vector<TensorEntry>& a, const std::vector<TensorEntry
   return true;
 }
 
+// 16 members: its options and the places it writes (copy runner, store, persister, arena), the
+// commit layout cached across commits (tensors, pieces, their hashes, bytes, the manifest's JSON
+// parts, the next seq) and the last snapshot a Restore verified. One object on purpose: each
+// commit reads them together on the caller's thread.
 class Engine final : public SnapshotEngine {
  public:
   explicit Engine(EngineOptions options)
