@@ -185,6 +185,24 @@ class AgentLoopTest : public TempDirTest {
     };
   }
 
+  // One run of an agent over the scripted rounds: its exit code, what it logged, its counts.
+  struct Ran {
+    int code = 0;
+    std::string log;
+    int restarts = 0;
+    int exclusions = 0;
+  };
+  Ran RunAgent() {
+    StderrCapture log(dir_.path() + "/log");
+    Agent agent(opts_, rdzv_);
+    Ran ran;
+    ran.code = agent.Run();
+    ran.log = log.Text();
+    ran.restarts = agent.restarts();
+    ran.exclusions = agent.exclusions();
+    return ran;
+  }
+
   int out_fd_ = -1;
   AgentOptions opts_;
   ScriptedRendezvous rdzv_;

@@ -83,12 +83,11 @@ TEST_F(AgentLoopTest, WorkerFailuresAreReportedAndCountedUntilMaxRestarts) {
     rdzv_.Push(Started(MakeAssignment(round + 1, 0, 1, 0, 2, 2)));
   };
   rdzv_.Push(Started(MakeAssignment(1, 0, 1, 0, 2, 2)));
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  int code = agent.Run();
-  std::string text = log.Text();
+  const Ran ran = RunAgent();
+  const int code = ran.code;
+  const std::string& text = ran.log;
   EXPECT_EQ(code, 1);
-  EXPECT_EQ(agent.restarts(), 3);
+  EXPECT_EQ(ran.restarts, 3);
   ASSERT_EQ(rdzv_.failures().size(), 3u);
   EXPECT_EQ(rdzv_.failures()[0], "rank 1 exited with status 7");
   EXPECT_EQ(rdzv_.leaves(), 1);
@@ -113,15 +112,14 @@ TEST_F(AgentLoopTest, CollateralFailuresAreNotCountedUntilAStreakOfThem) {
                    "Connection closed by peer [127.0.0.1]:4242' >&2; exit 1"};
   NextRoundAfterEachFailure();
   StartRoundOne();
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 1);
-  const std::string text = log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 1);
+  const std::string& text = ran.log;
   // 6 collateral failures not counted, then 3 counted: the give-up at restart 3 of 2.
   EXPECT_EQ(rdzv_.failures().size(), 9u) << text;
   // Each reported as a lost peer: the round's reason does not call this node's workers failed.
   EXPECT_EQ(rdzv_.lost().size(), 9u) << text;
-  EXPECT_EQ(agent.restarts(), 3);
+  EXPECT_EQ(ran.restarts, 3);
   EXPECT_NE(text.find("because a collective that lost a peer (Connection closed by peer): not "
                       "this node's failure"), std::string::npos) << text;
   EXPECT_NE(text.find("it is the 7th such failure in a row"), std::string::npos) << text;
@@ -142,10 +140,9 @@ TEST_F(AgentLoopTest, AWorkersOwnExceptionAfterAnEarlierLostPeerIsItsOwnFailure)
                    "echo 'ValueError: bad batch' >&2; exit 1"};
   NextRoundAfterEachFailure();
   StartRoundOne();
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 1);
-  const std::string text = log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 1);
+  const std::string& text = ran.log;
   EXPECT_EQ(rdzv_.failures().size(), 1u) << text;   // counted at once: --max-restarts 0
   EXPECT_TRUE(rdzv_.lost().empty()) << text;          // and reported as its own
   EXPECT_EQ(text.find("because a collective that lost a peer"), std::string::npos) << text;
@@ -170,12 +167,11 @@ TEST_F(AgentLoopTest, WorkersThatExitedZeroBeforeTheJobCompletedAreCountedWhenTh
     rdzv_.Push(Started(next));
   };
   rdzv_.Push(Started(MakeAssignment(1, 1, 2, 2, 2, 4)));
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 1);   // --max-restarts 0: the first own failure gives up
-  const std::string text = log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 1);   // --max-restarts 0: the first own failure gives up
+  const std::string& text = ran.log;
   EXPECT_EQ(rdzv_.exited0(), std::vector<std::string>{"ranks 2..3"}) << text;
-  EXPECT_EQ(agent.restarts(), 1) << text;
+  EXPECT_EQ(ran.restarts, 1) << text;
   EXPECT_NE(text.find("round 1: ranks 2..3 exited 0 before the job completed: their peers' "
                       "collectives lost them"), std::string::npos) << text;
   EXPECT_NE(rdzv_.gave_up().find("ranks 2..3 exited 0 before the job completed in round 1"),
@@ -195,12 +191,11 @@ TEST_F(AgentLoopTest, WorkersThatExitedZeroAreNotCountedWithoutTheRoundsMark) {
     }
   };
   StartRoundOne();
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 0);
-  EXPECT_EQ(agent.restarts(), 0) << log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 0);
+  EXPECT_EQ(ran.restarts, 0) << ran.log;
   EXPECT_EQ(rdzv_.exited0(), (std::vector<std::string>{"rank 0", "rank 0"}));
-  EXPECT_EQ(log.Text().find("before the job completed"), std::string::npos) << log.Text();
+  EXPECT_EQ(ran.log.find("before the job completed"), std::string::npos) << ran.log;
 }
 
 // Issue #32, nodes that keep failing: the --exclude-after-th own failure within the window, in
@@ -271,12 +266,11 @@ TEST_F(AgentLoopTest, CollateralFailuresNeverExcludeTheNode) {
     rdzv_.Push(Simple(Event::Type::kFailed, 0, false, "excluded"));
   };
   StartRoundOne(3);
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 0);
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 0);
   EXPECT_EQ(rdzv_.failures().size(), 5u);
-  EXPECT_EQ(agent.restarts(), 0);
-  EXPECT_EQ(agent.exclusions(), 0);
+  EXPECT_EQ(ran.restarts, 0);
+  EXPECT_EQ(ran.exclusions, 0);
   EXPECT_TRUE(rdzv_.withdrawals().empty());
   EXPECT_TRUE(rdzv_.exclusions().empty());
 }
@@ -298,11 +292,10 @@ TEST_F(AgentLoopTest, ACollateralStreakEndsWhenTheJobsNodeCountChanges) {
   };
   CompleteTheJobAtASuccess();
   StartRoundOne(3);
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 0) << log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 0) << ran.log;
   EXPECT_EQ(rdzv_.failures().size(), 10u);
-  EXPECT_EQ(agent.restarts(), 0);
+  EXPECT_EQ(ran.restarts, 0);
 }
 
 // Workers that fail at every round as gloo does when a peer's address is wrong: the agent says
@@ -318,10 +311,9 @@ TEST_F(AgentLoopTest, PeerConnectFailuresAreExplainedOnceAcrossRestarts) {
                    "refused' >&2; exit 1"};
   NextRoundAfterEachFailure();
   StartRoundOne();
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 1);
-  const std::string text = log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 1);
+  const std::string& text = ran.log;
   EXPECT_EQ(rdzv_.failures().size(), 3u);
   const std::string said = "rank 0 could not connect to a peer at 127.0.1.1:4321";
   const size_t at = text.find(said);
@@ -348,10 +340,9 @@ TEST_F(AgentLoopTest, PeerConnectFailureThatCameWithANodeLeavingIsNotExplained) 
   };
   CompleteTheJobAtASuccess();
   StartRoundOne(3);
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 0);
-  const std::string text = log.Text();
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 0);
+  const std::string& text = ran.log;
   EXPECT_NE(text.find("came with a node leaving"), std::string::npos) << text;
   EXPECT_EQ(text.find("could not connect to a peer"), std::string::npos) << text;
 }
@@ -605,10 +596,9 @@ TEST_F(AgentLoopTest, FailedJobStopsWorkersAndExitsNonZero) {
 TEST_F(AgentLoopTest, JoinFailureEndsTheAgentWithItsMessage) {
   opts_.command = {"true"};
   rdzv_.FailJoin(Status::Unavailable("etcd at 127.0.0.1:1 did not answer"));
-  StderrCapture log(dir_.path() + "/log");
-  Agent agent(opts_, rdzv_);
-  EXPECT_EQ(agent.Run(), 1);
-  EXPECT_NE(log.Text().find("etcd at 127.0.0.1:1 did not answer"), std::string::npos);
+  const Ran ran = RunAgent();
+  EXPECT_EQ(ran.code, 1);
+  EXPECT_NE(ran.log.find("etcd at 127.0.0.1:1 did not answer"), std::string::npos);
 }
 
 TEST_F(AgentLoopTest, LauncherModeStartsOneProcessPerNodeAndStopsItsWholeGroup) {

@@ -36,6 +36,22 @@ class ArenaTest : public TempDirTest {
     a.Publish(*slot, seq, static_cast<int64_t>(seq) * 10, m.size(), 1024);
     return *slot;
   }
+  // A writer in another process begins the next commit, copies half of it and is SIGKILLed.
+  void KillAWriterMidCopy() {
+    pid_t writer = ::fork();
+    ASSERT_GE(writer, 0);
+    if (writer == 0) {
+      auto mine = SnapshotArena::Open(path_);
+      if (!mine.ok()) ::_exit(1);
+      auto slot = (*mine)->BeginWrite();
+      if (!slot.ok()) ::_exit(1);
+      std::memset((*mine)->data_area(*slot), 0xEE, 512);  // half a copy, then death
+      ::kill(::getpid(), SIGKILL);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(writer, &status, 0), writer);
+    ASSERT_TRUE(WIFSIGNALED(status));
+  }
   std::string path_;
 };
 
@@ -115,19 +131,7 @@ TEST_F(ArenaTest, WriterKilledMidCopyWithTwoSlotsWhileAPersisterPinsTheOtherKeep
   int newest = Write(*a, 2, 0x22);
   ASSERT_NE(newest, older);
   // The next commit: its writer dies half-way through the copy.
-  pid_t writer = ::fork();
-  ASSERT_GE(writer, 0);
-  if (writer == 0) {
-    auto mine = SnapshotArena::Open(path_);
-    if (!mine.ok()) ::_exit(1);
-    auto slot = (*mine)->BeginWrite();
-    if (!slot.ok()) ::_exit(1);
-    std::memset((*mine)->data_area(*slot), 0xEE, 512);  // half a copy, then death
-    ::kill(::getpid(), SIGKILL);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(writer, &status, 0), writer);
-  ASSERT_TRUE(WIFSIGNALED(status));
+  ASSERT_NO_FATAL_FAILURE(KillAWriterMidCopy());
   auto b = SnapshotArena::Open(path_);
   ASSERT_TRUE(b.ok());
   auto ready = (*b)->ReadySlots();
@@ -140,6 +144,7 @@ TEST_F(ArenaTest, WriterKilledMidCopyWithTwoSlotsWhileAPersisterPinsTheOtherKeep
   EXPECT_FALSE((*b)->Unchanged(older, 1));
   char c = 'q';
   ASSERT_EQ(::write(to_child[1], &c, 1), 1);
+  int status = 0;
   ASSERT_EQ(::waitpid(persister, &status, 0), persister);
   for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) ::close(fd);
 }
@@ -220,19 +225,7 @@ TEST_F(ArenaTest, PinOfADeadProcessIsIgnored) {
 TEST_F(ArenaTest, WriterKilledMidCopyLeavesThePreviousSnapshotIntact) {
   auto a = NewArena();
   Write(*a, 1, 0x42);
-  pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto mine = SnapshotArena::Open(path_);
-    if (!mine.ok()) ::_exit(1);
-    auto slot = (*mine)->BeginWrite();
-    if (!slot.ok()) ::_exit(1);
-    std::memset((*mine)->data_area(*slot), 0xEE, 512);  // half a copy, then death
-    ::kill(::getpid(), SIGKILL);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFSIGNALED(status));
+  ASSERT_NO_FATAL_FAILURE(KillAWriterMidCopy());
   auto b = SnapshotArena::Open(path_);
   ASSERT_TRUE(b.ok());
   auto ready = (*b)->ReadySlots();
