@@ -35,11 +35,15 @@ class RoundWorkersTest : public TempDirTest {
   void SetUpInDir() override {
     out_fd_ = ::open((dir_.path() + "/out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     err_fd_ = ::open((dir_.path() + "/err").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    OpenWorkers("control.sock", 5s);
+  }
+  // RoundWorkers of job1/node-a in round 4, its control socket `sock` in the test's directory.
+  void OpenWorkers(const std::string& sock, std::chrono::milliseconds stop_grace) {
     RoundWorkers::Config c;
     c.job_id = "job1";
     c.node_id = "node-a";
-    c.control_socket_path = dir_.path() + "/control.sock";
-    c.stop_grace = 5s;
+    c.control_socket_path = dir_.path() + "/" + sock;
+    c.stop_grace = stop_grace;
     workers_ = std::make_unique<RoundWorkers>(c);
     ASSERT_TRUE(workers_->OpenControl().ok());
     workers_->SetRound(4);
@@ -175,14 +179,7 @@ TEST_F(RoundWorkersTest, APausedGroupCannotContinueWithAnotherWorkerCount) {
 }
 
 TEST_F(RoundWorkersTest, AWorkerThatDoesNotPauseWithinTheGraceIsNamed) {
-  RoundWorkers::Config c;
-  c.job_id = "job1";
-  c.node_id = "node-a";
-  c.control_socket_path = dir_.path() + "/control2.sock";
-  c.stop_grace = 200ms;
-  workers_ = std::make_unique<RoundWorkers>(c);
-  ASSERT_TRUE(workers_->OpenControl().ok());
-  workers_->SetRound(4);
+  ASSERT_NO_FATAL_FAILURE(OpenWorkers("control2.sock", 200ms));
   Start("sleep 30", 2);
   auto w0 = Connect(0, true);
   auto w1 = Connect(1, true);
