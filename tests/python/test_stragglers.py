@@ -4,8 +4,9 @@ Each host (tests/python/workers/hosts.py) runs `efdl run` with the digits DDP pr
 (workers/state_worker.py); one host's workers sleep WORKER_SLOW_MS more per step before their
 forward pass (its compute time grows, its peers wait in the all-reduce instead).
 
-- Default flags: while the three nodes are equal (longer than a whole --straggler-window and
-  its first judgement), nobody is named (no log line, no STRAGGLER in `efdl status`, every
+- Default flags but a 12 s --straggler-window (EFDL_TEST_DEFAULT_WINDOW=1, which `make soak`
+  sets, runs it with the default 30 s window: 45 s longer): while the three nodes are equal
+  (longer than a whole --straggler-window and its first judgement), nobody is named (no log line, no STRAGGLER in `efdl status`, every
   node's efdl_straggler 0). Then the slow host is named within the documented bound (the
   window, one more period for its summaries to be read, half a period for the judge's phase):
   by the judge's log line (job, round, node, rank, its time vs the median), `efdl status`, and
@@ -41,7 +42,10 @@ BATCH = 16
 ENV = {"WORKER_EPOCHS": "1000", "WORKER_STEP_TIME": "0.1", "WORKER_COMMIT_INTERVAL": "4",
        "WORKER_BATCH": str(BATCH)}
 SLOW_MS = 300
-WINDOW = 30.0            # --straggler-window's default
+DEFAULT_WINDOW = 30.0    # --straggler-window's default
+# The "nobody named, then the slow node named" case at the default window takes 95 s; CI runs it
+# with the window the other cases use, `make soak` with the default.
+WINDOW = DEFAULT_WINDOW if os.environ.get("EFDL_TEST_DEFAULT_WINDOW") == "1" else 12.0
 PERIOD = WINDOW / 3      # straggler_rules.h PublishPeriod at 3 nodes
 
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
@@ -51,6 +55,8 @@ world = pytest.fixture(cluster.host_world)
 
 
 def start(w, etcd, host, job, extra=(), env=None, nnodes="2:3"):
+    if WINDOW != DEFAULT_WINDOW and "--straggler-window" not in extra:
+        extra = list(extra) + ["--straggler-window", "%g" % WINDOW]
     return cluster.start_host_agent(w, etcd, host, job, extra=extra, env=dict(ENV, **(env or {})),
                                  command=[cluster.PYTHON, STATE_WORKER], nnodes=nnodes)
 
