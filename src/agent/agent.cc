@@ -14,6 +14,8 @@
 
 #include "common/env_names.h"
 #include "common/log.h"
+#include "snapshot/arena_dir.h"
+#include "snapshot/persist_settings.h"
 
 namespace efdl::agent {
 
@@ -113,6 +115,7 @@ int Agent::RunUntilDone() {
     EFDL_LOG_ERROR("{}", st.message());
     return 1;
   }
+  StartPeerCopy();
   bool prestart = options_.prestart && !options_.launcher;
   if (options_.check_before_start) {
     const Status st = options_.check_before_start();
@@ -306,6 +309,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
       StopWorkers(/*graceful=*/false, "the job is complete");
       snapshots_.PersistNewest("the job's end");
       snapshots_.Close();
+      peer_copy_.reset();   // no copy arrives once the arenas are gone
       snapshots_.RemoveJobArenas();
       if (!rounds_.any) {
         // A late agent: the job id ran to completion before; it still exits 0, but says so.
@@ -328,6 +332,7 @@ std::optional<int> Agent::HandleEvent(const rdzv::Event& event) {
                     event.message);
       StopWorkers(/*graceful=*/false, fmt::format("node fenced out of round {}", event.round));
       snapshots_.StopWriting();  // no longer a member: storage is not ours to write
+      if (peer_copy_) peer_copy_->StopSending();
       warm_.Clear();  // refilled when the node takes part in a round again
       return std::nullopt;
     case Type::kSuspended:
@@ -381,6 +386,7 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   if (!a.standby) observer_.BeginLedgerPart(a, why, Sight());
   workers_.SetRound(a.round);
   snapshots_.SetRound(a.rank_offset, a.standby ? 0 : a.nproc);
+  if (peer_copy_) peer_copy_->SetRound(a.round, a.rank_offset, a.standby ? 0 : a.nproc, a.peer_copy);
   if (a.standby) {
     if (workers_.group()) {
       // Paused in-process at the last round's close: they snapshotted and wait; they exit now.
@@ -531,6 +537,7 @@ void Agent::Exclude(const PendingFailure& f, const health::FailureVerdict& v) {
   // pool refills when the node takes part in a round again.
   StopWorkers(/*graceful=*/false, fmt::format("node {} is excluded", options_.node_id));
   snapshots_.StopWriting();   // no longer a member: storage is not ours to write
+  if (peer_copy_) peer_copy_->StopSending();
   warm_.Clear();
   rdzv_.Withdraw(v.cooldown);
   failures_.OutUntil(v.until);
@@ -644,6 +651,7 @@ int Agent::Suspend(const rdzv::Event& event) {
   rdzv_.Leave();
   // A resume restores from storage (the step just reported); the arenas would only hold memory.
   snapshots_.Close();
+  peer_copy_.reset();
   snapshots_.RemoveJobArenas();
   if (step) {
     EFDL_LOG_INFO("job '{}': suspended at step {}", options_.job_id, *step);
@@ -673,6 +681,32 @@ int Agent::Shutdown(int signal) {
                                              SignalName(signal)));
   snapshots_.PersistNewest("exiting");  // also when no workers ran (a crash between rounds)
   return 128 + signal;
+}
+
+void Agent::StartPeerCopy() {
+  if (options_.launcher) return;   // the workers persist themselves: no agent-side snapshots
+  auto getenv = [](const char* name) -> const char* { return std::getenv(name); };
+  auto settings = snapshot::PersistSettingsFromEnvironment(getenv, options_.job_secret);
+  if (!settings.ok()) return;   // NodeSnapshots::Open refused it already
+  std::string why_not;
+  if (!PeerCopyWanted(getenv, settings->per_rank, options_.job_secret, &why_not)) {
+    if (settings->per_rank) EFDL_LOG_INFO("no peer copy of this node's snapshots: {}", why_not);
+    return;
+  }
+  PeerCopyOptions o;
+  o.job_id = options_.job_id;
+  o.holder = snapshots_.holder();
+  o.shm_dir = snapshot::ShmDir(getenv(envvar::kShmDir));
+  o.secret = options_.job_secret;
+  o.listen_addr = options_.advertise_addr;
+  o.min_interval = settings->min_interval;
+  auto started = PeerCopy::Start(std::move(o));
+  if (!started.ok()) {
+    EFDL_LOG_WARN("{}; this node keeps no peer copy", started.status().message());
+    return;
+  }
+  peer_copy_ = std::move(started).value();
+  rdzv_.OfferPeerCopy(peer_copy_->port());
 }
 
 }  // namespace efdl::agent

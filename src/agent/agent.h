@@ -23,6 +23,7 @@
 #include "agent/node_failures.h"
 #include "agent/node_observer.h"
 #include "agent/node_snapshots.h"
+#include "agent/peer_copy.h"
 #include "agent/round_workers.h"
 #include "agent/straggler_watch.h"
 #include "agent/warm_pool.h"
@@ -220,6 +221,9 @@ class Agent {
   int Suspend(const rdzv::Event& event);
   // Starts warm_'s spares with this agent's worker environment.
   void StartSparePool();
+  // Starts the peer copy (peer_copy.h) when this job keeps one and offers its port in the acks;
+  // a failure to start is one line, and the job goes on without it.
+  void StartPeerCopy();
   // The shutdown signal received (or, in tests, options_.poll_signal's); 0: none.
   int PendingSignal() const;
   // RoundWorkers::Stop, with the hang monitor disarmed.
@@ -231,15 +235,18 @@ class Agent {
   // that died is refused too, and that needs no setting.
   void ExplainPeerConnectError(int64_t round, const std::optional<PeerConnectError>& error);
 
-  // 12 members: the options, the rendezvous, the shutdown signal, the newest round, and the
-  // collaborators (snapshots, the reaper, the round's workers, the warm pool, hangs, failures,
-  // stragglers, the observer).
+  // 13 members: the options, the rendezvous, the shutdown signal, the newest round, and the
+  // collaborators (snapshots, the peer copy, the reaper, the round's workers, the warm pool,
+  // hangs, failures, stragglers, the observer).
   const AgentOptions options_;
   rdzv::Rendezvous& rdzv_;
   std::atomic<int> shutdown_signal_{0};
   // The holder lock of the job's arenas, the persister, flushes, arena removal
   // (node_snapshots.h): its flusher answers through workers_' control socket; closed first.
   NodeSnapshots snapshots_;
+  // The copy of this node's per-rank arenas on its ring successor, and its predecessor's here
+  // (peer_copy.h; null: not kept). Stopped before the job's arenas are removed.
+  std::unique_ptr<PeerCopy> peer_copy_;
   // Kills the workers' and spares' process groups (what they started included) should this
   // agent die without stopping them; declared before them so it outlives them.
   std::unique_ptr<GroupReaper> reaper_;

@@ -77,6 +77,7 @@
   X(kSnapshotPerRank, SNAPSHOT_PER_RANK, "EFDL_SNAPSHOT_PER_RANK")                              \
   X(kSnapshotHmac, SNAPSHOT_HMAC, "EFDL_SNAPSHOT_HMAC")                                         \
   X(kPersistMinIntervalMs, PERSIST_MIN_INTERVAL_MS, "EFDL_PERSIST_MIN_INTERVAL_MS")             \
+  X(kPeerCopy, PEER_COPY, "EFDL_PEER_COPY")                                                     \
   X(kSnapshotSlots, SNAPSHOT_SLOTS, "EFDL_SNAPSHOT_SLOTS")                                      \
   X(kSnapshotThreads, SNAPSHOT_THREADS, "EFDL_SNAPSHOT_THREADS")                                \
   X(kCommitChecksum, COMMIT_CHECKSUM, "EFDL_COMMIT_CHECKSUM")                                   \

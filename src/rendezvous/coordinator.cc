@@ -188,6 +188,17 @@ void Coordinator::Finalize() {
     case FinalizeAction::Kind::kForm:
       break;
   }
+  // The peer-copy ring (issue #35 part 2): data in the members' records, no decision. The
+  // members' records come first in act.writes, in plan order.
+  const int64_t formed = host_.round().round;
+  const std::vector<PeerCopyTarget> ring = PeerCopyRing(act.plan, [&](const std::string& id) {
+    auto it = view_.acks.find(id);
+    return it != view_.acks.end() && it->second.round == formed ? it->second.peer_copy_port
+                                                                : uint16_t{0};
+  });
+  for (size_t i = 0; i < ring.size() && i < act.writes.size(); ++i) {
+    act.writes[i].second.peer_copy = ring[i];
+  }
   // Assignments first, in batches, each guarded by the round record we own: a coordinator that
   // was replaced meanwhile writes nothing.
   const int64_t guard = host_.round_revision();

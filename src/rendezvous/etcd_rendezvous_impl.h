@@ -139,6 +139,7 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
     return registration_.MayPublish(committed_at);
   }
   void OfferAgentStore(uint16_t port) override { notes_.SetAgentStorePort(port); }
+  void OfferPeerCopy(uint16_t port) override { notes_.SetPeerCopyPort(port); }
   // The count is in this node's ack (`efdl status` RESTARTS): the ack last sent is sent again
   // with it (on the driver thread, after any ack queued before).
   void ReportRestarts(int restarts) override;

@@ -232,6 +232,7 @@ void EtcdRendezvous::TryStart() {
                                       "world size"
                                     : "standby: the job is at its maximum size";
   a.early_exit = assign_->early_exit;
+  if (!a.standby) a.peer_copy = assign_->peer_copy;
   part_.started_round = round_.round;
   part_.started_standby = a.standby;
   acks_.ClearOutcome();   // news of the rounds before this one is told
@@ -258,6 +259,7 @@ void EtcdRendezvous::SendAck(AckState state, int64_t round) {
       ack.port = port.ok() ? *port : 0;
     }
     ack.horovod_port = OfferHorovodPort(opt_.advertise_addr, ack.port);
+    ack.peer_copy_port = notes_.peer_copy_port();
     part_.acked_round = round;
   }
   acks_.Sent(ack, registration_.lease());

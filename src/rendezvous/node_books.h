@@ -68,7 +68,7 @@ class EventQueue {
 };
 
 // What the agent's thread tells the node for its acks (ReportRestarts, OfferAgentStore,
-// NoteNoPrestart); read on the driver when it writes an ack.
+// OfferPeerCopy, NoteNoPrestart); read on the driver when it writes an ack.
 class AgentNotes {
  public:
   void SetRestarts(int restarts) { restarts_.store(restarts); }
@@ -79,6 +79,8 @@ class AgentNotes {
   }
   void SetAgentStorePort(uint16_t port) { agent_store_port_.store(port); }
   uint16_t agent_store_port() const { return agent_store_port_.load(); }
+  void SetPeerCopyPort(uint16_t port) { peer_copy_port_.store(port); }
+  uint16_t peer_copy_port() const { return peer_copy_port_.load(); }
   void SetNoPrestart(const std::string& why) {
     MutexLock lock(mu_);
     no_prestart_ = why;
@@ -91,6 +93,7 @@ class AgentNotes {
  private:
   std::atomic<int> restarts_{-1};           // -1: none reported yet
   std::atomic<uint16_t> agent_store_port_{0};
+  std::atomic<uint16_t> peer_copy_port_{0};
   mutable Mutex mu_;
   std::string no_prestart_ EFDL_GUARDED_BY(mu_);
 };

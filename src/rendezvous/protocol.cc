@@ -365,6 +365,11 @@ std::string AssignRecord::Encode() const {
     }
   }
   if (early_exit) j["ee"] = true;
+  if (peer_copy.port != 0) {
+    j["pn"] = peer_copy.node;
+    j["pa"] = peer_copy.addr;
+    j["pp"] = peer_copy.port;
+  }
   return j.dump();
 }
 
@@ -374,7 +379,9 @@ Result<AssignRecord> AssignRecord::Decode(const std::string& text) {
            Field(j, "off", a.rank_offset) && Field(j, "sb", a.standby) &&
            HorovodIntList(j, "cr", a.cross_rank) && HorovodIntList(j, "cs", a.cross_size) &&
            HorovodLayoutValid(a) && HorovodHosts(j, a.hosts) && HostAddrs(j, a.host_addrs) &&
-           Field(j, "ee", a.early_exit);
+           Field(j, "ee", a.early_exit) && Field(j, "pn", a.peer_copy.node) &&
+           Field(j, "pa", a.peer_copy.addr) && Field(j, "pp", a.peer_copy.port) &&
+           a.peer_copy.addr.size() <= 255 && a.peer_copy.node.size() <= 255;
   });
 }
 
@@ -382,6 +389,7 @@ std::string AckRecord::Encode() const {
   json j = {{"r", round}, {"st", AckStateName(state)}};
   if (port != 0) j["port"] = port;
   if (horovod_port != 0) j["hp"] = horovod_port;
+  if (peer_copy_port != 0) j["pc"] = peer_copy_port;
   if (agent_store) j["as"] = true;
   if (restarts != 0) j["rs"] = restarts;
   if (!no_prestart.empty()) j["np"] = no_prestart;
@@ -397,8 +405,8 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
   return ParseWith<AckRecord>("ack", text, [](const json& j, AckRecord& a) {
     std::string st;
     if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
-          Field(j, "hp", a.horovod_port) && Field(j, "as", a.agent_store) &&
-          Field(j, "rs", a.restarts) && Field(j, "np", a.no_prestart) &&
+          Field(j, "hp", a.horovod_port) && Field(j, "pc", a.peer_copy_port) &&
+          Field(j, "as", a.agent_store) && Field(j, "rs", a.restarts) && Field(j, "np", a.no_prestart) &&
           Field(j, "pr", a.prev_round) && Field(j, "po", a.prev_outcome) &&
           Field(j, "pd", a.prev_detail))) {
       return false;
@@ -564,6 +572,18 @@ std::vector<AssignRecord> MemberAssignments(int64_t round, const Plan& plan) {
       out.front().hosts.emplace_back(m.id, m.nproc);
       if (!m.addr.empty() && seen.insert(m.addr).second) out.front().host_addrs.push_back(m.addr);
     }
+  }
+  return out;
+}
+
+std::vector<PeerCopyTarget> PeerCopyRing(
+    const Plan& plan, const std::function<uint16_t(const std::string&)>& port_of) {
+  std::vector<PeerCopyTarget> out(plan.members.size());
+  if (plan.members.size() < 2) return out;
+  for (size_t i = 0; i < plan.members.size(); ++i) {
+    const PlannedNode& next = plan.members[(i + 1) % plan.members.size()];
+    const uint16_t port = port_of(next.id);
+    if (port != 0 && !next.addr.empty()) out[i] = PeerCopyTarget{next.id, next.addr, port};
   }
   return out;
 }

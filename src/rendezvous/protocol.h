@@ -5,11 +5,13 @@
 //   P round          the one small record every node watches (~200 bytes, size independent of N):
 //                    {r, ph, c (coordinator), d (deputies), g (graceful), w, n, ma, mp, hp, as,
 //                    msg}; as: mp is the rank-0 node's agent store (src/agent/agent_store.h).
-//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts, ha, ee}:
+//   P assign/<node>  written by the coordinator only; {r, rank, off, sb, cr, cs, hosts, ha, ee,
+//                    pn, pa, pp}:
 //                    this node's place in round r (cr/cs/hosts/ha: Horovod's layout, see
-//                    AssignRecord; ee: its workers' exit 0 broke the previous round, issue #32).
+//                    AssignRecord; ee: its workers' exit 0 broke the previous round, issue #32;
+//                    pn/pa/pp: its peer-copy successor, issue #35 part 2).
 //                    Each node watches only its own assign key.
-//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, as, rs (restarts),
+//   P ack/<node>     lease-bound; {r, st: ack|done|failed|leaving, port, hp, pc, as, rs (restarts),
 //                    pr, po, pd (what its workers did in round pr: done|failed|lost, and how)}.
 //                    Written by the node itself; only the coordinator watches the ack/ prefix.
 //                    The coordinator that forms a round names its cause from po (coordination.h
@@ -90,6 +92,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -165,6 +168,16 @@ struct NodeRecord {
   static Result<NodeRecord> Decode(const std::string& text);
 };
 
+// Where a node sends the peer copy of its per-rank arenas (issue #35 part 2, docs/snapshots.md
+// "Peer copy"): its ring successor's node id, advertise address and peer-copy port. port 0: no
+// peer (a round of one node, the successor offered none, or an older coordinator).
+struct PeerCopyTarget {
+  std::string node{};
+  std::string addr{};
+  uint16_t port = 0;
+  bool operator==(const PeerCopyTarget&) const = default;
+};
+
 struct AssignRecord {
   int64_t round = 0;
   int node_rank = 0;
@@ -184,6 +197,9 @@ struct AssignRecord {
   // complete, and their peers' collectives lost them (coordination.h RoundCause): the node
   // counts that round as its own failure.
   bool early_exit{};
+  // "pn", "pa", "pp" (issue #35 part 2): the ring successor this node copies its per-rank arenas
+  // to (PeerCopyRing); absent in older records: no peer. O(1) bytes per node.
+  PeerCopyTarget peer_copy{};
   std::string Encode() const;
   static Result<AssignRecord> Decode(const std::string& text);
 };
@@ -204,6 +220,9 @@ struct AckRecord {
   uint16_t port = 0;           // kAck: a free port this node offers as MASTER_PORT
   int restarts = 0;            // worker failures this node reported so far
   uint16_t horovod_port = 0;   // kAck, "hp": a second free port, for the Horovod rendezvous
+  // kAck, "pc": the port this node's agent receives peer copies on (src/agent/peer_copy.h; 0:
+  // none, as from an older agent).
+  uint16_t peer_copy_port = 0;
   // kAck, "as": `port` is this node's agent store (a TCPStore server its agent keeps for its
   // whole life, src/agent/agent_store.h), not a free port.
   bool agent_store = false;
@@ -360,5 +379,13 @@ Plan PlanRound(const std::vector<Candidate>& candidates,
 // cross rank of local rank l on a node = members before it with more than l processes, the
 // cross size = all such members (Horovod's Gloo runner numbers them so). O(world size).
 std::vector<AssignRecord> MemberAssignments(int64_t round, const Plan& plan);
+
+// The peer-copy ring of a formed plan (issue #35 part 2): for each member in plan (node-rank)
+// order, its successor's target (member i+1, the last one's is member 0), with the port
+// `port_of(id)` that successor offered in its ack of this round; an empty target when the plan
+// has fewer than 2 members or the successor offered no port. Data only: no decision of the
+// round depends on it.
+std::vector<PeerCopyTarget> PeerCopyRing(const Plan& plan,
+                                         const std::function<uint16_t(const std::string&)>& port_of);
 
 }  // namespace efdl::rdzv

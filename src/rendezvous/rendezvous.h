@@ -43,7 +43,7 @@ struct RendezvousOptions : JobSpec {
   std::function<void()> on_event;
 };
 
-// Where this node stands in a formed round: the round's place as one typed value. 16 fields,
+// Where this node stands in a formed round: the round's place as one typed value. 17 fields,
 // flat on purpose (issue #31): each is one thing the workers of the round are told, which
 // WorkerEnvironment (src/agent/worker_env.cc) turns into their environment field by field.
 struct Assignment {
@@ -73,6 +73,9 @@ struct Assignment {
   // Issue #32: this node's workers all exited 0 in its previous round before the job was
   // complete, and that broke their peers' collectives: the node counts it as its own failure.
   bool early_exit{};
+  // Issue #35 part 2: where this node's agent copies its per-rank arenas (its ring successor in
+  // this round; port 0: nowhere). src/agent/peer_copy.h.
+  PeerCopyTarget peer_copy{};
 };
 
 // The newest snapshot a node found persisted (ReportSuspended): its commit sequence number
@@ -154,6 +157,9 @@ class Rendezvous {
   // as long as the agent (0: none; offer a free port per round, which rank 0's worker binds).
   // Thread-safe. Doubles need not override it.
   virtual void OfferAgentStore(uint16_t port) { (void)port; }
+  // From the next ack on, offers `port` as this node's peer-copy port (src/agent/peer_copy.h;
+  // 0: none). Thread-safe. Doubles need not override it.
+  virtual void OfferPeerCopy(uint16_t port) { (void)port; }
   // From the next ack on, tells `efdl status` that this node runs without pre-started workers
   // and why (one line; src/agent/spare_pool.h). Thread-safe. Doubles need not override it.
   virtual void NoteNoPrestart(const std::string& why) { (void)why; }

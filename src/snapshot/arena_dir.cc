@@ -103,6 +103,21 @@ std::string HolderLockPath(const std::string& dir, std::string_view job,
       .string();
 }
 
+namespace {
+constexpr std::string_view kPeerPrefix = "peer.";
+}  // namespace
+
+std::string PeerArenaScope(std::string_view scope) {
+  return std::string(kPeerPrefix) + std::string(scope);
+}
+
+std::optional<std::string> PeerSourceScope(std::string_view peer_scope) {
+  if (!peer_scope.starts_with(kPeerPrefix)) return std::nullopt;
+  peer_scope.remove_prefix(kPeerPrefix.size());
+  if (!ValidScope(peer_scope) || peer_scope == kNodeScope) return std::nullopt;
+  return std::string(peer_scope);
+}
+
 std::optional<ArenaName> ParseArenaFileName(std::string_view name) {
   if (!name.starts_with(kPrefix) || !name.ends_with(kArenaSuffix)) return std::nullopt;
   name.remove_prefix(kPrefix.size());
@@ -114,7 +129,7 @@ std::optional<ArenaName> ParseArenaFileName(std::string_view name) {
   const size_t holder_dash = name.rfind('-');
   if (holder_dash == std::string_view::npos || holder_dash == 0) return std::nullopt;
   std::string_view holder = name.substr(holder_dash + 1);
-  if (!ValidScope(scope) || holder.empty()) return std::nullopt;
+  if (!(ValidScope(scope) || PeerSourceScope(scope)) || holder.empty()) return std::nullopt;
   return ArenaName{std::string(name.substr(0, holder_dash)), std::string(holder),
                    std::string(scope)};
 }

@@ -3,7 +3,8 @@
 // python/efdl/state.py (which calls these functions through efdl._efdl), plus holder locks,
 // adoption after a restart and garbage collection (docs/snapshots.md, "Arena lifecycle").
 //
-// Names:  <dir>/efdl-<job>-<holder>-<scope>.arena   one writer's arena (scope: node | rank<N>)
+// Names:  <dir>/efdl-<job>-<holder>-<scope>.arena   one writer's arena (scope: node | rank<N>),
+//                                                   or a peer copy (scope: peer.rank<N>)
 //         <dir>/efdl-<job>-<holder>.lock            the holder lock of those arenas
 // <job> is SafeName(job id); <holder> is "<host>.<k>": this host's name (characters outside
 // [A-Za-z0-9_.] replaced by '_', so a holder never contains '-') and the lowest index k whose
@@ -51,6 +52,14 @@ std::string ArenaFileName(std::string_view job, std::string_view holder, std::st
 std::string ArenaPath(const std::string& dir, std::string_view job, std::string_view holder,
                       std::string_view scope);
 std::string HolderLockPath(const std::string& dir, std::string_view job, std::string_view holder);
+
+// Peer copies (issue #35 part 2, docs/snapshots.md "Peer copy"): the copy a node keeps of its ring
+// predecessor's per-rank arena of scope "rank<N>" is the arena of scope "peer.rank<N>" under the
+// receiving node's own holder, so its holder lock, adoption, gc and removal at the job's end are
+// those of the node's own arenas. Python finds them through efdl._efdl.peer_arena_scope.
+std::string PeerArenaScope(std::string_view scope);
+// "rank<N>" for a peer scope "peer.rank<N>"; nullopt for anything else.
+std::optional<std::string> PeerSourceScope(std::string_view peer_scope);
 
 struct ArenaName {
   std::string job;     // the safe form

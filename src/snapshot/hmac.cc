@@ -73,6 +73,12 @@ Result<std::string> ComputeSnapshotHmac(const std::string& key, const Manifest& 
   return h.FinalHex();
 }
 
+Result<std::string> HmacSha256Hex(const std::string& key, std::string_view message) {
+  EFDL_ASSIGN_OR_RETURN(Hmac h, Hmac::Start(key));
+  h.Update(message.data(), message.size());
+  return h.FinalHex();
+}
+
 Status VerifySnapshotHmac(const std::string& key, const RandomAccessFile& file,
                           const SnapshotFileInfo& info, const std::string& path) {
   const Manifest& m = info.manifest;

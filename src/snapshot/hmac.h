@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "efdl/snapshot.h"
 #include "snapshot/env.h"
@@ -19,6 +20,10 @@ namespace efdl::snapshot {
 // Hex HMAC-SHA256 of `manifest` (its hmac field ignored) and `data` (manifest.data_bytes long).
 Result<std::string> ComputeSnapshotHmac(const std::string& key, const Manifest& manifest,
                                         const uint8_t* data);
+
+// Hex HMAC-SHA256 of `message` keyed with `key` (the job's secret): the challenge answers of
+// the peer copy's connections (src/agent/peer_copy.h).
+Result<std::string> HmacSha256Hex(const std::string& key, std::string_view message);
 
 // Recomputes the HMAC of a stored snapshot (reading its data region) and compares it with the
 // manifest's. Corruption with a line naming the file when it is missing or does not match.

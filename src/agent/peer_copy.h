@@ -1,0 +1,122 @@
+// PeerCopy: the copy of this node's per-rank arenas on its ring successor, and the copies of its
+// ring predecessor's here (issue #35 part 2; docs/snapshots.md "Peer copy").
+//
+// Placement: the coordinator puts each member's successor in node-rank order (the last one's is
+// the first) into its assignment (rdzv::PeerCopyRing, Assignment::peer_copy): replication factor
+// 1, a ring. Only per-rank arenas (EFDL_SNAPSHOT_PER_RANK=1) are copied: a node copy is the
+// same replicated state on every node. EFDL_PEER_COPY=0 turns it off.
+//
+// Sending (one thread): every poll it looks at the arenas "rank<N>" this node writes in the
+// round (ranks rank_offset..rank_offset+nproc-1, under its holder); when one has a newer ready
+// snapshot than the one last sent to the current target, and at most once per min_interval
+// (EFDL_PERSIST_MIN_INTERVAL_MS, 1 s by default), it copies the slot into a buffer at memory
+// speed, checks the arena's seqlock (Unchanged(slot, seq)) and sends it; a torn copy is
+// discarded and tried again at the next poll. It never pins (the node's persister pins with
+// this process' pid, and one pid has one pin per slot), so it never holds a writer: commit()
+// never waits for it.
+//
+// Receiving (one thread): it listens on the port it offers in its acks; a connection must answer
+// an HMAC-SHA256 challenge keyed with the job's secret (and the receiver answers the sender's),
+// else it is closed with one log line. Each snapshot received is written into the peer arena
+// "peer.rank<N>" (snapshot/arena_dir.h) of 2 slots in this node's shm dir, a slot at a time
+// with the arena's writer protocol: a transfer cut midway abandons its slot and leaves the
+// previous complete copy. A copy that does not fit in the shm dir (CheckArenaRoom) is skipped
+// with one line; the job goes on. The data's checksum travels with it, is checked on arrival
+// and stored in the slot, so a restore verifies it again.
+//
+// Which copies a node keeps: those of the ranks its current predecessor wrote at its newest
+// transfer (each transfer names them); once a transfer of the round arrives, peer arenas of
+// other ranks (an earlier predecessor's, which a recovery of that round has read by then: the
+// predecessor commits only after its ranks' agreement) are removed. The job's end or a suspend
+// removes them with the node's own arenas (same holder).
+//
+// Ownership: the Agent owns one PeerCopy; it owns both threads and its sockets, which the
+// destructor stops and joins. SetRound and StopSending may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/thread_annotations.h"
+#include "efdl/status.h"
+#include "rendezvous/protocol.h"
+
+namespace efdl::agent {
+
+struct PeerCopyOptions {
+  std::string job_id;
+  std::string holder;                 // this agent's arena holder (snapshot/arena_dir.h)
+  std::string shm_dir = "/dev/shm";   // EFDL_SHM_DIR
+  std::string secret;                 // the job's secret (EFDL_JOB_SECRET); never logged
+  std::string listen_addr;            // the advertise address ("": every interface)
+  std::chrono::milliseconds min_interval{1000};   // EFDL_PERSIST_MIN_INTERVAL_MS
+  std::chrono::milliseconds poll_interval{100};
+  std::chrono::milliseconds io_timeout{10000};    // a stalled connection is dropped
+  int peer_slots = 2;
+};
+
+// Whether this agent keeps peer copies: per-rank snapshots on, EFDL_PEER_COPY not "0" (any
+// other value or unset: on), and a job secret to authenticate with. `why_not` says why not.
+bool PeerCopyWanted(const std::function<const char*(const char*)>& getenv, bool per_rank,
+                    const std::string& secret, std::string* why_not);
+
+class PeerCopy {
+ public:
+  // Binds the listening socket (a free port) and starts both threads.
+  static Result<std::unique_ptr<PeerCopy>> Start(PeerCopyOptions options);
+  ~PeerCopy();
+  PeerCopy(const PeerCopy&) = delete;
+  PeerCopy& operator=(const PeerCopy&) = delete;
+
+  uint16_t port() const { return port_; }
+  // The round's place: this node writes ranks rank_offset..rank_offset+nproc-1 and copies them
+  // to `target` (port 0: to nobody).
+  void SetRound(int64_t round, int rank_offset, int nproc, rdzv::PeerCopyTarget target);
+  // Sends nothing more until the next SetRound (fenced, excluded).
+  void StopSending();
+
+  struct Counts {
+    uint64_t sent = 0;       // snapshots sent and installed by the receiver
+    uint64_t torn = 0;       // copies discarded because a commit took the slot meanwhile
+    uint64_t received = 0;   // snapshots installed here
+    uint64_t refused = 0;    // connections that failed authentication
+    uint64_t skipped = 0;    // copies not kept here for want of room
+  };
+  Counts counts() const;
+
+ private:
+  PeerCopy(PeerCopyOptions options, int listen_fd, uint16_t port);
+  void SendLoop();
+  void ReceiveLoop();
+  void Serve(int fd);
+
+  const PeerCopyOptions options_;
+  const int listen_fd_;
+  const uint16_t port_;
+  int wake_[2] = {-1, -1};   // a pipe the destructor writes to end the receiver's poll()
+
+  mutable Mutex mu_;
+  std::condition_variable_any cv_;
+  bool stop_ EFDL_GUARDED_BY(mu_) = false;
+  int64_t round_ EFDL_GUARDED_BY(mu_) = 0;
+  int rank_offset_ EFDL_GUARDED_BY(mu_) = 0;
+  int nproc_ EFDL_GUARDED_BY(mu_) = 0;
+  rdzv::PeerCopyTarget target_ EFDL_GUARDED_BY(mu_);
+  Counts counts_ EFDL_GUARDED_BY(mu_);
+  int64_t newest_round_ = 0;          // the receiver thread's: the newest round sent to it
+  std::atomic<int> serving_fd_{-1};   // the connection being served (shut down at stop)
+  std::atomic<int> sending_fd_{-1};   // the connection being sent on (ditto)
+
+  std::thread sender_;
+  std::thread receiver_;
+};
+
+}  // namespace efdl::agent

@@ -1,0 +1,295 @@
+// PeerCopy (issue #35 part 2): the ring placement in the rendezvous records, and the transfer of
+// per-rank arenas between two real PeerCopy rooms over loopback TCP: a copy arrives and restores
+// bit for bit; a transfer cut midway leaves the previous copy; a sender without the job's secret
+// is refused and writes nothing.
+#include "agent/peer_copy.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/net.h"
+#include "efdl/snapshot.h"
+#include "rendezvous/protocol.h"
+#include "snapshot/arena.h"
+#include "snapshot/arena_dir.h"
+#include "snapshot/hmac.h"
+
+namespace efdl::agent {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr const char* kSecret = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+// -- ring placement ------------------------------------------------------------------------------
+
+rdzv::Plan ThreeNodes() {
+  rdzv::Plan plan;
+  plan.formed = true;
+  plan.members = {{"a", 0, 0, 1, "10.0.0.1"}, {"b", 1, 1, 1, "10.0.0.2"},
+                  {"c", 2, 2, 1, "10.0.0.3"}};
+  return plan;
+}
+
+TEST(PeerCopyRingTest, EachMemberCopiesToItsSuccessorAndTheLastToTheFirst) {
+  auto ring = rdzv::PeerCopyRing(ThreeNodes(), [](const std::string& id) -> uint16_t {
+    return id == "a" ? 7001 : id == "b" ? 7002 : 7003;
+  });
+  ASSERT_EQ(ring.size(), 3u);
+  EXPECT_EQ(ring[0], (rdzv::PeerCopyTarget{"b", "10.0.0.2", 7002}));
+  EXPECT_EQ(ring[1], (rdzv::PeerCopyTarget{"c", "10.0.0.3", 7003}));
+  EXPECT_EQ(ring[2], (rdzv::PeerCopyTarget{"a", "10.0.0.1", 7001}));
+}
+
+TEST(PeerCopyRingTest, NoTargetForOneNodeOrASuccessorWithoutAPort) {
+  rdzv::Plan one = ThreeNodes();
+  one.members.resize(1);
+  EXPECT_EQ(rdzv::PeerCopyRing(one, [](const std::string&) { return uint16_t{7001}; })[0].port,
+            0);
+  auto ring = rdzv::PeerCopyRing(ThreeNodes(), [](const std::string& id) -> uint16_t {
+    return id == "b" ? 0 : 7000;   // b is an older agent
+  });
+  EXPECT_EQ(ring[0].port, 0);
+  EXPECT_EQ(ring[1].port, 7000);
+}
+
+TEST(PeerCopyRingTest, RecordsCarryTheFieldsAndOlderRecordsMeanNoPeer) {
+  rdzv::AssignRecord a;
+  a.round = 4;
+  a.peer_copy = {"b", "10.0.0.2", 7002};
+  auto back = rdzv::AssignRecord::Decode(a.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->peer_copy, a.peer_copy);
+  auto old = rdzv::AssignRecord::Decode(R"({"r":4,"rank":1,"off":1})");
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->peer_copy.port, 0);
+  EXPECT_FALSE(rdzv::AssignRecord::Decode(R"({"r":4,"pp":"x"})").ok());
+
+  rdzv::AckRecord ack;
+  ack.round = 4;
+  ack.peer_copy_port = 7002;
+  auto ack_back = rdzv::AckRecord::Decode(ack.Encode());
+  ASSERT_TRUE(ack_back.ok());
+  EXPECT_EQ(ack_back->peer_copy_port, 7002);
+  EXPECT_EQ(rdzv::AckRecord::Decode(R"({"r":4,"st":"ack"})")->peer_copy_port, 0);
+}
+
+TEST(PeerCopyWantedTest, OnWithPerRankSnapshotsAndASecretOffWithTheSwitch) {
+  auto env = [](const char* value) {
+    return [value](const char* name) -> const char* {
+      return std::string(name) == "EFDL_PEER_COPY" ? value : nullptr;
+    };
+  };
+  std::string why;
+  EXPECT_TRUE(PeerCopyWanted(env(nullptr), true, kSecret, &why));
+  EXPECT_TRUE(PeerCopyWanted(env("1"), true, kSecret, &why));
+  EXPECT_FALSE(PeerCopyWanted(env("0"), true, kSecret, &why));
+  EXPECT_EQ(why, "EFDL_PEER_COPY=0");
+  EXPECT_FALSE(PeerCopyWanted(env(nullptr), false, kSecret, &why));
+  EXPECT_FALSE(PeerCopyWanted(env(nullptr), true, "", &why));
+}
+
+// -- the transfer ----------------------------------------------------------------------------------
+
+struct Node {
+  TempDir shm;
+  std::string holder;
+  std::unique_ptr<PeerCopy> pc;
+};
+
+Node MakeNode(const std::string& holder, const std::string& secret) {
+  auto dir = TempDir::Create("efdl-pc-test");
+  EXPECT_TRUE(dir.ok());
+  Node n{std::move(dir).value(), holder, nullptr};
+  PeerCopyOptions o;
+  o.job_id = "pcjob";
+  o.holder = holder;
+  o.shm_dir = n.shm.path();
+  o.secret = secret;
+  o.listen_addr = "127.0.0.1";
+  o.min_interval = 50ms;
+  o.poll_interval = 20ms;
+  o.io_timeout = 3000ms;
+  auto pc = PeerCopy::Start(o);
+  EXPECT_TRUE(pc.ok()) << pc.status().ToString();
+  n.pc = std::move(pc).value();
+  return n;
+}
+
+std::unique_ptr<snapshot::SnapshotEngine> Writer(const Node& n, const std::string& scope) {
+  snapshot::EngineOptions o;
+  o.job_id = "pcjob";
+  o.scope = scope;
+  o.arena_path = snapshot::ArenaPath(n.shm.path(), "pcjob", n.holder, scope);
+  o.persist = false;
+  auto e = snapshot::SnapshotEngine::Open(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  auto engine = std::move(e).value();
+  EXPECT_TRUE(engine->SetLayout({{"model/w", "float32", {1024}, 0, 4096}}).ok());
+  return engine;
+}
+
+uint64_t Commit(snapshot::SnapshotEngine& e, float value, int64_t step) {
+  std::vector<float> w(1024, value);
+  auto seq = e.Commit({{w.data()}}, step, "{}");
+  EXPECT_TRUE(seq.ok()) << seq.status().ToString();
+  return seq.ok() ? *seq : 0;
+}
+
+std::string PeerPath(const Node& n, const std::string& scope) {
+  return snapshot::ArenaPath(n.shm.path(), "pcjob", n.holder, snapshot::PeerArenaScope(scope));
+}
+
+// The newest snapshot of a peer arena, restored through a read-only engine as a worker does.
+std::optional<std::pair<uint64_t, std::vector<float>>> ReadPeer(const Node& n,
+                                                                const std::string& scope) {
+  snapshot::EngineOptions o;
+  o.job_id = "pcjob";
+  o.scope = scope;
+  o.arena_path = PeerPath(n, scope);
+  o.persist = false;
+  auto e = snapshot::SnapshotEngine::Open(o);
+  if (!e.ok()) return std::nullopt;
+  auto refs = (*e)->Candidates();
+  if (refs.empty()) return std::nullopt;
+  std::vector<float> w(1024, -1);
+  if (!(*e)->Restore(refs.front(), {w.data()}).ok()) return std::nullopt;
+  return std::make_pair(refs.front().manifest.seq, w);
+}
+
+template <class F>
+bool WaitFor(F done, std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (done()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return done();
+}
+
+TEST(PeerCopyTest, ACopyArrivesOnTheSuccessorAndRestoresBitForBit) {
+  Node a = MakeNode("hosta.0", kSecret);
+  Node b = MakeNode("hostb.0", kSecret);
+  auto rank1 = Writer(a, "rank1");
+  const uint64_t seq = Commit(*rank1, 1.5f, 10);
+  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().received >= 1; }));
+  auto got = ReadPeer(b, "rank1");
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, seq);
+  EXPECT_EQ(got->second, std::vector<float>(1024, 1.5f));
+  // A newer commit follows (after the rate limit), into the peer arena's other slot.
+  const uint64_t seq2 = Commit(*rank1, 2.5f, 11);
+  ASSERT_TRUE(WaitFor([&] {
+    auto g = ReadPeer(b, "rank1");
+    return g && g->first == seq2;
+  }));
+  EXPECT_EQ(ReadPeer(b, "rank1")->second, std::vector<float>(1024, 2.5f));
+  // Only the ranks the sender writes are copied, and nothing comes back to the sender.
+  EXPECT_FALSE(std::filesystem::exists(PeerPath(b, "rank0")));
+  EXPECT_FALSE(std::filesystem::exists(PeerPath(a, "rank1")));
+  EXPECT_EQ(snapshot::ParseArenaFileName(
+                std::filesystem::path(PeerPath(b, "rank1")).filename().string())->scope,
+            "peer.rank1");
+}
+
+// A client that authenticates like a PeerCopy sender, for the cut transfer below.
+int Handshake(uint16_t port, const std::string& secret) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  auto read_frame = [&] {
+    uint32_t n = 0;
+    EXPECT_EQ(::recv(fd, &n, 4, MSG_WAITALL), 4);
+    std::string s(ntohl(n), '\0');
+    EXPECT_EQ(::recv(fd, s.data(), s.size(), MSG_WAITALL), static_cast<ssize_t>(s.size()));
+    return s;
+  };
+  auto write_frame = [&](const std::string& s) {
+    const uint32_t n = htonl(static_cast<uint32_t>(s.size()));
+    EXPECT_EQ(::send(fd, &n, 4, MSG_NOSIGNAL), 4);
+    EXPECT_EQ(::send(fd, s.data(), s.size(), MSG_NOSIGNAL), static_cast<ssize_t>(s.size()));
+  };
+  const std::string hello = read_frame();
+  const std::string nonce_s = hello.substr(8);
+  const std::string nonce_c(64, '7');
+  auto mac = snapshot::HmacSha256Hex(
+      secret, "efdl peer copy client\npcjob\n" + nonce_s + "\n" + nonce_c);
+  write_frame(nonce_c + *mac);
+  read_frame();   // the server's answer
+  return fd;
+}
+
+TEST(PeerCopyTest, ATransferCutMidwayLeavesThePreviousCopy) {
+  Node a = MakeNode("hosta.0", kSecret);
+  Node b = MakeNode("hostb.0", kSecret);
+  auto rank1 = Writer(a, "rank1");
+  const uint64_t seq = Commit(*rank1, 1.5f, 10);
+  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().received >= 1; }));
+  a.pc->StopSending();
+  // A newer snapshot of rank1 whose bytes stop halfway: the connection closes.
+  const int fd = Handshake(b.pc->port(), kSecret);
+  std::string manifest_text;
+  {
+    auto arena = snapshot::SnapshotArena::Open(
+        snapshot::ArenaPath(a.shm.path(), "pcjob", "hosta.0", "rank1"));
+    ASSERT_TRUE(arena.ok());
+    auto slot = (*arena)->ReadySlots().front();
+    manifest_text.assign(reinterpret_cast<const char*>((*arena)->manifest_area(slot.slot)),
+                         slot.manifest_len);
+  }
+  auto m = snapshot::Manifest::Parse(manifest_text);
+  ASSERT_TRUE(m.ok());
+  m->seq = seq + 5;
+  const std::string text = m->Serialize();
+  nlohmann::json head = {{"scope", "rank1"}, {"seq", seq + 5}, {"step", 99},
+                         {"ml", text.size()}, {"dl", m->data_bytes}, {"ck", 1},
+                         {"round", 3},       {"ranks", {1}}};
+  const std::string h = head.dump();
+  const uint32_t n = htonl(static_cast<uint32_t>(h.size()));
+  ::send(fd, &n, 4, MSG_NOSIGNAL);
+  ::send(fd, h.data(), h.size(), MSG_NOSIGNAL);
+  ::send(fd, text.data(), text.size(), MSG_NOSIGNAL);
+  std::vector<uint8_t> half(m->data_bytes / 2, 0xee);
+  ::send(fd, half.data(), half.size(), MSG_NOSIGNAL);
+  ::close(fd);
+  // The receiver sees the cut; the copy it had is still the newest, intact.
+  std::this_thread::sleep_for(300ms);
+  auto got = ReadPeer(b, "rank1");
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, seq);
+  EXPECT_EQ(got->second, std::vector<float>(1024, 1.5f));
+  EXPECT_EQ(b.pc->counts().received, 1u);
+}
+
+TEST(PeerCopyTest, ASenderWithoutTheJobSecretIsRefusedAndWritesNothing) {
+  Node b = MakeNode("hostb.0", kSecret);
+  Node a = MakeNode("hosta.0",
+                    "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210");
+  auto rank1 = Writer(a, "rank1");
+  Commit(*rank1, 1.5f, 10);
+  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().refused >= 1; }));
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(b.pc->counts().received, 0u);
+  EXPECT_EQ(a.pc->counts().sent, 0u);
+  EXPECT_FALSE(std::filesystem::exists(PeerPath(b, "rank1")));
+}
+
+}  // namespace
+}  // namespace efdl::agent
