@@ -13,8 +13,10 @@ After a world-size change the new ranks rebuild their shards of the new layout f
 of the old one, never by gathering the optimizer on one rank:
 
 1. agreement (State._agreed_snapshot, collective): each new rank offers the sharded snapshots it
-   can read itself - the arenas of every old rank that lived on its node (shared memory) and the
-   per-rank stores it can see (storage) - as (seq, step, old rank, old world, source, owned).
+   can read itself - the arenas of every old rank that lived on its node (shared memory), the
+   copies its agent keeps of its ring predecessor's per-rank arenas (memory (peer copy), issue
+   #35 part 2: src/agent/peer_copy.h) and the per-rank stores it can see (storage) - as
+   (seq, step, old rank, old world, source, owned).
    decide() picks the newest (seq, step) whose old shards are all offered by some rank. Each new
    rank then restores the model and keyword values from one old shard (base_of), sent by its
    holder without its optimizer tensors when the rank does not read it itself.
@@ -48,9 +50,19 @@ from efdl import _efdl
 ZERO = "ZeroRedundancyOptimizer"
 
 # One sharded snapshot a rank can read itself: old_rank's shard of commit (seq, step), written
-# in a world of old_world ranks; source "memory" (this node's shared memory) or "storage";
+# in a world of old_world ranks; source "memory" (this node's shared memory), "peer_copy" (the
+# copy this node's agent keeps of its ring predecessor's arena) or "storage";
 # owned: the global parameter indices that old rank owned.
 Offer = collections.namedtuple("Offer", "seq step old_rank old_world source owned")
+
+MEMORY, PEER_COPY, STORAGE = "memory", "peer_copy", "storage"
+# The order a shard is read in: the memory it was written to, then a peer's copy of it (memory
+# too, as old as the last asynchronous transfer), then storage.
+_PREFERENCE = {MEMORY: 0, PEER_COPY: 1, STORAGE: 2}
+
+
+def preference(source):
+    return _PREFERENCE.get(source, len(_PREFERENCE))
 
 # The agreed sharded snapshot: key (seq, step); old_world; owned {old rank: [indices]};
 # holders {old rank: [(new rank, source)]}, memory first; skipped: (key, [missing old ranks])
@@ -144,9 +156,9 @@ def decide(offers_by_rank):
     e = keys[best]
     holders = {}
     for r, held in e["holders"].items():
-        # memory before storage; one entry per new rank (its best source)
+        # memory, then a peer copy, then storage; one entry per new rank (its best source)
         seen, ordered = set(), []
-        for n, source in sorted(held, key=lambda h: (h[1] != "memory", h[0])):
+        for n, source in sorted(held, key=lambda h: (preference(h[1]), h[0])):
             if n not in seen:
                 seen.add(n)
                 ordered.append((n, source))
@@ -157,9 +169,13 @@ def decide(offers_by_rank):
 
 def _choose(held, n, load):
     """Who reads one old shard for new rank `n`, from its holders `held` [(rank, source)]: this
-    node's memory (n itself), else another rank's memory over the network, else storage (n
-    itself, else another rank), the least loaded sender first."""
-    for pool in ([h for h in held if h[1] == "memory"], [h for h in held if h[1] != "memory"]):
+    node's memory (n itself), else another rank's memory over the network, else a peer copy
+    (this node's, else another rank's), else storage (n itself, else another rank), the least
+    loaded sender first."""
+    pools = collections.defaultdict(list)
+    for h in held:
+        pools[preference(h[1])].append(h)
+    for _, pool in sorted(pools.items()):
         mine = [h for h in pool if h[0] == n]
         if mine:
             return mine[0]
@@ -171,14 +187,15 @@ def _choose(held, n, load):
 def base_of(decision, new_world):
     """{new rank: (old rank, src rank, source)}: the old shard each new rank restores the model
     and keyword values from (they are replicated: any shard has them): one in this node's
-    memory (its own old rank first), else one in another rank's memory, else storage."""
+    memory (its own old rank first), else one in another rank's memory, else a peer copy, else
+    storage."""
     load = collections.Counter()
     out = {}
     for n in range(new_world):
         best = None
         for r in sorted(decision.holders, key=lambda r: (r != n, (r - n) % decision.old_world)):
             src, source = _choose(decision.holders[r], n, load)
-            rank_of = (source != "memory", src != n, load[src])
+            rank_of = (preference(source), src != n, load[src])
             if best is None or rank_of < best[0]:
                 best = (rank_of, (r, src, source))
         r, src, source = best[1]
@@ -242,6 +259,19 @@ def scope_rank(scope):
     return int(m.group(1)) if m else None
 
 
+def readable_peer_copies(shm_dir, job, holder):
+    """The old ranks whose per-rank arenas this node's agent keeps a peer copy of (arena scope
+    "peer.rank<N>" under its holder: src/snapshot/arena_dir.h)."""
+    ranks = set()
+    probe = _efdl.arena_path(shm_dir, job, holder, _efdl.peer_arena_scope("rank0"))
+    head = probe[:-len("rank0.arena")]
+    for path in glob.glob(glob.escape(head) + "rank*.arena"):
+        r = scope_rank(path[len(head):-len(".arena")])
+        if r is not None:
+            ranks.add(r)
+    return sorted(ranks)
+
+
 def readable_scopes(shm_dir, job, holder, snapshot_dir):
     """The old ranks whose per-rank snapshots this rank may read itself: arenas of this job and
     holder in this node's shared memory, and per-rank stores under the job's store directory."""
@@ -294,10 +324,12 @@ class ComposedSnapshot:
 def describe(fetch, me, path):
     """How the restore log names where an old shard came from."""
     if fetch.src == me:
-        where = "this node's memory" if fetch.source == "memory" else "storage (%s)" % path
+        where = {MEMORY: "this node's memory", PEER_COPY: "this node's peer copy"}.get(
+            fetch.source, "storage (%s)" % path)
     else:
         where = "rank %d over the network (from its %s)" % (
-            fetch.src, "node's memory" if fetch.source == "memory" else "storage")
+            fetch.src, {MEMORY: "node's memory", PEER_COPY: "node's peer copy"}.get(
+                fetch.source, "storage"))
     return "old shard %d from %s" % (fetch.old_rank, where)
 
 

@@ -35,8 +35,8 @@ final snapshot is persisted at exit.
 State holds replicated state, and torch's ZeroRedundancyOptimizer with per-rank snapshots
 (EFDL_SNAPSHOT_PER_RANK=1): each rank commits its shard with its layout, and after a world-size
 change every rank rebuilds its shard of the new layout from the old shards - this node's
-memory, other ranks over the network, else storage (efdl/_shards.py). A model or optimizer it
-cannot restore across a world-size change (FSDP, another sharded optimizer, ...) is refused at
+memory, other ranks over the network, a node's peer copy, else storage (efdl/_shards.py). A
+model or optimizer it cannot restore across a world-size change (FSDP, another sharded optimizer, ...) is refused at
 construction and at the setters with one TypeError line (efdl/_parts.py, check_model and
 check_optimizer).
 
@@ -759,17 +759,29 @@ class State(_rounds.RoundsHost):
             os.path.abspath(_efdl.store_dir(self._snapshot_base, self._job, True, old_rank)),
             keep=settings.keep, persist=False, hmac_key=settings.hmac_key)
 
+    def _peer_copy_reader(self, old_rank):
+        """An engine that reads the copy this node's agent keeps of old rank `old_rank`'s arena
+        (src/agent/peer_copy.h): its memory only. Writes nothing."""
+        scope = "rank%d" % old_rank
+        return _efdl.SnapshotEngine(
+            self._job, scope,
+            _efdl.arena_path(self._shm_dir, self._job, self._holder,
+                             _efdl.peer_arena_scope(scope)),
+            "", keep=self._settings.keep, persist=False, hmac_key=self._settings.hmac_key)
+
     def _sharded_offers(self):
         """([Offer], {(seq, step, old rank): (engine, ref, meta)}): the ZeRO shards this rank
-        can read itself, memory before storage."""
-        offers, local = [], {}
+        can read itself, each from its best source: memory, a peer copy, storage."""
+        offers, local = {}, {}
         scopes = set(_shards.readable_scopes(self._shm_dir, self._job, self._holder,
                                              self._snapshot_base))
         own = _shards.scope_rank(self._scope)
         if own is not None:
             scopes.add(own)
-        for r in sorted(scopes):
-            engine = self._reader(r)
+        readers = [(self._reader(r), None) for r in sorted(scopes)]
+        readers += [(self._peer_copy_reader(r), _shards.PEER_COPY)
+                    for r in _shards.readable_peer_copies(self._shm_dir, self._job, self._holder)]
+        for engine, kind in readers:
             for ref in engine.candidates():
                 # The metadata first (no data read): a per-rank snapshot that is no shard
                 # costs no checksum pass over a stored file.
@@ -780,14 +792,16 @@ class State(_rounds.RoundsHost):
                 # The layout's rank (a process keeps its scope until its next agreement)
                 old_rank = int(shard["rank"])
                 key = (ref.seq, ref.step, old_rank)
-                if key in local:
-                    continue   # the memory copy came first
+                source = kind or ref.source
+                if key in offers and (_shards.preference(offers[key].source)
+                                      <= _shards.preference(source)):
+                    continue   # a better copy came first
                 if ref.source == "storage" and self._usable_meta(ref) is None:
                     continue   # its checksum failed (warned)
                 local[key] = (engine, ref, meta)
-                offers.append(_shards.Offer(ref.seq, ref.step, old_rank, int(shard["world"]),
-                                            ref.source, tuple(shard["owned"])))
-        return offers, local
+                offers[key] = _shards.Offer(ref.seq, ref.step, old_rank, int(shard["world"]),
+                                            source, tuple(shard["owned"]))
+        return list(offers.values()), local
 
     def _agreed_sharded(self, world, offers_by_rank, local):
         """_agreed_snapshot for ZeRO shards: the newest snapshot whose old shards are all

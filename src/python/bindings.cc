@@ -220,6 +220,8 @@ PYBIND11_MODULE(_efdl, m) {
         "The job id of a program run without one: local-<stem>-<8 hex of its real path's SHA-1>");
   m.def("arena_path", &snap::ArenaPath, py::arg("dir"), py::arg("job"), py::arg("holder"),
         py::arg("scope"), "<dir>/efdl-<job>-<holder>-<scope>.arena");
+  m.def("peer_arena_scope", &snap::PeerArenaScope, py::arg("scope"),
+        "The scope of the peer copy of scope 'rank<N>' ('peer.rank<N>': issue #35 part 2).");
   m.def("holder_name", &snap::HolderName, py::arg("host"), py::arg("index"),
         "The arena holder '<host>.<index>' (what an agent passes its workers as "
         "EFDL_ARENA_HOLDER).");

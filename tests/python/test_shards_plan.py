@@ -163,3 +163,56 @@ def test_the_restore_log_names_each_source():
         "old shard 0 from this node's memory"
     assert _shards.describe(Fetch(0, 0, "memory", [3]), 2, "") == \
         "old shard 0 from rank 0 over the network (from its node's memory)"
+
+
+# -- a node's peer copy (issue #35 part 2) --------------------------------------------------------
+
+def test_a_lost_host_s_shard_comes_from_a_peer_copy_before_storage():
+    # Host of old rank 2 lost: its shard is in rank 0's node's peer copy and in storage (rank 1
+    # reads it); seq 9 is complete through the peer copy, so nothing is lost.
+    by_rank = [offers(9, 9, 3, OLD, "memory", [0]) + offers(9, 9, 3, OLD, "peer_copy", [2]),
+               offers(9, 9, 3, OLD, "memory", [1]) + offers(8, 8, 3, OLD, "storage", [0, 1, 2])
+               + offers(9, 9, 3, OLD, "storage", [2])]
+    d = _shards.decide(by_rank)
+    assert d.key == (9, 9) and d.skipped is None
+    assert d.holders[2] == [(0, "peer_copy"), (1, "storage")]
+    plan = _shards.plan(d, [[0, 2, 4, 6], [1, 3, 5]])
+    # new rank 0 reads old shard 2 from its node's peer copy; new rank 1 receives its part of
+    # it from rank 0 rather than reading storage itself
+    assert Fetch(2, 0, "peer_copy", [2, 6]) in plan[0]
+    assert Fetch(2, 0, "peer_copy", [3]) in plan[1]
+
+
+def test_memory_comes_before_a_peer_copy_and_a_peer_copy_before_storage():
+    d = _shards.decide([offers(5, 5, 1, {0: [0, 1]}, "storage", [0]),
+                        offers(5, 5, 1, {0: [0, 1]}, "peer_copy", [0]),
+                        offers(5, 5, 1, {0: [0, 1]}, "memory", [0])])
+    assert d.holders[0] == [(2, "memory"), (1, "peer_copy"), (0, "storage")]
+    assert _shards.plan(d, [[0], [1], []]) == {0: [Fetch(0, 2, "memory", [0])],
+                                               1: [Fetch(0, 2, "memory", [1])], 2: []}
+    only_copy = _shards.Decision((5, 5), 1, {0: [0, 1]},
+                                 {0: [(1, "peer_copy"), (0, "storage")]}, None)
+    assert _shards.base_of(only_copy, 2) == {0: (0, 1, "peer_copy"), 1: (0, 1, "peer_copy")}
+    assert _shards.plan(only_copy, [[0], [1]]) == {0: [Fetch(0, 1, "peer_copy", [0])],
+                                                   1: [Fetch(0, 1, "peer_copy", [1])]}
+
+
+def test_the_restore_log_names_a_peer_copy():
+    assert _shards.describe(Fetch(2, 1, "peer_copy", [3]), 1, "") == \
+        "old shard 2 from this node's peer copy"
+    assert _shards.describe(Fetch(2, 1, "peer_copy", [3]), 0, "") == \
+        "old shard 2 from rank 1 over the network (from its node's peer copy)"
+
+
+def test_a_node_s_peer_copies_are_found_by_their_arena_names(tmp_path):
+    from efdl import _efdl
+    for scope in ("rank1", "rank12", "node"):
+        open(_efdl.arena_path(str(tmp_path), "job", "h.0", scope), "w").close()
+    for scope in ("rank3", "rank7"):
+        open(_efdl.arena_path(str(tmp_path), "job", "h.0", _efdl.peer_arena_scope(scope)),
+             "w").close()
+    open(_efdl.arena_path(str(tmp_path), "job", "h.1", _efdl.peer_arena_scope("rank5")),
+         "w").close()
+    assert _shards.readable_peer_copies(str(tmp_path), "job", "h.0") == [3, 7]
+    # a node's own arenas are not its peer copies, nor the other way round
+    assert _shards.readable_scopes(str(tmp_path), "job", "h.0", str(tmp_path / "none")) == [1, 12]
