@@ -36,14 +36,24 @@ int64_t WatchEngine::Add(std::string key, std::string range_end, int64_t start_r
 }
 
 Status WatchEngine::WaitCreated(int64_t id, std::chrono::milliseconds timeout) {
+  std::condition_variable_any created;
   MutexLock lock(mu_);
-  const bool done = delivered_.wait_for(lock, timeout, [&]() EFDL_REQUIRES(mu_) {
-    auto it = entries_.find(id);
-    return it == entries_.end() || it->second.ever_created;
+  auto it = entries_.find(id);
+  if (it == entries_.end() || it->second.ever_created) return Status::OK();
+  it->second.creation_waiter = &created;
+  const bool done = created.wait_for(lock, timeout, [&]() EFDL_REQUIRES(mu_) {
+    auto found = entries_.find(id);
+    return found == entries_.end() || found->second.ever_created;
   });
   if (done) return Status::OK();
+  entries_.at(id).creation_waiter = nullptr;   // still there: only creation or an end erase it
   return Status::DeadlineExceeded(fmt::format(
       "etcd did not acknowledge a new watch within {} ms; check that etcd is up", timeout.count()));
+}
+
+void WatchEngine::Erase(std::map<int64_t, Entry>::iterator it) {
+  if (it->second.creation_waiter != nullptr) it->second.creation_waiter->notify_all();
+  entries_.erase(it);
 }
 
 void WatchEngine::Remove(int64_t id) {
@@ -52,10 +62,12 @@ void WatchEngine::Remove(int64_t id) {
     auto it = entries_.find(id);
     if (it != entries_.end()) {
       if (it->second.server_id >= 0) cancels_.push_back(it->second.server_id);
-      entries_.erase(it);
+      Erase(it);
     }
     if (!OnLoopThread()) {
+      ++removers_;
       delivered_.wait(lock, [&]() EFDL_REQUIRES(mu_) { return delivering_ != id; });
+      --removers_;
     }
   }
   Wake();
@@ -142,7 +154,10 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
       it->second.server_id = server_id;
       it->second.ever_created = true;
       local_by_server_id_[server_id] = id;
-      delivered_.notify_all();
+      if (it->second.creation_waiter != nullptr) {
+        it->second.creation_waiter->notify_all();
+        it->second.creation_waiter = nullptr;
+      }
       return;
     }
     // Created and cancelled at once: a compacted start revision or a refused request, handled
@@ -170,8 +185,8 @@ void WatchEngine::OnResponse(const etcdserverpb::WatchResponse& response) {
     }
     local_by_server_id_.erase(server_id);
     Deliver(id, update);
-    entries_.erase(id);
-    delivered_.notify_all();
+    auto ended = entries_.find(id);   // the callback may have removed it
+    if (ended != entries_.end()) Erase(ended);
     return;
   }
   if (response.events_size() == 0) {
@@ -206,7 +221,7 @@ void WatchEngine::Deliver(int64_t id, const WatchUpdate& update) {
   (*callback)(update);
   mu_.lock();
   delivering_ = 0;
-  delivered_.notify_all();
+  if (removers_ > 0) delivered_.notify_all();
 }
 
 }  // namespace efdl::etcd
