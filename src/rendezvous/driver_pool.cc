@@ -21,21 +21,25 @@ std::shared_ptr<DriverPool::Strand> DriverPool::NewStrand(Step step) {
   return std::make_shared<Strand>(std::move(step));
 }
 
-void DriverPool::Schedule(const std::shared_ptr<Strand>& s) {
-  if (s->closed_) return;
+bool DriverPool::Schedule(const std::shared_ptr<Strand>& s) {
+  if (s->closed_) return false;
   if (s->running_) {
     s->again_ = true;
-    return;
+    return false;
   }
-  if (s->queued_) return;
+  if (s->queued_) return false;
   s->queued_ = true;
   ready_.push_back(s);
-  cv_.notify_one();
+  return idle_ > 0;
 }
 
 void DriverPool::Wake(const std::shared_ptr<Strand>& strand) {
-  MutexLock lock(mu_);
-  Schedule(strand);
+  bool notify = false;
+  {
+    MutexLock lock(mu_);
+    notify = Schedule(strand);
+  }
+  if (notify) cv_.notify_one();
 }
 
 void DriverPool::Close(const std::shared_ptr<Strand>& strand) {
@@ -55,15 +59,18 @@ void DriverPool::Run() {
       timers_.pop();
       if (t.second->timer_ != t.first) continue;
       t.second->timer_ = TimePoint::max();
-      Schedule(t.second);
+      // This thread takes the first ready strand itself; others go to waiting threads.
+      if (Schedule(t.second) && ready_.size() > 1) cv_.notify_one();
     }
     if (stop_) return;
     if (ready_.empty()) {
+      ++idle_;
       if (timers_.empty()) {
         cv_.wait(lock);
       } else {
         cv_.wait_until(lock, timers_.top().first);
       }
+      --idle_;
       continue;
     }
     std::shared_ptr<Strand> s = std::move(ready_.front());
@@ -81,11 +88,15 @@ void DriverPool::Run() {
       idle_cv_.notify_all();
       continue;
     }
+    // Woken while it ran: ready again; this thread comes back to the ready queue itself.
     if (std::exchange(s->again_, false)) Schedule(s);
     if (next && *next < s->timer_) {
+      // A thread waiting for a later timer must wait for this one instead; one waiting for an
+      // earlier timer (or none waiting) wakes in time anyway.
+      const bool earliest = timers_.empty() || *next < timers_.top().first;
       s->timer_ = *next;
       timers_.emplace(*next, s);
-      cv_.notify_one();   // a thread waiting for a later timer must wait for this one instead
+      if (earliest && idle_ > 0) cv_.notify_one();
     }
   }
 }
