@@ -386,7 +386,9 @@ std::optional<int> Agent::StartRound(const rdzv::Assignment& a, const std::strin
   if (!a.standby) observer_.BeginLedgerPart(a, why, Sight());
   workers_.SetRound(a.round);
   snapshots_.SetRound(a.rank_offset, a.standby ? 0 : a.nproc);
-  if (peer_copy_) peer_copy_->SetRound(a.round, a.rank_offset, a.standby ? 0 : a.nproc, a.peer_copy);
+  if (peer_copy_) {
+    peer_copy_->SetRound(a.round, a.rank_offset, a.standby ? 0 : a.nproc, a.peer_copy);
+  }
   if (a.standby) {
     if (workers_.group()) {
       // Paused in-process at the last round's close: they snapshotted and wait; they exit now.

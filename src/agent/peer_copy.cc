@@ -254,6 +254,8 @@ void PeerCopy::SetRound(int64_t round, int rank_offset, int nproc, rdzv::PeerCop
   {
     MutexLock lock(mu_);
     round_ = round;
+    round_start_ = std::chrono::duration<double>(
+                       std::chrono::system_clock::now().time_since_epoch()).count();
     rank_offset_ = rank_offset;
     nproc_ = nproc;
     target_ = std::move(target);
@@ -280,6 +282,7 @@ void PeerCopy::SendLoop() {
   auto last_pass = std::chrono::steady_clock::now() - options_.min_interval;
   for (;;) {
     int64_t round = 0;
+    double round_start = 0;
     int offset = 0;
     int nproc = 0;
     rdzv::PeerCopyTarget target;
@@ -288,6 +291,7 @@ void PeerCopy::SendLoop() {
       cv_.wait_for(mu_, options_.poll_interval, [&]() EFDL_REQUIRES(mu_) { return stop_; });
       if (stop_) return;
       round = round_;
+      round_start = round_start_;
       offset = rank_offset_;
       nproc = nproc_;
       target = target_;
@@ -325,7 +329,18 @@ void PeerCopy::SendLoop() {
       if (slots.empty()) continue;
       auto it = sent.find(scope);
       if (it != sent.end() && it->second >= slots.front().seq) continue;
-      pending.push_back({scope, src.arena.get(), slots.front()});
+      // Only a commit of this round: an arena of the same rank left by an earlier round holds
+      // another layout's shard, and its copy would make the successor drop the copies of its
+      // previous predecessor before this round's recovery has read them.
+      const snapshot::SlotInfo& newest = slots.front();
+      auto head = snapshot::Manifest::Parse(std::string_view(
+          reinterpret_cast<const char*>(src.arena->manifest_area(newest.slot)),
+          newest.manifest_len));
+      if (!src.arena->Unchanged(newest.slot, newest.seq) || !head.ok() ||
+          head->wall_time < round_start) {
+        continue;
+      }
+      pending.push_back({scope, src.arena.get(), newest});
     }
     if (pending.empty()) continue;
     last_pass = std::chrono::steady_clock::now();

@@ -8,7 +8,8 @@
 //
 // Sending (one thread): every poll it looks at the arenas "rank<N>" this node writes in the
 // round (ranks rank_offset..rank_offset+nproc-1, under its holder); when one has a newer ready
-// snapshot than the one last sent to the current target, and at most once per min_interval
+// snapshot, committed in this round, than the one last sent to the current target, and at most
+// once per min_interval
 // (EFDL_PERSIST_MIN_INTERVAL_MS, 1 s by default), it copies the slot into a buffer at memory
 // speed, checks the arena's seqlock (Unchanged(slot, seq)) and sends it; a torn copy is
 // discarded and tried again at the next poll. It never pins (the node's persister pins with
@@ -107,6 +108,7 @@ class PeerCopy {
   std::condition_variable_any cv_;
   bool stop_ EFDL_GUARDED_BY(mu_) = false;
   int64_t round_ EFDL_GUARDED_BY(mu_) = 0;
+  double round_start_ EFDL_GUARDED_BY(mu_) = 0;   // seconds since the epoch, at SetRound
   int rank_offset_ EFDL_GUARDED_BY(mu_) = 0;
   int nproc_ EFDL_GUARDED_BY(mu_) = 0;
   rdzv::PeerCopyTarget target_ EFDL_GUARDED_BY(mu_);

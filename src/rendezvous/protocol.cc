@@ -406,7 +406,8 @@ Result<AckRecord> AckRecord::Decode(const std::string& text) {
     std::string st;
     if (!(Field(j, "r", a.round) && Field(j, "st", st) && Field(j, "port", a.port) &&
           Field(j, "hp", a.horovod_port) && Field(j, "pc", a.peer_copy_port) &&
-          Field(j, "as", a.agent_store) && Field(j, "rs", a.restarts) && Field(j, "np", a.no_prestart) &&
+          Field(j, "as", a.agent_store) && Field(j, "rs", a.restarts) &&
+          Field(j, "np", a.no_prestart) &&
           Field(j, "pr", a.prev_round) && Field(j, "po", a.prev_outcome) &&
           Field(j, "pd", a.prev_detail))) {
       return false;

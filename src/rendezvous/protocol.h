@@ -385,7 +385,7 @@ std::vector<AssignRecord> MemberAssignments(int64_t round, const Plan& plan);
 // `port_of(id)` that successor offered in its ack of this round; an empty target when the plan
 // has fewer than 2 members or the successor offered no port. Data only: no decision of the
 // round depends on it.
-std::vector<PeerCopyTarget> PeerCopyRing(const Plan& plan,
-                                         const std::function<uint16_t(const std::string&)>& port_of);
+std::vector<PeerCopyTarget> PeerCopyRing(
+    const Plan& plan, const std::function<uint16_t(const std::string&)>& port_of);
 
 }  // namespace efdl::rdzv

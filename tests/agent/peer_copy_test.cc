@@ -100,7 +100,7 @@ TEST(PeerCopyWantedTest, OnWithPerRankSnapshotsAndASecretOffWithTheSwitch) {
   EXPECT_FALSE(PeerCopyWanted(env(nullptr), true, "", &why));
 }
 
-// -- the transfer ----------------------------------------------------------------------------------
+// -- the transfer -------------------------------------------------------------------------------
 
 struct Node {
   TempDir shm;
@@ -178,13 +178,27 @@ bool WaitFor(F done, std::chrono::milliseconds limit = 10s) {
   return done();
 }
 
+// Node a, writing rank 1 in round 3, copies to its successor b; its first commit (1.5 at step 10,
+// seq `seq`) has arrived.
+struct FirstCopy {
+  Node a;
+  Node b;
+  std::unique_ptr<snapshot::SnapshotEngine> rank1;
+  uint64_t seq = 0;
+};
+
+FirstCopy FirstCopyArrived() {
+  FirstCopy f{MakeNode("hosta.0", kSecret), MakeNode("hostb.0", kSecret), nullptr, 0};
+  f.rank1 = Writer(f.a, "rank1");
+  f.a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", f.b.pc->port()});
+  f.seq = Commit(*f.rank1, 1.5f, 10);
+  EXPECT_TRUE(WaitFor([&] { return f.b.pc->counts().received >= 1; }));
+  return f;
+}
+
 TEST(PeerCopyTest, ACopyArrivesOnTheSuccessorAndRestoresBitForBit) {
-  Node a = MakeNode("hosta.0", kSecret);
-  Node b = MakeNode("hostb.0", kSecret);
-  auto rank1 = Writer(a, "rank1");
-  const uint64_t seq = Commit(*rank1, 1.5f, 10);
-  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
-  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().received >= 1; }));
+  auto [a, b, rank1, seq] = FirstCopyArrived();
+  ASSERT_EQ(b.pc->counts().received, 1u);
   auto got = ReadPeer(b, "rank1");
   ASSERT_TRUE(got);
   EXPECT_EQ(got->first, seq);
@@ -202,6 +216,35 @@ TEST(PeerCopyTest, ACopyArrivesOnTheSuccessorAndRestoresBitForBit) {
   EXPECT_EQ(snapshot::ParseArenaFileName(
                 std::filesystem::path(PeerPath(b, "rank1")).filename().string())->scope,
             "peer.rank1");
+}
+
+TEST(PeerCopyTest, ASnapshotOfAnEarlierRoundIsNotSentAndKeepsThePreviousPredecessorsCopy) {
+  // b keeps c's copy of rank 2 from round 3. In round 4, a (rank 1 again) becomes b's
+  // predecessor: a's arena still holds round 3's commit, which it must not send (it would make b
+  // drop c's copy before round 4's recovery read it); its first commit of round 4 it sends.
+  Node a = MakeNode("hosta.0", kSecret);
+  Node b = MakeNode("hostb.0", kSecret);
+  Node c = MakeNode("hostc.0", kSecret);
+  auto rank2 = Writer(c, "rank2");
+  c.pc->SetRound(3, 2, 1, {"b", "127.0.0.1", b.pc->port()});
+  Commit(*rank2, 7.0f, 10);
+  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().received >= 1; }));
+  c.pc.reset();   // c is lost
+  auto rank1 = Writer(a, "rank1");
+  Commit(*rank1, 1.5f, 10);   // round 3's commit
+  std::this_thread::sleep_for(20ms);
+  a.pc->SetRound(4, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(a.pc->counts().sent, 0u);
+  ASSERT_TRUE(ReadPeer(b, "rank2"));
+  EXPECT_EQ(ReadPeer(b, "rank2")->second, std::vector<float>(1024, 7.0f));
+  // Round 4's first commit goes, and then b keeps the copies of its current predecessor only.
+  const uint64_t seq = Commit(*rank1, 2.5f, 11);
+  ASSERT_TRUE(WaitFor([&] {
+    auto g = ReadPeer(b, "rank1");
+    return g && g->first == seq;
+  }));
+  EXPECT_FALSE(std::filesystem::exists(PeerPath(b, "rank2")));
 }
 
 // A client that authenticates like a PeerCopy sender, for the cut transfer below.
@@ -235,12 +278,8 @@ int Handshake(uint16_t port, const std::string& secret) {
 }
 
 TEST(PeerCopyTest, ATransferCutMidwayLeavesThePreviousCopy) {
-  Node a = MakeNode("hosta.0", kSecret);
-  Node b = MakeNode("hostb.0", kSecret);
-  auto rank1 = Writer(a, "rank1");
-  const uint64_t seq = Commit(*rank1, 1.5f, 10);
-  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
-  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().received >= 1; }));
+  auto [a, b, rank1, seq] = FirstCopyArrived();
+  ASSERT_EQ(b.pc->counts().received, 1u);
   a.pc->StopSending();
   // A newer snapshot of rank1 whose bytes stop halfway: the connection closes.
   const int fd = Handshake(b.pc->port(), kSecret);
@@ -282,8 +321,8 @@ TEST(PeerCopyTest, ASenderWithoutTheJobSecretIsRefusedAndWritesNothing) {
   Node a = MakeNode("hosta.0",
                     "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210");
   auto rank1 = Writer(a, "rank1");
-  Commit(*rank1, 1.5f, 10);
   a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  Commit(*rank1, 1.5f, 10);
   ASSERT_TRUE(WaitFor([&] { return b.pc->counts().refused >= 1; }));
   std::this_thread::sleep_for(200ms);
   EXPECT_EQ(b.pc->counts().received, 0u);
