@@ -36,9 +36,9 @@ State holds replicated state, and torch's ZeroRedundancyOptimizer with per-rank 
 (EFDL_SNAPSHOT_PER_RANK=1): each rank commits its shard with its layout, and after a world-size
 change every rank rebuilds its shard of the new layout from the old shards - this node's
 memory, other ranks over the network, a node's peer copy, else storage (efdl/_shards.py). A
-model or optimizer it cannot restore across a world-size change (FSDP, another sharded optimizer, ...) is refused at
-construction and at the setters with one TypeError line (efdl/_parts.py, check_model and
-check_optimizer).
+model or optimizer it cannot restore across a world-size change (FSDP, another sharded
+optimizer, ...) is refused at construction and at the setters with one TypeError line
+(efdl/_parts.py, check_model and check_optimizer).
 
 Here: State's construction, commit(), flush(), the restore and the graceful stop. What varies by
 kind of value (model, optimizer, scheduler, keyword arguments) is in efdl/_parts.py, the meta

@@ -10,6 +10,11 @@ the same global batch. The restore lines name where every old shard came from.
 Per-rank snapshots (EFDL_SNAPSHOT_PER_RANK=1 for `efdl run`), a snapshot directory every host
 sees, storage written after every commit (EFDL_PERSIST_MIN_INTERVAL_MS=0). Every wait is
 bounded; the world fixture removes the hosts, etcd and directories whatever happens.
+
+The peer copy (issue #35 part 2): with no snapshot directory the hosts share, a lost host's
+shard comes from the copy its ring successor's agent kept (the last case). The node's peer
+copies are on by default, so a lost or leaving host's shard in the first case may come from
+storage or from a peer copy.
 """
 
 import json
@@ -61,18 +66,27 @@ def wait_steps(agents, world_size, steps, timeout, since=0.0):
 
 
 def shard_sources(lines):
-    """{old shard: {kind}} named by restore lines, kind "memory" (this node's memory), "storage"
-    (read by the rank itself), "network memory" or "network storage" (sent by another rank)."""
+    """{old shard: {kind}} named by restore lines, kind "memory" (this node's memory), "peer
+    copy" (this node's copy of its ring predecessor's arenas, issue #35 part 2), "storage" (read
+    by the rank itself), "network memory", "network peer copy" or "network storage" (sent by
+    another rank)."""
     out = {}
+    local = {"this node's memory": "memory", "this node's peer copy": "peer copy",
+             "storage": "storage"}
+    remote = {"node's memory": "memory", "node's peer copy": "peer copy", "storage": "storage"}
     for ln in lines:
         head = ln.split("; model and values")[0]
-        for m in re.finditer(r"old shard (\d+) from (this node's memory|storage|rank \d+ over "
-                             r"the network \(from its (node's memory|storage)\))", head):
-            kind = {"this node's memory": "memory", "storage": "storage"}.get(
-                m.group(2), "network " + ("memory" if m.group(3) == "node's memory"
-                                          else "storage"))
+        for m in re.finditer(r"old shard (\d+) from (this node's memory|this node's peer copy|"
+                             r"storage|rank \d+ over the network \(from its (node's memory|"
+                             r"node's peer copy|storage)\))", head):
+            kind = local.get(m.group(2)) or "network " + remote[m.group(3)]
             out.setdefault(int(m.group(1)), set()).add(kind)
     return out
+
+
+# Where the shard of a rank whose host was lost (or left) may come from: a copy outside that
+# host (a survivor's peer copy, issue #35 part 2, or storage).
+OUTSIDE = {"storage", "network storage", "peer copy", "network peer copy"}
 
 
 def close(got, want, what):
@@ -80,6 +94,21 @@ def close(got, want, what):
     # rounding (1e-6), as in test_e2e_state.py; a lost or repeated step moves them by ~1e-3.
     g, w = torch.tensor(got), torch.tensor(want)
     assert torch.allclose(g, w, rtol=0, atol=1e-6), (what, (g - w).abs().max().item())
+
+
+def assert_as_uninterrupted(text, agents, reference):
+    """The job's final lines (ranks 0 and 1) hold the parameters and the whole Adam state of
+    the uninterrupted run."""
+    last = finals(text)
+    assert sorted(last) == [0, 1], outputs(agents)
+    got, want = whole_state(list(last.values())), whole_state(reference)
+    assert sorted(got, key=int) == sorted(want, key=int)
+    for i in want:
+        assert want[i][0] == STEPS and got[i][0] == STEPS, ("Adam step count", i, got[i][0])
+        close(got[i][1], want[i][1], "exp_avg of parameter %s" % i)
+        close(got[i][2], want[i][2], "exp_avg_sq of parameter %s" % i)
+    for k, (g, wv) in enumerate(zip(last[0]["params"], reference[0]["params"])):
+        close(g, wv, "parameter %d" % k)
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +179,15 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     # the loss first, the leave later (a higher seq): the lines are in agent order
     shrink.sort(key=lambda ln: int(re.search(r"of snapshot seq (\d+)", ln).group(1)))
     shrink, leave = shrink[:2], shrink[2:]
-    # The rank the lost host had in world 3: its shard came from storage (its memory is gone),
-    # every other old shard from memory (the rank's own node, or another survivor's over the
+    # The rank the lost host had in world 3: its shard came from storage or from the peer copy
+    # its ring successor kept (its memory is gone), every other old shard from memory (the rank's own node, or another survivor's over the
     # network); together the survivors needed every old shard.
     lost_rank = {r for _, r, _, w_, _ in agents[2].steps() if w_ == 3}
     assert len(lost_rank) == 1, agents[2].output()[-3000:]
     sources = shard_sources(shrink)
     assert sorted(sources) == [0, 1, 2], shrink
     for old, where in sources.items():
-        kinds = {"storage", "network storage"} if old in lost_rank else {"memory",
-                                                                         "network memory"}
+        kinds = OUTSIDE if old in lost_rank else {"memory", "network memory"}
         assert where and where <= kinds, (old, where, shrink)
     # The new host's rank (empty memory; the snapshot store holds only older shards of its
     # old rank) got the model and its part of the old shards from the others' memory.
@@ -178,7 +206,7 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     restored = {int(re.search(r"\(step (\d+)\), written", ln).group(1)) for ln in leave}
     assert restored == {last_before}, (last_before, leave, outputs(agents))
     for old, where in shard_sources(leave).items():
-        kinds = {"storage", "network storage"} if old in leaver else {"memory", "network memory"}
+        kinds = OUTSIDE if old in leaver else {"memory", "network memory"}
         assert where and where <= kinds, (old, where, leave)
 
     if mode == "inprocess":
@@ -188,13 +216,45 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
                                   a.output()))
             assert len(pids) == 1, (a.name, pids)
 
-    last = finals(text)
-    assert sorted(last) == [0, 1], outputs(agents)
-    got, want = whole_state(list(last.values())), whole_state(reference)
-    assert sorted(got, key=int) == sorted(want, key=int)
-    for i in want:
-        assert want[i][0] == STEPS and got[i][0] == STEPS, ("Adam step count", i, got[i][0])
-        close(got[i][1], want[i][1], "exp_avg of parameter %s" % i)
-        close(got[i][2], want[i][2], "exp_avg_sq of parameter %s" % i)
-    for k, (g, wv) in enumerate(zip(last[0]["params"], reference[0]["params"])):
-        close(g, wv, "parameter %d" % k)
+    assert_as_uninterrupted(text, agents, reference)
+
+
+def test_zero_job_loses_a_host_without_shared_storage_and_restores_its_shard_from_a_peer_copy(
+        world, reference):
+    """Issue #35 part 2: no snapshot directory the hosts share (each host stores into its own
+    /tmp, gone for the others), so when a host is lost with its /dev/shm its rank's shard exists
+    only in the peer copy its ring successor's agent kept. The job goes on with 2 hosts from
+    that copy and ends as the uninterrupted run."""
+    w, etcd, agents = world
+    job = "hosts-zero-peer"
+    env = {"EFDL_SNAPSHOT_PER_RANK": "1", "EFDL_PERSIST_MIN_INTERVAL_MS": "0",
+           "WORKER_MODE": "restart", "WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0.1"}
+    extra = ["--snapshot-dir", "/tmp/efdl-private-snapshots"]   # each host's own /tmp
+    agents += [cluster.start_host_agent(w, etcd, h, job, extra=extra, env=env, command=[
+        PYTHON, WORKER]) for h in w.hosts]
+    wait_world(agents, 3, 0.0, timeout=300, live=agents)
+    wait_steps(agents, 3, 10, timeout=120)   # the peer copies hold shards of world 3 by then
+
+    lost = w.hosts[2]
+    killed_at = time.monotonic()
+    lost.kill()
+    agents[2].proc.wait(timeout=30)
+    wait_world(agents[:2], 2, killed_at, timeout=180, live=agents[:2])
+    for a in agents[:2]:
+        assert a.wait(240) == 0, outputs(agents)
+
+    text = "\n".join(a.output() for a in agents[:2])
+    shrink = [ln for ln in text.splitlines()
+              if RESTORED in ln and "written by 3 ranks, for 2 ranks" in ln]
+    assert len(shrink) == 2, "\n".join(shrink) + outputs(agents)
+    lost_rank = {r for _, r, _, w_, _ in agents[2].steps() if w_ == 3}
+    assert len(lost_rank) == 1, agents[2].output()[-3000:]
+    sources = shard_sources(shrink)
+    assert sorted(sources) == [0, 1, 2], shrink
+    for old, where in sources.items():
+        # storage is no way out here: the lost host's store went with it
+        kinds = {"peer copy", "network peer copy"} if old in lost_rank else {"memory",
+                                                                             "network memory"}
+        assert where and where <= kinds, (old, where, shrink)
+
+    assert_as_uninterrupted(text, agents, reference)
