@@ -23,7 +23,8 @@ is what a multi-rank job pays per commit beyond part 2: the stop vote (efdl._agr
 Part 4 (--footprint [SLOTS,...], issue #35): for each arena slot count (EFDL_SNAPSHOT_SLOTS), a
 state of --gib GiB committed --reps times back to back while the persister writes to storage:
 state bytes, arena bytes (blocks the job's files hold in /dev/shm, not their sizes), peer-copy
-bytes (not built yet: said so, no number), and each commit's time against a raw copy of the same
+bytes (kept by the agents of a multi-node `efdl run`, which this single process does not start:
+said so, no number), and each commit's time against a raw copy of the same
 bytes timed right before it in the same run (best, median, worst: the worst shows any wait for
 the persister, bounded by kMaxHoldWait with 2 slots, docs/snapshots.md "Footprint"). The
 persister runs without a rate limit unless --persist-interval-ms says otherwise
@@ -205,7 +206,8 @@ def part1(args, work):
     ours = [os.path.join("/dev/shm", f) for f in os.listdir("/dev/shm")
             if f.startswith("efdl-" + state_mod._safe_name(os.environ["EFDL_JOB_ID"]))]
     # The footprint (issue #35): what the job holds in shared memory (blocks allocated, not the
-    # files' sizes), besides the live state in the process. No peer copies exist yet.
+    # files' sizes), besides the live state in the process. Peer copies are kept by agents
+    # (src/agent/peer_copy.h), which this process does not start.
     held = sum(os.stat(p).st_blocks * 512 for p in ours)
     print("shared memory: %.2f GiB allocated in %d file(s) = %.2fx the state of %.2f GiB "
           "(issue #35's target: at most 1.5x)" % (held / (1 << 30), len(ours), held / total, gib))
@@ -263,7 +265,8 @@ def part4(args, work):
         os.environ.pop("EFDL_PERSIST_MIN_INTERVAL_MS", None)
         os.environ["EFDL_JOB_ID"] = base_job
     print("footprint (issue #35): state %d bytes (%.3f GiB: params + momentum, %d tensors); "
-          "peer copy: not built (issue #35 part 2), no bytes to measure"
+          "peer copy: kept by the agents of a multi-node `efdl run` (issue #35 part 2, 2 slots "
+          "of each predecessor rank's state), not started here: not measured"
           % (total, total / (1 << 30), len(tensors)))
     print("%-6s %14s %8s %10s %10s %10s %10s %12s" % (
         "slots", "arena bytes", "x state", "raw best", "commit best", "median", "worst",

@@ -406,8 +406,7 @@ void PeerCopy::SendLoop() {
     }
     if (!st.ok()) {
       const std::string line = fmt::format("peer copy to {}: {}", TargetName(target), st.message());
-      if (line != failing) EFDL_LOG_WARN("{}; retrying every {} ms", line,
-                                         options_.min_interval.count());
+      if (line != failing) EFDL_LOG_WARN("{}; trying again at the next commit", line);
       failing = line;
     } else {
       failing.clear();
@@ -501,13 +500,21 @@ void PeerCopy::Serve(int fd) {
     newest_round_ = round;
     // The peer arena: the existing one when the snapshot fits, else a new one, installed once it
     // holds this snapshot (the previous copy stays until then).
-    std::unique_ptr<SnapshotArena> arena;
-    bool fresh = false;
-    if (auto opened = SnapshotArena::Open(path);
-        opened.ok() && (*opened)->num_slots() == options_.peer_slots &&
-        (*opened)->manifest_capacity() >= ml && (*opened)->data_capacity() >= dl) {
-      arena = std::move(opened).value();
-      arena->PrefaultForWrite();
+    // Kept mapped between transfers (made writable once: PrefaultForWrite writes every page).
+    std::unique_ptr<SnapshotArena>& kept = peer_arenas_[path];
+    struct stat file {};
+    if (kept && (::stat(path.c_str(), &file) != 0 || file.st_ino != kept->inode())) kept.reset();
+    if (!kept) {
+      if (auto opened = SnapshotArena::Open(path); opened.ok()) {
+        kept = std::move(opened).value();
+        kept->PrefaultForWrite();
+      }
+    }
+    SnapshotArena* arena = nullptr;
+    std::unique_ptr<SnapshotArena> fresh;
+    if (kept && kept->num_slots() == options_.peer_slots && kept->manifest_capacity() >= ml &&
+        kept->data_capacity() >= dl) {
+      arena = kept.get();
     } else {
       auto created = SnapshotArena::Create(path, options_.peer_slots, ml * 2 + (uint64_t{64} << 10),
                                            dl);
@@ -524,8 +531,8 @@ void PeerCopy::Serve(int fd) {
         if (!Drain(fd, ml + dl).ok() || !WriteFrame(fd, "skip").ok()) return;
         continue;
       }
-      arena = std::move(created).value();
-      fresh = true;
+      fresh = std::move(created).value();
+      arena = fresh.get();
     }
     auto slot = arena->BeginWrite(std::chrono::milliseconds(0));
     if (!slot.ok()) return;
@@ -549,7 +556,10 @@ void PeerCopy::Serve(int fd) {
     }
     arena->Publish(*slot, seq, step, ml, dl);
     arena->SetChecksum(*slot, seq, ck);
-    if (fresh && !arena->Install().ok()) return;
+    if (fresh) {
+      if (!fresh->Install().ok()) return;
+      kept = std::move(fresh);
+    }
     {
       MutexLock lock(mu_);
       ++counts_.received;
@@ -566,6 +576,7 @@ void PeerCopy::Serve(int fd) {
             !snapshot::PeerSourceScope(name->scope) || keep.count(name->scope)) {
           continue;
         }
+        peer_arenas_.erase(e.path().string());
         std::error_code ec;
         std::filesystem::remove(e.path(), ec);
       }

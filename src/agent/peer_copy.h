@@ -50,6 +50,10 @@
 #include "efdl/status.h"
 #include "rendezvous/protocol.h"
 
+namespace efdl::snapshot {
+class SnapshotArena;
+}  // namespace efdl::snapshot
+
 namespace efdl::agent {
 
 struct PeerCopyOptions {
@@ -113,7 +117,9 @@ class PeerCopy {
   int nproc_ EFDL_GUARDED_BY(mu_) = 0;
   rdzv::PeerCopyTarget target_ EFDL_GUARDED_BY(mu_);
   Counts counts_ EFDL_GUARDED_BY(mu_);
-  int64_t newest_round_ = 0;          // the receiver thread's: the newest round sent to it
+  // The receiver thread's: the newest round sent to it, and the peer arenas it writes (by path).
+  int64_t newest_round_ = 0;
+  std::map<std::string, std::unique_ptr<snapshot::SnapshotArena>> peer_arenas_;
   std::atomic<int> serving_fd_{-1};   // the connection being served (shut down at stop)
   std::atomic<int> sending_fd_{-1};   // the connection being sent on (ditto)
 
