@@ -242,6 +242,10 @@ def test_zero_job_loses_a_host_without_shared_storage_and_restores_its_shard_fro
     wait_world(agents[:2], 2, killed_at, timeout=180, live=agents[:2])
     for a in agents[:2]:
         assert a.wait(240) == 0, outputs(agents)
+    # The job is complete: the survivors removed their arenas, their peer copies included.
+    for h in w.hosts[:2]:
+        left = [f for f in os.listdir(h.shm_dir) if f.startswith("efdl-%s-" % job)]
+        assert left == [], (h.name, left)
 
     text = "\n".join(a.output() for a in agents[:2])
     shrink = [ln for ln in text.splitlines()
