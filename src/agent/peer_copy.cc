@@ -288,7 +288,7 @@ void PeerCopy::SendLoop() {
     rdzv::PeerCopyTarget target;
     {
       MutexLock lock(mu_);
-      cv_.wait_for(mu_, options_.poll_interval, [&]() EFDL_REQUIRES(mu_) { return stop_; });
+      cv_.wait_for(lock, options_.poll_interval, [&]() EFDL_REQUIRES(mu_) { return stop_; });
       if (stop_) return;
       round = round_;
       round_start = round_start_;
