@@ -26,6 +26,7 @@
 #include "efdl/snapshot.h"
 #include "snapshot/arena.h"
 #include "snapshot/arena_dir.h"
+#include "snapshot/commit_marks.h"
 #include "snapshot/hmac.h"
 #include "snapshot/scope.h"
 #include "snapshot/snapshot_file.h"
@@ -279,8 +280,14 @@ void PeerCopy::SendLoop() {
   std::map<std::string, uint64_t> sent;           // scope -> seq sent to `sent_to`
   rdzv::PeerCopyTarget sent_to;
   std::string failing;                            // the last failure logged (logged once)
-  auto last_pass = std::chrono::steady_clock::now() - options_.min_interval;
+  // The mark rule (snapshot/commit_marks.h) per arena: only the newest ready mark is sent, the
+  // same commits the other nodes store and copy.
+  std::map<std::string, snapshot::CommitMarks> marks;   // scope -> its measurements
   for (;;) {
+    auto delay = snapshot::MarkClock::duration(options_.poll_interval);
+    for (const auto& [scope, m] : marks) {
+      delay = std::min(delay, m.PollDelay(snapshot::MarkClock::now(), options_.poll_interval));
+    }
     int64_t round = 0;
     double round_start = 0;
     int offset = 0;
@@ -288,7 +295,7 @@ void PeerCopy::SendLoop() {
     rdzv::PeerCopyTarget target;
     {
       MutexLock lock(mu_);
-      cv_.wait_for(lock, options_.poll_interval, [&]() EFDL_REQUIRES(mu_) { return stop_; });
+      cv_.wait_for(lock, delay, [&]() EFDL_REQUIRES(mu_) { return stop_; });
       if (stop_) return;
       round = round_;
       round_start = round_start_;
@@ -301,8 +308,7 @@ void PeerCopy::SendLoop() {
       sent.clear();
       sent_to = target;
     }
-    if (std::chrono::steady_clock::now() - last_pass < options_.min_interval) continue;
-    // The newest ready snapshot of each arena this node writes, where it is newer than what the
+    // The newest ready mark of each arena this node writes, where it is newer than what the
     // target has.
     struct Pending {
       std::string scope;
@@ -327,12 +333,20 @@ void PeerCopy::SendLoop() {
       }
       auto slots = src.arena->ReadySlots();
       if (slots.empty()) continue;
+      const auto now = snapshot::MarkClock::now();
+      auto& m = marks.try_emplace(scope, options_.min_interval).first->second;
+      m.Observe(slots.front().seq, now);
+      const uint64_t stride = m.Stride(now);
+      auto mark = std::find_if(slots.begin(), slots.end(), [&](const snapshot::SlotInfo& s) {
+        return snapshot::IsMark(s.seq, stride);
+      });
+      if (mark == slots.end()) continue;   // a mark missed (overwritten) is skipped
       auto it = sent.find(scope);
-      if (it != sent.end() && it->second >= slots.front().seq) continue;
+      if (it != sent.end() && it->second >= mark->seq) continue;
       // Only a commit of this round: an arena of the same rank left by an earlier round holds
       // another layout's shard, and its copy would make the successor drop the copies of its
       // previous predecessor before this round's recovery has read them.
-      const snapshot::SlotInfo& newest = slots.front();
+      const snapshot::SlotInfo& newest = *mark;
       auto head = snapshot::Manifest::Parse(std::string_view(
           reinterpret_cast<const char*>(src.arena->manifest_area(newest.slot)),
           newest.manifest_len));
@@ -343,7 +357,6 @@ void PeerCopy::SendLoop() {
       pending.push_back({scope, src.arena.get(), newest});
     }
     if (pending.empty()) continue;
-    last_pass = std::chrono::steady_clock::now();
     auto fd = Connect(target, options_.io_timeout);
     Status st = fd.status();
     if (fd.ok()) {

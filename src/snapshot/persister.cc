@@ -41,7 +41,7 @@ void Persister::Notify() {
   {
     MutexLock lock(mu_);
     ++notified_;
-    wake = idle_;  // while it sleeps out the rate limit, a wake-up per commit would be wasted
+    wake = idle_;  // while it sleeps until the next mark, a wake-up per commit would be wasted
   }
   if (wake) cv_.notify_all();
 }
@@ -69,32 +69,35 @@ void Persister::Loop() {
   if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10) != 0) {
     EFDL_LOG_DEBUG("snapshot persister keeps normal priority: {}", std::strerror(errno));
   }
+  // The rate limit is the mark rule (commit_marks.h): only the newest ready mark is written, so
+  // every node stores the same commits. Between marks the thread sleeps (not idle: a commit's
+  // Notify does not wake it) until shortly before the next one is due.
+  CommitMarks marks(options_.min_interval);
   uint64_t seen = 0;
   for (;;) {
+    const auto quiet = marks.PollDelay(MarkClock::now(), MarkClock::duration::max());
     {
       MutexLock lock(mu_);
+      if (quiet != MarkClock::duration::max() && !retry_now_) {
+        cv_.wait_for(lock, quiet, [&]() EFDL_REQUIRES(mu_) { return stop_; });
+      }
       idle_ = true;
-      cv_.wait_for(lock, options_.poll_interval,
+      cv_.wait_for(lock, marks.PollDelay(MarkClock::now(), options_.poll_interval),
                    [&]() EFDL_REQUIRES(mu_) { return stop_ || notified_ != seen || retry_now_; });
       idle_ = false;
       if (stop_) return;
       seen = notified_;
       retry_now_ = false;
     }
-    if (options_.min_interval.count() > 0) {
-      // Rate limit: sleep out the rest of the interval (interruptible by stop).
-      MutexLock lock(mu_);
-      auto due = last_write_ + options_.min_interval;
-      cv_.wait_until(lock, due, [&]() EFDL_REQUIRES(mu_) { return stop_; });
-      if (stop_) return;
-    }
-    (void)PersistNewestOnce();
+    (void)PersistOnce(&marks);
   }
 }
 
-Result<bool> Persister::PersistNewestOnce() {
+Result<bool> Persister::PersistNewestOnce() { return PersistOnce(nullptr); }
+
+Result<bool> Persister::PersistOnce(CommitMarks* marks) {
   MutexLock lock(persist_mu_);
-  auto r = PersistLocked();
+  auto r = PersistLocked(marks);
   MutexLock state(mu_);
   if (r.ok()) {
     last_status_ = Status::OK();
@@ -110,7 +113,7 @@ Result<bool> Persister::PersistNewestOnce() {
   return r;
 }
 
-Result<bool> Persister::PersistLocked() {
+Result<bool> Persister::PersistLocked(CommitMarks* marks) {
   // (Re)open the arena when absent or replaced by a larger one.
   struct stat st {};
   if (::stat(options_.arena_path.c_str(), &st) != 0) return false;  // nothing committed yet
@@ -129,8 +132,16 @@ Result<bool> Persister::PersistLocked() {
     MutexLock lock(mu_);
     hold = preempted_in_a_row_ >= kHoldAfterPreemptions;
   }
-  for (const SlotInfo& slot : arena_->ReadySlots()) {
+  const std::vector<SlotInfo> ready = arena_->ReadySlots();
+  uint64_t stride = 1;
+  if (marks != nullptr && !ready.empty()) {
+    const auto now = MarkClock::now();
+    marks->Observe(ready.front().seq, now);
+    stride = marks->Stride(now);
+  }
+  for (const SlotInfo& slot : ready) {
     if (slot.seq <= done) return false;
+    if (!IsMark(slot.seq, stride)) continue;  // not a mark: an older one may be
     if (!arena_->Pin(slot.slot, slot.seq, hold)) continue;  // overwritten meanwhile: try the next
     bool pinned = true;
     bool preempted = false;
@@ -151,7 +162,6 @@ Result<bool> Persister::PersistLocked() {
       return Status::OK();
     };
     Status s;
-    bool wrote = false;
     std::string text(reinterpret_cast<const char*>(arena_->manifest_area(slot.slot)),
                      slot.manifest_len);
     auto manifest = Manifest::Parse(text);
@@ -171,7 +181,6 @@ Result<bool> Persister::PersistLocked() {
         if (s.ok()) arena_->SetChecksum(slot.slot, slot.seq, *checksum);
       }
       if (s.ok()) {
-        wrote = true;
         const auto began = std::chrono::steady_clock::now();
         s = store_.Write(*manifest, data, *checksum, options_.before_publish, source_check);
         const auto ended = std::chrono::steady_clock::now();
@@ -187,13 +196,13 @@ Result<bool> Persister::PersistLocked() {
       ++preemptions_;
       ++preempted_in_a_row_;
       if (!hold) {
-        // Go again at once with the newest snapshot (nothing was written: no rate limit).
+        // Go again at once (nothing was written): the newest, or the next mark.
         retry_now_ = true;
         return false;
       }
-      // Even with a hold: a commit waited kMaxHoldWait and took the slot. The next (held) try
-      // waits for the rate limit, so that commits pay that wait at most once per interval.
-      last_write_ = std::chrono::steady_clock::now();
+      // Even with a hold: a commit waited kMaxHoldWait and took the slot. The thread's next
+      // (held) try is at the next mark (this one is gone), so that commits pay that wait at
+      // most once per interval.
       retry_now_ = true;
       return Status::Unavailable(fmt::format(
           "persistence cannot keep up with commits: they took the snapshot being written {} "
@@ -202,7 +211,6 @@ Result<bool> Persister::PersistLocked() {
           "EFDL_SNAPSHOT_SLOTS=3: then commits never take the snapshot being written)",
           preempted_in_a_row_, kMaxHoldWait.count()));
     }
-    if (wrote) last_write_ = std::chrono::steady_clock::now();
     if (!s.ok()) return s;
     preempted_in_a_row_ = 0;
     persisted_seq_ = std::max(persisted_seq_, slot.seq);

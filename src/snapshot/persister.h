@@ -1,4 +1,5 @@
-// Persister: copies the newest snapshot of an arena to a SnapshotStore, off the training path.
+// Persister: copies the newest snapshot of an arena to a SnapshotStore, off the training path;
+// its thread takes the newest ready mark (commit_marks.h), so nodes store the same commits.
 //
 // Works on an arena path, not an object, so the same class runs on a background thread of the
 // worker (no agent) or in the node's agent for its workers' arenas; it re-opens the arena when
@@ -26,6 +27,7 @@
 #include "common/thread_annotations.h"
 #include "efdl/status.h"
 #include "snapshot/arena.h"
+#include "snapshot/commit_marks.h"
 #include "snapshot/parallel.h"
 #include "snapshot/store.h"
 
@@ -36,7 +38,9 @@ struct PersisterOptions {
   std::string storage_dir;
   int keep = 2;
   Env* env = nullptr;
-  std::chrono::milliseconds min_interval{0};    // at most one write per interval (0: no limit)
+  // The thread writes only marks (commit_marks.h): about one commit per interval, the same
+  // commits on every node (0: every commit). Flush and PersistNewestOnce take the newest.
+  std::chrono::milliseconds min_interval{0};
   std::chrono::milliseconds poll_interval{500}; // also look without Notify (writer elsewhere)
   std::string hmac_key;                         // non-empty: files carry an HMAC (hmac.h)
   // Asked right before each file is published (SnapshotStore::Write); the agent refuses while
@@ -51,9 +55,9 @@ struct PersisterOptions {
 // Preemptions in a row after which the persister pins with a hold (arena.h, Pin).
 inline constexpr int kHoldAfterPreemptions = 2;
 
-// 17 data members, on purpose (issue #31): besides its options, store, arena and thread, the
-// persister is one mutex's state - what Loop's two waits test (stop, notified, idle, retry now,
-// the last write for the rate limit), what PersistLocked decides a try from and counts (the
+// 16 data members, on purpose (issue #31): besides its options, store, arena and thread, the
+// persister is one mutex's state - what Loop's waits test (stop, notified, idle, retry now; the
+// mark rule's measurements are the thread's own, a local of Loop), what PersistLocked decides a try from and counts (the
 // persisted seq, the preemptions and those in a row, which turn on the hold), and the last
 // status with the error last logged - read and written together under mu_ in one pass of the
 // loop, so that splitting it would split that lock's invariants across objects.
@@ -78,7 +82,10 @@ class Persister {
 
  private:
   void Loop();
-  Result<bool> PersistLocked() EFDL_REQUIRES(persist_mu_);
+  // `marks`: the thread's, which observes the newest seq and writes only the newest ready
+  // mark; nullptr: the newest ready snapshot.
+  Result<bool> PersistOnce(CommitMarks* marks);
+  Result<bool> PersistLocked(CommitMarks* marks) EFDL_REQUIRES(persist_mu_);
 
   PersisterOptions options_;
   SnapshotStore store_;
@@ -95,7 +102,6 @@ class Persister {
   bool retry_now_ EFDL_GUARDED_BY(mu_) = false;  // the last try was preempted: try again at once
   Status last_status_ EFDL_GUARDED_BY(mu_);
   std::string last_logged_error_ EFDL_GUARDED_BY(mu_);
-  std::chrono::steady_clock::time_point last_write_ EFDL_GUARDED_BY(mu_){};
   std::thread thread_;
 };
 
