@@ -19,8 +19,9 @@ Environment: EFDL_JOB_ID (default: derived from the script's path), EFDL_SNAPSHO
 EFDL_SNAPSHOT_KEEP (2), EFDL_SNAPSHOT_PER_RANK (0: one copy per node, written by local rank 0,
 for data-parallel jobs where all ranks hold the same state; 1: one per rank, for states that
 differ by rank, restorable at the same world size only),
-EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS, EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage is
-written at most once a second; exit, SIGTERM and graceful stops persist the newest at once),
+EFDL_SHM_DIR (/dev/shm), EFDL_SNAPSHOT_THREADS, EFDL_PERSIST_MIN_INTERVAL_MS (1000: storage gets
+about one commit a second, the commits whose seq is a multiple of the power of two of commits
+that spans it, the same on every node; exit, SIGTERM and graceful stops persist the newest at once),
 EFDL_AGENT_PERSISTS (1, set by `efdl run`: the node agent persists, the worker never writes
 storage and flush() asks the agent to persist now), EFDL_SNAPSHOT_HMAC (1: stored snapshots carry
 an HMAC-SHA256 keyed with the job's secret EFDL_JOB_SECRET and restore only when it verifies),

@@ -12,9 +12,10 @@
 //
 // New commits are found by polling the arena's header (a stat and one header page every
 // poll_interval): that also covers a worker that died right after its commit, a worker that never
-// connected to the control socket, and the time between rounds, and costs nothing measurable. The
-// rate limit (min_interval) bounds how often storage is written; the newest ready snapshot is
-// taken each time (older ones in between are skipped), and the slot being written is pinned, so
+// connected to the control socket, and the time between rounds, and costs nothing measurable.
+// Storage gets the newest ready mark (snapshot/commit_marks.h: a commit whose seq is a multiple
+// of the power of two of commits that spans min_interval, so the nodes' per-rank stores hold the
+// same commits); the commits in between are skipped, and the slot being written is pinned, so
 // commit() never waits.
 //
 // A worker's State.flush() reaches FlushAsync (through the control socket and the agent's loop):

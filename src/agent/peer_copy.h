@@ -8,10 +8,10 @@
 //
 // Sending (one thread): every poll it looks at the arenas "rank<N>" this node writes in the
 // round (ranks rank_offset..rank_offset+nproc-1, under its holder); when one has a newer ready
-// snapshot, committed in this round, than the one last sent to the current target, and at most
-// once per min_interval
-// (EFDL_PERSIST_MIN_INTERVAL_MS, 1 s by default), it copies the slot into a buffer at memory
-// speed, checks the arena's seqlock (Unchanged(slot, seq)) and sends it; a torn copy is
+// mark (snapshot/commit_marks.h: a commit whose seq is a multiple of the power of two of commits
+// that spans EFDL_PERSIST_MIN_INTERVAL_MS, 1 s by default, so every node copies and stores the
+// same commits), committed in this round, than the one last sent to the current target, it
+// copies the slot into a buffer at memory speed, checks the arena's seqlock (Unchanged(slot, seq)) and sends it; a torn copy is
 // discarded and tried again at the next poll. It never pins (the node's persister pins with
 // this process' pid, and one pid has one pin per slot), so it never holds a writer: commit()
 // never waits for it.
