@@ -345,9 +345,12 @@ bool SnapshotArena::Pin(int slot, uint64_t seq, bool hold) {
 void SnapshotArena::Unpin(int slot) {
   auto& s = header()->slots[slot];
   uint32_t me = static_cast<uint32_t>(::getpid());
+  // Only this process's own pin: after a preemption the slot may be someone else's by now. The
+  // pin goes before its hold: a writer that saw the pin still there with its hold already gone
+  // would take the slot as a preemption while the pinner was letting it go (and a failed CAS
+  // leaves the hold, which is then another pinner's, alone).
+  if (!A(s.pin_pid).compare_exchange_strong(me, 0)) return;
   A(s.hold).store(0);
-  // Only this process's own pin: after a preemption the slot may be someone else's by now.
-  A(s.pin_pid).compare_exchange_strong(me, 0);
 }
 
 uint64_t SnapshotArena::allocated_bytes() const {
