@@ -40,11 +40,14 @@ test: test-cpp test-python test-faults
 
 SOAK_SECONDS ?= 1800
 # The rendezvous interleaving checker over 1,000,000 random schedules (about 5 min; make test runs
-# 40,000), the straggler detector at its default 30 s window (make test runs it at 12 s), then
-# the fault-injection soak.
+# 40,000), the kept-lease outage cases 20 times each (about 8 min; make test runs 5), the
+# straggler detector at its default 30 s window (make test runs it at 12 s), then the
+# fault-injection soak.
 SOAK_SCHEDULES ?= 1000000
+SOAK_LEASE_TRIALS ?= 20
 soak: build
 	EFDL_CHECKER_SCHEDULES=$(SOAK_SCHEDULES) $(BUILD_DIR)/tests/rendezvous/rendezvous_interleaving_test
+	EFDL_LEASE_TRIALS=$(SOAK_LEASE_TRIALS) $(BUILD_DIR)/tests/etcd/etcd_lease_outage_test
 	EFDL_TEST_DEFAULT_WINDOW=1 $(PYTHON) -m pytest $(PYTEST_FLAGS) tests/python/test_stragglers.py -k equal_nodes
 	$(PYTHON) tests/faults/soak.py --duration $(SOAK_SECONDS)
 
