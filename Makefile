@@ -41,7 +41,7 @@ test: test-cpp test-python test-faults
 SOAK_SECONDS ?= 1800
 # The rendezvous interleaving checker over 1,000,000 random schedules (about 5 min; make test runs
 # 40,000), the kept-lease outage cases 20 times each (about 8 min; make test runs 5), the
-# straggler detector at its default 30 s window (make test runs it at 12 s), then the
+# straggler detector at its default 30 s window (make test runs it at 6 s), then the
 # fault-injection soak.
 SOAK_SCHEDULES ?= 1000000
 SOAK_LEASE_TRIALS ?= 20
