@@ -280,6 +280,9 @@ void PeerCopy::SendLoop() {
   std::map<std::string, uint64_t> sent;           // scope -> seq sent to `sent_to`
   rdzv::PeerCopyTarget sent_to;
   std::string failing;                            // the last failure logged (logged once)
+  // The back-off after failed passes (PeerCopyOptions::retry_max): no try before retry_at.
+  snapshot::MarkClock::time_point retry_at{};
+  std::chrono::milliseconds retry_delay{0};
   // The mark rule (snapshot/commit_marks.h) per arena: only the newest ready mark is sent, the
   // same commits the other nodes store and copy.
   std::map<std::string, snapshot::CommitMarks> marks;   // scope -> its measurements
@@ -307,6 +310,8 @@ void PeerCopy::SendLoop() {
     if (!(target == sent_to)) {
       sent.clear();
       sent_to = target;
+      retry_at = {};
+      retry_delay = std::chrono::milliseconds(0);
     }
     // The newest ready mark of each arena this node writes, where it is newer than what the
     // target has.
@@ -356,7 +361,7 @@ void PeerCopy::SendLoop() {
       }
       pending.push_back({scope, src.arena.get(), newest});
     }
-    if (pending.empty()) continue;
+    if (pending.empty() || snapshot::MarkClock::now() < retry_at) continue;
     auto fd = Connect(target, options_.io_timeout);
     Status st = fd.status();
     if (fd.ok()) {
@@ -419,10 +424,21 @@ void PeerCopy::SendLoop() {
     }
     if (!st.ok()) {
       const std::string line = fmt::format("peer copy to {}: {}", TargetName(target), st.message());
-      if (line != failing) EFDL_LOG_WARN("{}; trying again at the next commit", line);
+      if (line != failing) {
+        EFDL_LOG_WARN("{}; trying again with a back-off of up to {:.1f} s", line,
+                      std::chrono::duration<double>(options_.retry_max).count());
+      }
       failing = line;
+      retry_delay = retry_delay.count() == 0
+                        ? options_.poll_interval
+                        : std::min<std::chrono::milliseconds>(2 * retry_delay, options_.retry_max);
+      retry_at = snapshot::MarkClock::now() + retry_delay;
+      MutexLock lock(mu_);
+      ++counts_.failed;
     } else {
       failing.clear();
+      retry_at = {};
+      retry_delay = std::chrono::milliseconds(0);
     }
   }
 }

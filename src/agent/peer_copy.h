@@ -11,10 +11,13 @@
 // mark (snapshot/commit_marks.h: a commit whose seq is a multiple of the power of two of commits
 // that spans EFDL_PERSIST_MIN_INTERVAL_MS, 1 s by default, so every node copies and stores the
 // same commits), committed in this round, than the one last sent to the current target, it
-// copies the slot into a buffer at memory speed, checks the arena's seqlock (Unchanged(slot, seq)) and sends it; a torn copy is
-// discarded and tried again at the next poll. It never pins (the node's persister pins with
-// this process' pid, and one pid has one pin per slot), so it never holds a writer: commit()
-// never waits for it.
+// copies the slot into a buffer at memory speed, checks the arena's seqlock (Unchanged(slot,
+// seq)) and sends it; a torn copy is discarded and tried again at the next poll. A pass that
+// fails (the target dead, unreachable, refusing) is logged once (until its line changes) and
+// retried after a back-off (PeerCopyOptions::retry_max: 0.1 s doubling up to 5 s), so a dead
+// successor costs one connection attempt per back-off, not one per poll. It never pins (the
+// node's persister pins with this process' pid, and one pid has one pin per slot), so it never
+// holds a writer: commit() never waits for it.
 //
 // Receiving (one thread): it listens on the port it offers in its acks; a connection must answer
 // an HMAC-SHA256 challenge keyed with the job's secret (and the receiver answers the sender's),
@@ -65,6 +68,10 @@ struct PeerCopyOptions {
   std::chrono::milliseconds min_interval{1000};   // EFDL_PERSIST_MIN_INTERVAL_MS
   std::chrono::milliseconds poll_interval{100};
   std::chrono::milliseconds io_timeout{10000};    // a stalled connection is dropped
+  // A pass to the target that failed (cannot connect, refused, cut) makes the next try wait:
+  // poll_interval after the first failure, doubling after each further one up to retry_max;
+  // a pass that succeeds or a new target (SetRound) starts over.
+  std::chrono::milliseconds retry_max{5000};
   int peer_slots = 2;
 };
 
@@ -94,6 +101,7 @@ class PeerCopy {
     uint64_t received = 0;   // snapshots installed here
     uint64_t refused = 0;    // connections that failed authentication
     uint64_t skipped = 0;    // copies not kept here for want of room
+    uint64_t failed = 0;     // passes to the target that failed (each followed by a back-off)
   };
   Counts counts() const;
 

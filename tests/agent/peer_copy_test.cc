@@ -1,7 +1,7 @@
 // PeerCopy (issue #35 part 2): the ring placement in the rendezvous records, and the transfer of
 // per-rank arenas between two real PeerCopy rooms over loopback TCP: a copy arrives and restores
 // bit for bit; a transfer cut midway leaves the previous copy; a sender without the job's secret
-// is refused and writes nothing.
+// is refused and writes nothing; a dead target is retried with a bounded back-off.
 #include "agent/peer_copy.h"
 
 #include <arpa/inet.h>
@@ -108,7 +108,8 @@ struct Node {
   std::unique_ptr<PeerCopy> pc;
 };
 
-Node MakeNode(const std::string& holder, const std::string& secret) {
+Node MakeNode(const std::string& holder, const std::string& secret,
+              std::chrono::milliseconds retry_max = 3000ms) {
   auto dir = TempDir::Create("efdl-pc-test");
   EXPECT_TRUE(dir.ok());
   Node n{std::move(dir).value(), holder, nullptr};
@@ -121,6 +122,7 @@ Node MakeNode(const std::string& holder, const std::string& secret) {
   o.min_interval = 50ms;
   o.poll_interval = 20ms;
   o.io_timeout = 3000ms;
+  o.retry_max = retry_max;
   auto pc = PeerCopy::Start(o);
   EXPECT_TRUE(pc.ok()) << pc.status().ToString();
   n.pc = std::move(pc).value();
@@ -328,6 +330,43 @@ TEST(PeerCopyTest, ASenderWithoutTheJobSecretIsRefusedAndWritesNothing) {
   EXPECT_EQ(b.pc->counts().received, 0u);
   EXPECT_EQ(a.pc->counts().sent, 0u);
   EXPECT_FALSE(std::filesystem::exists(PeerPath(b, "rank1")));
+}
+
+// A port on loopback where nothing listens (bound, then closed): a connection there is refused.
+uint16_t DeadPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  socklen_t len = sizeof(sa);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  ::close(fd);
+  return ntohs(sa.sin_port);
+}
+
+TEST(PeerCopyTest, ADeadTargetIsRetriedWithABoundedBackOff) {
+  // Polls every 20 ms; the back-off waits 20, 40, 80 ms, then retry_max (100 ms) each time: in
+  // 1.2 s about 14 tries. One per poll, without a back-off: about 60; without its bound
+  // (doubling on: 160, 320, 640 ms ...): 6.
+  Node a = MakeNode("hosta.0", kSecret, 100ms);
+  auto rank1 = Writer(a, "rank1");
+  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", DeadPort()});
+  Commit(*rank1, 1.5f, 10);
+  std::this_thread::sleep_for(1200ms);
+  const uint64_t failed = a.pc->counts().failed;
+  EXPECT_GE(failed, 8u);
+  EXPECT_LE(failed, 20u);
+  // The next round's successor gets the copy.
+  Node b = MakeNode("hostb.0", kSecret);
+  a.pc->SetRound(4, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  const uint64_t seq = Commit(*rank1, 2.5f, 11);
+  ASSERT_TRUE(WaitFor([&] {
+    auto g = ReadPeer(b, "rank1");
+    return g && g->first == seq;
+  }));
+  EXPECT_EQ(ReadPeer(b, "rank1")->second, std::vector<float>(1024, 2.5f));
+  EXPECT_TRUE(WaitFor([&] { return a.pc->counts().sent == 1; }));
 }
 
 }  // namespace
