@@ -531,7 +531,7 @@ def test_etcd_restart_shorter_than_the_ttl_does_not_interrupt_training(make_job)
     set-up, not the product: the case then starts over with a fresh job, up to
     ETCD_OUTAGE_TRIES times, and says so. etcd extends the leases when it is back. No lease is
     lost, no new round forms, no step gap above 1 s, and training goes on for more than one
-    full TTL after etcd is back. The client side, 20 outages per case:
+    full TTL after etcd is back. The client side, 5 outages per case (20 in `make soak`):
     tests/etcd/lease_outage_test.cc."""
     ttl = 8
     low, high = ttl / 3, ttl * 2 / 3
