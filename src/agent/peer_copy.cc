@@ -487,7 +487,6 @@ void PeerCopy::ReceiveLoop() {
 }
 
 void PeerCopy::Serve(int fd) {
-  std::map<std::string, std::string> skipped_line;   // scope -> the line logged (once)
   for (;;) {
     auto text = ReadFrame(fd);
     if (!text.ok()) return;   // the sender is done (or cut: its slot is abandoned below)
@@ -548,11 +547,13 @@ void PeerCopy::Serve(int fd) {
       auto created = SnapshotArena::Create(path, options_.peer_slots, ml * 2 + (uint64_t{64} << 10),
                                            dl);
       if (!created.ok()) {
-        const std::string line = fmt::format(
-            "peer copy: not keeping the copy of {} (snapshot seq {}): {}", scope, seq,
-            created.status().message());
-        if (skipped_line[scope] != line) EFDL_LOG_WARN("{}", line);
-        skipped_line[scope] = line;
+        // One line per scope, until a copy of it is kept again (each transfer is a connection
+        // of its own, about one per EFDL_PERSIST_MIN_INTERVAL_MS).
+        if (skipping_.insert(scope).second) {
+          EFDL_LOG_WARN("peer copy: not keeping the copy of {} (snapshot seq {}): {}; the job "
+                        "goes on without it (logged once)", scope, seq,
+                        created.status().message());
+        }
         {
           MutexLock lock(mu_);
           ++counts_.skipped;
@@ -593,7 +594,7 @@ void PeerCopy::Serve(int fd) {
       MutexLock lock(mu_);
       ++counts_.received;
     }
-    skipped_line.erase(scope);
+    skipping_.erase(scope);
     // The copies this node keeps: its predecessor's current ranks; an earlier predecessor's
     // go once the current one's copies of this round arrive.
     {

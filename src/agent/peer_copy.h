@@ -25,8 +25,10 @@
 // "peer.rank<N>" (snapshot/arena_dir.h) of 2 slots in this node's shm dir, a slot at a time
 // with the arena's writer protocol: a transfer cut midway abandons its slot and leaves the
 // previous complete copy. A copy that does not fit in the shm dir (CheckArenaRoom) is skipped
-// with one line; the job goes on. The data's checksum travels with it, is checked on arrival
-// and stored in the slot, so a restore verifies it again.
+// with one line per rank (until a copy of that rank is kept again), nothing of it written; the
+// job goes on, and that rank's shard is restored from storage if its host is lost. The data's
+// checksum travels with it, is checked on arrival and stored in the slot, so a restore verifies
+// it again.
 //
 // Which copies a node keeps: those of the ranks its current predecessor wrote at its newest
 // transfer (each transfer names them); once a transfer of the round arrives, peer arenas of
@@ -46,6 +48,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -128,6 +131,7 @@ class PeerCopy {
   // The receiver thread's: the newest round sent to it, and the peer arenas it writes (by path).
   int64_t newest_round_ = 0;
   std::map<std::string, std::unique_ptr<snapshot::SnapshotArena>> peer_arenas_;
+  std::set<std::string> skipping_;   // scopes whose copies were skipped for want of room
   std::atomic<int> serving_fd_{-1};   // the connection being served (shut down at stop)
   std::atomic<int> sending_fd_{-1};   // the connection being sent on (ditto)
 

@@ -13,9 +13,10 @@ bounded; the world fixture removes the hosts, etcd and directories whatever happ
 
 The peer copy (issue #35 part 2): with no snapshot directory the hosts share, a lost host's
 shard comes from the copy its ring successor's agent kept (the last case, with the default
-EFDL_PERSIST_MIN_INTERVAL_MS). The node's peer
-copies are on by default, so a lost or leaving host's shard in the first case may come from
-storage or from a peer copy.
+EFDL_PERSIST_MIN_INTERVAL_MS). In the first case world 3's hosts have a /dev/shm too small for
+a peer copy: each agent skips its predecessor's copies with one line and writes nothing of
+them, so the lost host's shard comes from storage; the survivors' /dev/shm is enlarged after
+the loss, so the leaving host's shard may come from storage or from a peer copy.
 """
 
 import json
@@ -97,6 +98,24 @@ def close(got, want, what):
     assert torch.allclose(g, w, rtol=0, atol=1e-6), (what, (g - w).abs().max().item())
 
 
+# A /dev/shm that holds one rank's arena of this program (220 KiB) and its agent's lock file,
+# but not the peer copy of another rank's as well (148 KiB more).
+SMALL_SHM = "300k"
+NO_ROOM = "peer copy: not keeping the copy of rank"
+
+
+def assert_no_room_for_peer_copies(host, agent, job):
+    """The agent skipped its predecessor's copies for want of room with one line (a copy is
+    tried at every commit here), and `host`'s /dev/shm holds nothing of a copy, whole or half
+    written: only its own rank's arena and the agent's lock file."""
+    lines = [ln for ln in agent.output().splitlines() if NO_ROOM in ln]
+    assert len(lines) == 1 and "not enough shared memory" in lines[0], (agent.name, lines)
+    if host is not None:
+        names = sorted(f for f in os.listdir(host.shm_dir))
+        assert len(names) == 2 and re.fullmatch(r"efdl-%s-.*-rank\d\.arena" % job, names[0]) \
+            and names[1].endswith(".lock"), (host.name, names)
+
+
 def assert_as_uninterrupted(text, agents, reference):
     """The job's final lines (ranks 0 and 1) hold the parameters and the whole Adam state of
     the uninterrupted run."""
@@ -141,6 +160,10 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     env = {"EFDL_SNAPSHOT_PER_RANK": "1", "EFDL_PERSIST_MIN_INTERVAL_MS": "0",
            "WORKER_MODE": mode, "WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0.2"}
     extra = ["--snapshot-dir", snapshots]
+    # World 3's hosts have room in /dev/shm for their own rank's arena only (220 KiB and a lock
+    # file), not for the peer copy of their predecessor's (148 KiB more).
+    for h in w.hosts:
+        h.resize_shm(SMALL_SHM)
     agents += [cluster.start_host_agent(w, etcd, h, job, extra=extra, env=env, command=[
         PYTHON, WORKER]) for h in w.hosts]
     wait_world(agents, 3, 0.0, timeout=300, live=agents)
@@ -150,7 +173,13 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     lost = w.hosts[2]
     killed_at = time.monotonic()
     lost.kill()
+    # No peer copy was kept: one line on each host, nothing of a copy (or of any other file)
+    # left in its /dev/shm but its own rank's arena and its lock file.
+    for h, a in zip(w.hosts[:2], agents[:2]):
+        assert_no_room_for_peer_copies(h, a, job)
+        h.resize_shm("%dm" % w.shm_mb)   # room for world 2's arenas and the copies from now on
     agents[2].proc.wait(timeout=30)
+    assert_no_room_for_peer_copies(None, agents[2], job)
     wait_world(agents[:2], 2, killed_at, timeout=180, live=agents[:2])
 
     # A host with empty memory joins.
@@ -180,15 +209,16 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
     # the loss first, the leave later (a higher seq): the lines are in agent order
     shrink.sort(key=lambda ln: int(re.search(r"of snapshot seq (\d+)", ln).group(1)))
     shrink, leave = shrink[:2], shrink[2:]
-    # The rank the lost host had in world 3: its shard came from storage or from the peer copy
-    # its ring successor kept (its memory is gone), every other old shard from memory (the rank's own node, or another survivor's over the
-    # network); together the survivors needed every old shard.
+    # The rank the lost host had in world 3: its shard came from storage (its memory is gone,
+    # and no peer kept a copy), every other old shard from memory (the rank's own node, or
+    # another survivor's over the network); together the survivors needed every old shard.
     lost_rank = {r for _, r, _, w_, _ in agents[2].steps() if w_ == 3}
     assert len(lost_rank) == 1, agents[2].output()[-3000:]
     sources = shard_sources(shrink)
     assert sorted(sources) == [0, 1, 2], shrink
     for old, where in sources.items():
-        kinds = OUTSIDE if old in lost_rank else {"memory", "network memory"}
+        kinds = {"storage", "network storage"} if old in lost_rank else {
+            "memory", "network memory"}
         assert where and where <= kinds, (old, where, shrink)
     # The new host's rank (empty memory; the snapshot store holds only older shards of its
     # old rank) got the model and its part of the old shards from the others' memory.

@@ -210,6 +210,12 @@ class Host:
               "efdl-test-shm", self.shm_dir])
         self._shm_mounted = True
 
+    def resize_shm(self, size):
+        """Sets the size of the host's /dev/shm (tmpfs `size=`: bytes, or with k/m/g), contents
+        kept: a host with little shared memory (it must still hold what is in it). The next
+        start(empty_shm=True) mounts the world's size again."""
+        _run(["mount", "-o", "remount,size=%s" % size, self.shm_dir])
+
     def _unmount_shm(self):
         if self._shm_mounted:
             if _run(["umount", self.shm_dir], check=False).returncode != 0:
