@@ -55,7 +55,7 @@ demo: build
 	$(PYTHON) examples/demo.py
 
 # ASan+UBSan (clang) build of the input parsers and their unit tests, then each libFuzzer target
-# for FUZZ_SECONDS (scripts/sanitize; part of CI).
+# for FUZZ_SECONDS, as many side by side as there are cores (scripts/sanitize; part of CI).
 SANITIZE_DIR ?= build-sanitize
 FUZZ_SECONDS ?= 20
 sanitize: deps
