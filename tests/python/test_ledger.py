@@ -71,28 +71,28 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     job = "ledger"
     agents += [start(w, etcd, h, job) for h in w.hosts]
     cluster.wait_for_world(agents, 3, 0.0, timeout=300, live=agents)
-    time.sleep(2)
+    time.sleep(2)   # a few commits (every 8 steps of 0.1 s) before the crash; 1 s between the rest
 
     # A crash: the third host dies as a whole.
     lost = w.hosts[2]
     crashed_at = time.monotonic()
     lost.kill()
     cluster.wait_for_world(agents[:2], 2, crashed_at, timeout=120, live=agents[:2])
-    time.sleep(2)
+    time.sleep(1)
     # A join: the host comes back with a new agent.
     lost.start()
     joined_at = time.monotonic()
     agents.append(start(w, etcd, lost, job))
     live = [agents[0], agents[1], agents[3]]
     cluster.wait_for_world(live, 3, joined_at, timeout=300, live=live)
-    time.sleep(2)
+    time.sleep(1)
     # A graceful leave.
     left_at = time.monotonic()
     # (to the process group: the Popen is nsenter, which does not forward signals)
     os.killpg(agents[3].proc.pid, signal.SIGTERM)
     cluster.wait_for_world(agents[:2], 2, left_at, timeout=120, live=agents[:2])
     assert agents[3].proc.wait(timeout=60) != 0
-    time.sleep(2)
+    time.sleep(1)
     # A suspend, and a resume by new agents.
     assert "suspended at step" in efdl(etcd, "suspend", "--job", job, "--timeout", "60")
     for a in agents[:2]:
@@ -102,7 +102,7 @@ def test_the_ledger_holds_each_event_its_phases_and_the_job_wall_time(world):
     resumed_at = time.monotonic()
     agents += [start(w, etcd, h, job) for h in w.hosts[:2]]
     cluster.wait_for_world(agents[4:], 2, resumed_at, timeout=300, live=agents[4:])
-    time.sleep(2)
+    time.sleep(1)
     efdl(etcd, "suspend", "--job", job, "--timeout", "60")
     for a in agents[4:]:
         assert a.proc.wait(timeout=60) == 0, a.output()[-3000:]
