@@ -39,6 +39,8 @@ from conftest import PYTHON  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "zero_worker.py")
 STEPS = 150
+# The peer-copy cases: 50 steps of world 3 (a mark stored and copied), the rest on 2 hosts.
+PEER_STEPS = 80
 
 _why = hosts.HostWorld.unavailable() or (None if cluster.efdl_bin() else "efdl is not built")
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
@@ -116,15 +118,23 @@ def assert_no_room_for_peer_copies(host, agent, job):
             and names[1].endswith(".lock"), (host.name, names)
 
 
-def assert_as_uninterrupted(text, agents, reference):
+def assert_kept_processes(agents):
+    """Under efdl.elastic.run: each agent's worker kept its process through the job."""
+    for a in agents:
+        pids = set(re.findall(r"STEP round=\S+ rank=\d+ world=\d+ step=\d+ pid=(\d+)",
+                              a.output()))
+        assert len(pids) == 1, (a.name, pids)
+
+
+def assert_as_uninterrupted(text, agents, reference, steps=STEPS):
     """The job's final lines (ranks 0 and 1) hold the parameters and the whole Adam state of
-    the uninterrupted run."""
+    the uninterrupted run of `steps` steps (`reference`)."""
     last = finals(text)
     assert sorted(last) == [0, 1], outputs(agents)
     got, want = whole_state(list(last.values())), whole_state(reference)
     assert sorted(got, key=int) == sorted(want, key=int)
     for i in want:
-        assert want[i][0] == STEPS and got[i][0] == STEPS, ("Adam step count", i, got[i][0])
+        assert want[i][0] == steps and got[i][0] == steps, ("Adam step count", i, got[i][0])
         close(got[i][1], want[i][1], "exp_avg of parameter %s" % i)
         close(got[i][2], want[i][2], "exp_avg_sq of parameter %s" % i)
     for k, (g, wv) in enumerate(zip(last[0]["params"], reference[0]["params"])):
@@ -133,22 +143,30 @@ def assert_as_uninterrupted(text, agents, reference):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run: 2 plain gloo ranks on loopback, no agent, the same program."""
+    """The uninterrupted run of n steps (reference(n), made once per n): 2 plain gloo ranks on
+    loopback, no agent, the same program."""
     import conftest
-    tmp = tmp_path_factory.mktemp("zero-reference")
-    started = []
-    try:
-        results = conftest.run_ranks(
-            [PYTHON, WORKER], 2, started, timeout=240,
-            env={"WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0",
-                 "EFDL_JOB_ID": "zero-reference", "EFDL_SHM_DIR": str(tmp),
-                 "EFDL_SNAPSHOT_DIR": str(tmp / "storage"), "EFDL_SNAPSHOT_PER_RANK": "1"})
-    finally:
-        conftest.kill_all(started)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    ranks = finals("\n".join(r.stdout for r in results))
-    return [ranks[0], ranks[1]]
+    runs = {}
+
+    def run(steps):
+        if steps in runs:
+            return runs[steps]
+        tmp = tmp_path_factory.mktemp("zero-reference")
+        started = []
+        try:
+            results = conftest.run_ranks(
+                [PYTHON, WORKER], 2, started, timeout=240,
+                env={"WORKER_STEPS": str(steps), "WORKER_STEP_TIME": "0",
+                     "EFDL_JOB_ID": "zero-reference", "EFDL_SHM_DIR": str(tmp),
+                     "EFDL_SNAPSHOT_DIR": str(tmp / "storage"), "EFDL_SNAPSHOT_PER_RANK": "1"})
+        finally:
+            conftest.kill_all(started)
+        for r in results:
+            assert r.returncode == 0, r.stderr[-3000:]
+        ranks = finals("\n".join(r.stdout for r in results))
+        runs[steps] = [ranks[0], ranks[1]]
+        return runs[steps]
+    return run
 
 
 @pytest.mark.parametrize("mode", ["restart", "inprocess"])
@@ -242,20 +260,20 @@ def test_zero_job_loses_a_host_and_gains_one_and_ends_as_an_uninterrupted_run(
 
     if mode == "inprocess":
         # The survivors' workers kept their processes through both changes.
-        for a in agents[:2]:
-            pids = set(re.findall(r"STEP round=\S+ rank=\d+ world=\d+ step=\d+ pid=(\d+)",
-                                  a.output()))
-            assert len(pids) == 1, (a.name, pids)
+        assert_kept_processes(agents[:2])
 
-    assert_as_uninterrupted(text, agents, reference)
+    assert_as_uninterrupted(text, agents, reference(STEPS))
 
 
+@pytest.mark.parametrize("mode", ["restart", "inprocess"])
 def test_zero_job_loses_a_host_without_shared_storage_and_restores_its_shard_from_a_peer_copy(
-        world, reference):
+        world, reference, mode):
     """Issue #35 part 2: no snapshot directory the hosts share (each host stores into its own
     /tmp, gone for the others), so when a host is lost with its /dev/shm its rank's shard exists
     only in the peer copy its ring successor's agent kept. The job goes on with 2 hosts from
-    that copy and ends as the uninterrupted run.
+    that copy and ends as the uninterrupted run (of PEER_STEPS steps: 50 of them in world 3),
+    on the restart path and under efdl.elastic.run (the survivors' workers keep their
+    processes).
 
     With the default EFDL_PERSIST_MIN_INTERVAL_MS (1 s) and a commit every 0.1 s step: each
     node's persister and peer-copy sender take only the commits whose seq is a multiple of K
@@ -264,9 +282,9 @@ def test_zero_job_loses_a_host_without_shared_storage_and_restores_its_shard_fro
     newest commits). Taken by time, each node took another seq, and no complete snapshot was
     left."""
     w, etcd, agents = world
-    job = "hosts-zero-peer"
+    job = "hosts-zero-peer-" + mode
     env = {"EFDL_SNAPSHOT_PER_RANK": "1",   # the default interval (base_env drops EFDL_*)
-           "WORKER_MODE": "restart", "WORKER_STEPS": str(STEPS), "WORKER_STEP_TIME": "0.1"}
+           "WORKER_MODE": mode, "WORKER_STEPS": str(PEER_STEPS), "WORKER_STEP_TIME": "0.1"}
     extra = ["--snapshot-dir", "/tmp/efdl-private-snapshots"]   # each host's own /tmp
     agents += [cluster.start_host_agent(w, etcd, h, job, extra=extra, env=env, command=[
         PYTHON, WORKER]) for h in w.hosts]
@@ -300,5 +318,7 @@ def test_zero_job_loses_a_host_without_shared_storage_and_restores_its_shard_fro
         kinds = {"peer copy", "network peer copy"} if old in lost_rank else {
             "memory", "network memory", "storage", "network storage"}
         assert where and where <= kinds, (old, where, shrink)
+    if mode == "inprocess":
+        assert_kept_processes(agents[:2])
 
-    assert_as_uninterrupted(text, agents, reference)
+    assert_as_uninterrupted(text, agents, reference(PEER_STEPS), PEER_STEPS)
