@@ -123,7 +123,9 @@ def test_every_node_killed_while_a_snapshot_is_written_restores_the_newest_compl
     (its temporary file survives the kill), shared memory lost with them: the new nodes
     restore from storage exactly the newest complete file, which is older than S - never the
     half-written one - and its state is intact (CRC of a COMMIT of its step)."""
-    job = make_job("kill-all-persisting", steps=200, env={"FAULT_BALLAST_MB": "16",
+    # 100 steps: the kill lands after step 8 (a retry costs a few steps more); the new nodes
+    # then only have to train to the end.
+    job = make_job("kill-all-persisting", steps=100, env={"FAULT_BALLAST_MB": "16",
                                                           "EFDL_PERSIST_MIN_INTERVAL_MS": "0"})
     names = ["node-a", "node-b", "node-c"]
     three_nodes(job)
@@ -579,7 +581,9 @@ def test_one_member_of_a_three_member_etcd_cluster_killed(make_job, tmp_path, ro
     follower SIGKILLed. A new leader extends every lease; no lease is lost, no new round, and
     training goes on for more than one full TTL after the kill."""
     ttl = 5
-    job = make_job("etcd-member", steps=300, nnodes="2:2")
+    # 200 steps of at least 0.05 s: the kill comes after step 8 and the check ends at most
+    # ttl + 1 s (120 steps) later, so the job still runs then; the rest is its way to the end.
+    job = make_job("etcd-member", steps=200, nnodes="2:2")
     members = faultlib.EtcdCluster(str(tmp_path), 3)
     try:
         job.c.endpoint = ",".join(members.endpoints)
