@@ -4,6 +4,7 @@
     PYTHONPATH=python /usr/bin/python3 bench/snapshot.py [--gib 1.0] [--reps 3] [--digits-steps N]
                                   [--skip-big] [--skip-digits] [--skip-save] [--ddp-steps N]
                                   [--footprint [2,3]] [--persist-interval-ms MS]
+                                  [--peer-copy-bin PATH|none]
 
 Part 1, a state of about --gib GiB (parameters of large Linear layers plus SGD momentum):
   raw copy     memcpy of every tensor into pre-allocated, pre-faulted memory (2 threads): the limit
@@ -22,22 +23,27 @@ two "nodes" with their own arenas): steps/s with commit() every step vs without,
 is what a multi-rank job pays per commit beyond part 2: the stop vote (efdl._agreement).
 Part 4 (--footprint [SLOTS,...], issue #35): for each arena slot count (EFDL_SNAPSHOT_SLOTS), a
 state of --gib GiB committed --reps times back to back while the persister writes to storage:
-state bytes, arena bytes (blocks the job's files hold in /dev/shm, not their sizes), peer-copy
-bytes (kept by the agents of a multi-node `efdl run`, which this single process does not start:
-said so, no number), and each commit's time against a raw copy of the same
-bytes timed right before it in the same run (best, median, worst: the worst shows any wait for
-the persister, bounded by kMaxHoldWait with 2 slots, docs/snapshots.md "Footprint"). The
-persister runs without a rate limit unless --persist-interval-ms says otherwise
-(EFDL_PERSIST_MIN_INTERVAL_MS=0), so it is writing to storage during every commit: the worst
-case for 2 slots.
+state bytes, arena bytes (blocks the job's files hold in /dev/shm, not their sizes), and each
+commit's time against a raw copy of the same bytes timed right before it in the same run (best,
+median, worst: the worst shows any wait for the persister, bounded by kMaxHoldWait with 2 slots,
+docs/snapshots.md "Footprint"). The persister runs without a rate limit unless
+--persist-interval-ms says otherwise (EFDL_PERSIST_MIN_INTERVAL_MS=0), so it is writing to
+storage during every commit: the worst case for 2 slots. Then the peer copy (issue #35 part 2),
+with the agent's real PeerCopy: build/bench/peer_copy (bench/peer_copy.cc; --peer-copy-bin, or
+next to EFDL_BIN) runs two PeerCopy rooms on loopback TCP, one writing a rank's arena of the same
+state size, the other keeping its copy; printed: the peer arena's bytes in /dev/shm (2 slots)
+and, per commit, the time from the commit until the peer installed it (the transfer) and its
+throughput, with the copy restored and compared. --peer-copy-bin none leaves it out.
 """
 
 import argparse
 import copy
 import ctypes
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -264,9 +270,7 @@ def part4(args, work):
         os.environ.pop("EFDL_SNAPSHOT_SLOTS", None)
         os.environ.pop("EFDL_PERSIST_MIN_INTERVAL_MS", None)
         os.environ["EFDL_JOB_ID"] = base_job
-    print("footprint (issue #35): state %d bytes (%.3f GiB: params + momentum, %d tensors); "
-          "peer copy: kept by the agents of a multi-node `efdl run` (issue #35 part 2, 2 slots "
-          "of each predecessor rank's state), not started here: not measured"
+    print("footprint (issue #35): state %d bytes (%.3f GiB: params + momentum, %d tensors)"
           % (total, total / (1 << 30), len(tensors)))
     print("%-6s %14s %8s %10s %10s %10s %10s %12s" % (
         "slots", "arena bytes", "x state", "raw best", "commit best", "median", "worst",
@@ -279,6 +283,47 @@ def part4(args, work):
         print("  slots %d: commit/raw per rep (each raw copy timed right before its commit): %s;"
               " final flush %.3f s" % (slots, " ".join("%.2f" % (c / r) for c, r in
                                                         zip(commits, raws)), flush_s))
+    peer_copy(args, total, len(tensors))
+
+
+def peer_copy_bin(args):
+    """The bench/peer_copy executable: --peer-copy-bin, else next to EFDL_BIN's build tree."""
+    if args.peer_copy_bin:
+        return None if args.peer_copy_bin == "none" else args.peer_copy_bin
+    here = os.path.dirname(os.path.abspath(__file__))
+    efdl_bin = os.environ.get("EFDL_BIN", os.path.join(here, "..", "build", "efdl"))
+    return os.path.join(os.path.dirname(efdl_bin), "bench", "peer_copy")
+
+
+def peer_copy(args, total, ntensors):
+    """The peer copy of a rank's state of `total` bytes, measured by bench/peer_copy (two real
+    PeerCopy rooms on loopback, arenas in /dev/shm): peer arena bytes and transfer times."""
+    exe = peer_copy_bin(args)
+    if exe is None:
+        return
+    if not os.access(exe, os.X_OK):
+        raise SystemExit("bench/snapshot: no %s: build it (cmake --build build --target "
+                         "peer_copy), or pass --peer-copy-bin PATH or none" % exe)
+    proc = subprocess.run([exe, "--bytes", str(total), "--tensors", str(ntensors), "--reps",
+                           str(args.reps)], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit("bench/snapshot: %s failed (%d): %s" % (
+            exe, proc.returncode, (proc.stderr or proc.stdout).strip()[-2000:]))
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEERCOPY ")][-1]
+    r = json.loads(line[len("PEERCOPY "):])
+    transfers = r["transfer_s"]
+    print("peer copy (issue #35 part 2; bench/peer_copy: two PeerCopy rooms on loopback TCP, "
+          "sender poll 1 ms): state %d bytes" % r["state_bytes"])
+    print("  peer arena bytes (the receiver's /dev/shm, 2 slots): %d = %.3fx the state; the "
+          "sender's own arena (3 slots): %d = %.3fx" % (
+              r["peer_arena_bytes"], r["peer_arena_bytes"] / r["state_bytes"],
+              r["own_arena_bytes"], r["own_arena_bytes"] / r["state_bytes"]))
+    print("  commit -> installed on the peer: best %.4f s, median %.4f s, worst %.4f s; "
+          "%.2f GB/s at best; %.1fx a raw copy (1 thread, best %.4f s); copy restored bit for "
+          "bit: %s" % (min(transfers), statistics.median(transfers), max(transfers),
+                       r["state_bytes"] / min(transfers) / 1e9,
+                       min(transfers) / min(r["raw_s"]), min(r["raw_s"]),
+                       "yes" if r["restored_equal"] else "NO"))
 
 
 def digits_training():
@@ -433,6 +478,9 @@ def main():
     ap.add_argument("--ddp-rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--footprint", nargs="?", const="2,3", default=None,
                     help="run only part 4 (footprint) for these slot counts (default 2,3)")
+    ap.add_argument("--peer-copy-bin", default=None,
+                    help="part 4's bench/peer_copy executable (default: next to EFDL_BIN, "
+                    "build/bench/peer_copy); none: leave the peer copy out")
     ap.add_argument("--persist-interval-ms", type=int, default=0,
                     help="part 4's EFDL_PERSIST_MIN_INTERVAL_MS (default 0: no rate limit)")
     args = ap.parse_args()

@@ -286,6 +286,9 @@ void PeerCopy::SendLoop() {
   // The mark rule (snapshot/commit_marks.h) per arena: only the newest ready mark is sent, the
   // same commits the other nodes store and copy.
   std::map<std::string, snapshot::CommitMarks> marks;   // scope -> its measurements
+  // The send buffer: one rank's snapshot at a time, kept between passes (a fresh one per pass
+  // was allocated, zero-filled and faulted in at every transfer).
+  std::vector<uint8_t> buf;
   for (;;) {
     auto delay = snapshot::MarkClock::duration(options_.poll_interval);
     for (const auto& [scope, m] : marks) {
@@ -381,7 +384,6 @@ void PeerCopy::SendLoop() {
               "it refused this node's answer or gave a wrong one to the job secret's challenge");
         }
         SetTimeout(*fd, options_.io_timeout);
-        std::vector<uint8_t> buf;
         for (const Pending& p : pending) {
           // Read the slot at memory speed, then the seqlock: a commit that took it meanwhile
           // makes the copy torn, which is never sent.

@@ -11,7 +11,8 @@
 // mark (snapshot/commit_marks.h: a commit whose seq is a multiple of the power of two of commits
 // that spans EFDL_PERSIST_MIN_INTERVAL_MS, 1 s by default, so every node copies and stores the
 // same commits), committed in this round, than the one last sent to the current target, it
-// copies the slot into a buffer at memory speed, checks the arena's seqlock (Unchanged(slot,
+// copies the slot into its buffer (kept between passes: the agent's heap holds the node's
+// largest rank snapshot once) at memory speed, checks the arena's seqlock (Unchanged(slot,
 // seq)) and sends it; a torn copy is discarded and tried again at the next poll. A pass that
 // fails (the target dead, unreachable, refusing) is logged once (until its line changes) and
 // retried after a back-off (PeerCopyOptions::retry_max: 0.1 s doubling up to 5 s), so a dead
