@@ -47,11 +47,13 @@ Registration::Callbacks EtcdRendezvous::RegistrationCallbacks() {
       Push(std::move(in));
     };
   };
-  cb.coordinator_gone = [this](uint64_t generation, const std::string& coordinator) {
+  cb.coordinator_deleted = [this](uint64_t generation, const std::string& coordinator,
+                                  int64_t revision) {
     Input in;
-    in.type = Input::Type::kCoordGone;
+    in.type = Input::Type::kCoordDeleted;
     in.generation = generation;
     in.detail = coordinator;
+    in.revision = revision;
     Push(std::move(in));
   };
   cb.lease_lost = [this](int64_t lease) {
@@ -417,7 +419,7 @@ void EtcdRendezvous::Handle(Input& in) {
     return;
   }
   bool watch_input = in.type == Input::Type::kRound || in.type == Input::Type::kAssign ||
-                     in.type == Input::Type::kCoordGone || in.type == Input::Type::kResync;
+                     in.type == Input::Type::kCoordDeleted || in.type == Input::Type::kResync;
   if (watch_input && in.generation != registration_.generation()) return;
   switch (in.type) {
     case Input::Type::kRound:
@@ -455,8 +457,8 @@ void EtcdRendezvous::Handle(Input& in) {
         coordinator_.OnAckEvents(in.events);
       }
       break;
-    case Input::Type::kCoordGone:
-      OnCoordinatorGone(in.detail);
+    case Input::Type::kCoordDeleted:
+      if (registration_.CoordinatorDeleted(in.detail, in.revision)) OnCoordinatorGone(in.detail);
       break;
     case Input::Type::kLeaseLost:
       if (in.lease == registration_.lease()) {

@@ -31,7 +31,7 @@ namespace efdl::rdzv::internal {
 
 struct Input {
   enum class Type {
-    kRound, kAssign, kNodes, kAcks, kCoordGone, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
+    kRound, kAssign, kNodes, kAcks, kCoordDeleted, kLeaseLost, kWorkerFailure, kWorkersSucceeded,
     kResync, kGaveUp, kWithdraw, kPublishCompute, kRestarts, kWorkersReturned
   };
   Type type = Type::kRound;
@@ -39,6 +39,7 @@ struct Input {
   std::vector<etcd::WatchEvent> events;
   int64_t round = 0;
   int64_t lease = 0;
+  int64_t revision = 0;                 // kCoordDeleted: of the deletion (INT64_MAX: watch broke)
   std::string detail;
   bool coordinator_watch = false;       // kResync from a coordinator watch (nodes/ or ack/)
   bool lost_peer = false;               // kWorkerFailure: ReportLostPeer

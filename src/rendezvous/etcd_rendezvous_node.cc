@@ -238,7 +238,7 @@ void EtcdRendezvous::TryStart() {
   acks_.ClearOutcome();   // news of the rounds before this one is told
   unplaced_.Placed();
   Emit(std::move(e));
-  UpdateDeputyWatch();   // a waiter that became a member drops its watch of the coordinator
+  UpdateDeputyWatch();   // a waiter that became a member stops following (keeps the watch)
 }
 
 void EtcdRendezvous::SendAck(AckState state, int64_t round) {
@@ -322,8 +322,10 @@ void EtcdRendezvous::UpdateDeputyWatch() {
   const Succession& succession = takeover_.Follow(WhomToFollow(round_, Part()));
   if (succession.follow == registration_.followed()) return;
   takeover_.Disarm();
-  // A deputy reads the coordinator's key first; the others (spread) watch it from the round
-  // record's revision, written while that coordinator was alive, at no request's cost.
+  // A deputy reads the coordinator's key first; the others (spread) follow it from the round
+  // record's revision, written while that coordinator was alive, at no request's cost: through
+  // the watch kept open since they last followed it when it covers that revision (a member
+  // re-rounding under the same coordinator), else a new one (node_rules.h FollowWatch).
   const int64_t after = succession.spread ? round_mod_rev_ : 0;
   if (registration_.FollowCoordinator(succession.follow, after)) {
     OnCoordinatorGone(succession.follow);

@@ -52,6 +52,15 @@ Succession WhomToFollow(const RoundRecord& round, const NodePart& part) {
   return s;
 }
 
+bool FollowWatchCovers(const FollowWatch& watch, const std::string& coordinator,
+                       int64_t follow_after) {
+  return !coordinator.empty() && watch.coordinator == coordinator && watch.from <= follow_after;
+}
+
+bool FollowedIsGone(const FollowWatch& watch, const std::string& followed, int64_t follow_after) {
+  return !followed.empty() && watch.coordinator == followed && watch.deleted_at > follow_after;
+}
+
 RoundRecord FailureProposal(const RoundRecord& round, const std::string& self,
                             const std::string& detail, bool lost_peer) {
   RoundRecord next = round;

@@ -67,6 +67,27 @@ struct Succession {
 inline constexpr int kSpreadSteps = 4;
 Succession WhomToFollow(const RoundRecord& round, const NodePart& part);
 
+// THE FOLLOW WATCH (issue #37). A node keeps its watch of a coordinator's node key open when it
+// stops following that coordinator (a member that takes its place follows nobody) and follows
+// it again through the same watch when the next round is proposed: creating and cancelling it
+// at each re-round cost 2N watch requests. A delivered deletion counts only as a watch started
+// when the node (re)started following would have delivered it: one after `follow_after`, the
+// revision it follows from (the round record's for the spread followers, the key's own for a
+// deputy, which reads it first).
+struct FollowWatch {
+  std::string coordinator;    // whose node key is watched ("": none)
+  int64_t from = 0;           // it delivers the changes after this revision
+  int64_t deleted_at = 0;     // the newest deletion of that key it delivered (0: none)
+};
+// Whether `watch` delivers everything a watch of `coordinator`'s key started after
+// `follow_after` would: the same key, watched from that revision or earlier. Otherwise the node
+// replaces it by such a watch.
+bool FollowWatchCovers(const FollowWatch& watch, const std::string& coordinator,
+                       int64_t follow_after);
+// Whether the coordinator the node follows (`followed`, from `follow_after`) is gone: its key's
+// deletion after that revision was delivered.
+bool FollowedIsGone(const FollowWatch& watch, const std::string& followed, int64_t follow_after);
+
 // The record a node writes when its workers failed in the active round `round`: the next round,
 // proposed by itself as coordinator (a failure usually means a peer died, and that peer may be
 // the coordinator, whose lease takes a TTL to end). `lost_peer`: the failure was a collective

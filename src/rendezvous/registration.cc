@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "common/log.h"
@@ -124,33 +125,66 @@ Result<Registration::Reread> Registration::Rewatch() {
 
 bool Registration::FollowCoordinator(const std::string& coordinator, int64_t after_revision) {
   if (coordinator == followed_) return false;
-  coordinator_watch_.reset();
   followed_ = coordinator;
-  if (coordinator.empty()) return false;
-  int64_t from = after_revision;
-  if (from == 0) {
+  if (coordinator.empty()) return false;   // the watch stays open for the next round
+  int64_t after = after_revision;
+  if (after == 0) {
     auto ck = client_.Get(keys_.Node(coordinator));
-    if (!ck.ok()) return false;
-    if (!ck->has_value()) return true;
-    from = (*ck)->mod_revision;
+    if (!ck.ok()) {
+      follow_after_ = std::numeric_limits<int64_t>::max();   // as before: no takeover from here
+      return false;
+    }
+    if (!ck->has_value()) {
+      follow_after_ = 0;
+      return true;
+    }
+    after = (*ck)->mod_revision;
   }
+  follow_after_ = after;
+  if (FollowWatchCovers(follow_watch_, coordinator, after)) {
+    return FollowedIsGone(follow_watch_, coordinator, after);
+  }
+  coordinator_watch_.reset();
+  follow_watch_ = FollowWatch{coordinator, after, 0};
   const uint64_t gen = generation_;
   auto w = client_.StartWatch(
-      keys_.Node(coordinator), {false, from + 1, false},
-      [gone_cb = cb_.coordinator_gone, gen, coordinator](const etcd::WatchUpdate& u) {
-        bool gone = !u.error.ok() || u.compacted;
-        for (const auto& e : u.events) gone |= e.type == etcd::WatchEvent::Type::kDelete;
-        if (gone) gone_cb(gen, coordinator);
+      keys_.Node(coordinator), {false, after + 1, false},
+      [deleted_cb = cb_.coordinator_deleted, gen, coordinator](const etcd::WatchUpdate& u) {
+        if (!u.error.ok() || u.compacted) {
+          deleted_cb(gen, coordinator, std::numeric_limits<int64_t>::max());
+          return;
+        }
+        for (const auto& e : u.events) {
+          if (e.type == etcd::WatchEvent::Type::kDelete) {
+            deleted_cb(gen, coordinator, e.kv.mod_revision);
+          }
+        }
       });
-  if (w.ok()) coordinator_watch_ = std::move(*w);
+  if (w.ok()) {
+    coordinator_watch_ = std::move(*w);
+  } else {
+    follow_watch_ = FollowWatch{};
+  }
   return false;
+}
+
+bool Registration::CoordinatorDeleted(const std::string& coordinator, int64_t revision) {
+  if (follow_watch_.coordinator != coordinator) return false;   // an earlier watch's
+  follow_watch_.deleted_at = std::max(follow_watch_.deleted_at, revision);
+  // A broken watch delivers nothing more: the next follow starts a new one.
+  if (revision == std::numeric_limits<int64_t>::max()) {
+    follow_watch_.from = revision;
+  }
+  return FollowedIsGone(follow_watch_, followed_, follow_after_);
 }
 
 void Registration::StopWatching() {
   round_watch_.reset();
   assign_watch_.reset();
   coordinator_watch_.reset();
+  follow_watch_ = FollowWatch{};
   followed_.clear();
+  follow_after_ = 0;
 }
 
 void Registration::Fence() {

@@ -1,6 +1,6 @@
 // One node's registration in a job (protocol.h): a lease kept alive, the node key under it, and
 // the watches through which the node follows the job - the round record, its own assign key,
-// the coordinator's node key while it is a deputy, and the give-up records. Fencing, suspension
+// the coordinator's node key (kept open across rounds), and the give-up records. Fencing, suspension
 // and leaving each end it in one call.
 //
 // Threading: the driver thread of EtcdRendezvous makes every call (Join and Leave before and
@@ -17,6 +17,7 @@
 #include "common/thread_annotations.h"
 #include "efdl/etcd.h"
 #include "efdl/status.h"
+#include "rendezvous/node_rules.h"
 #include "rendezvous/protocol.h"
 
 namespace efdl::rdzv {
@@ -46,8 +47,10 @@ class Registration {
   struct Callbacks {
     // The callback of a watch of `stream`, tagged with the registration's generation.
     std::function<etcd::WatchCallback(Stream, uint64_t generation)> watch;
-    // The coordinator this node follows as a deputy is gone (or its watch broke).
-    std::function<void(uint64_t generation, const std::string& coordinator)> coordinator_gone;
+    // The watch of `coordinator`'s node key delivered its deletion at `revision` (INT64_MAX:
+    // the watch broke); the driver passes it to CoordinatorDeleted.
+    std::function<void(uint64_t generation, const std::string& coordinator, int64_t revision)>
+        coordinator_deleted;
     // The keeper gave up on `lease` (expired or revoked).
     std::function<void(int64_t lease)> lease_lost;
   };
@@ -80,12 +83,19 @@ class Registration {
   // watches both again from there.
   Result<Reread> Rewatch();
 
-  // Follows the node key of `coordinator` ("" follows none) and reports it gone through
-  // Callbacks::coordinator_gone. after_revision 0: reads the key first and returns true when it
-  // is gone already (nothing is reported then); else watches for its deletion after that
-  // revision without a read (returns false), so that a crowd of followers costs no request.
+  // Follows the node key of `coordinator` ("" follows none) after `after_revision`. The watch
+  // of that key stays open when the node stops following and is used again when it follows the
+  // same coordinator from a revision the watch covers (node_rules.h FollowWatch): a member that
+  // re-rounds costs no watch request. after_revision 0 (a deputy): reads the key first and
+  // follows from its revision. Returns true when the followed coordinator is gone already (its
+  // deletion read or delivered); else a later deletion is reported through
+  // Callbacks::coordinator_deleted.
   bool FollowCoordinator(const std::string& coordinator, int64_t after_revision = 0);
   const std::string& followed() const { return followed_; }
+  // The follow watch delivered a deletion of `coordinator`'s key at `revision` (INT64_MAX: the
+  // watch broke, and is replaced the next time the node follows): whether the coordinator the
+  // node follows is gone now (node_rules.h FollowedIsGone).
+  bool CoordinatorDeleted(const std::string& coordinator, int64_t revision);
 
   // Stops following the round, the assignment and the coordinator (the give-up records go on).
   void StopWatching();
@@ -114,7 +124,9 @@ class Registration {
   KeptLease kept_;                      // fenced until the next Open
   std::unique_ptr<etcd::Watch> round_watch_, assign_watch_, coordinator_watch_;
   std::unique_ptr<etcd::Watch> gaveup_watch_;   // from the first registration on
-  std::string followed_;
+  FollowWatch follow_watch_;            // what coordinator_watch_ watches and delivered
+  std::string followed_;                // "" follows none (the watch may stay open)
+  int64_t follow_after_ = 0;            // followed_ counts deletions after this revision
 };
 
 }  // namespace efdl::rdzv

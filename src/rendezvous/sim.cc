@@ -465,9 +465,10 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
     s.requests = h.counters().requests;
     s.bytes = h.counters().bytes_sent + h.counters().bytes_received;
     s.watch_events = h.counters().watch_events;
-    EFDL_LOG_INFO("sim N={}: {} {} in {:.3f} s ({} requests, {} bytes, {} watch events)",
-                  options.nodes, name, s.ok ? "done" : "FAILED", s.seconds, s.requests, s.bytes,
-                  s.watch_events);
+    s.watches_started = h.counters().watches_started;
+    EFDL_LOG_INFO("sim N={}: {} {} in {:.3f} s ({} requests, {} bytes, {} watch events, {} "
+                  "watches started)", options.nodes, name, s.ok ? "done" : "FAILED", s.seconds,
+                  s.requests, s.bytes, s.watch_events, s.watches_started);
     report.scenarios.push_back(s);
     return s.ok;
   };
@@ -556,6 +557,7 @@ std::string SimReport::ToJson() const {
                    {"requests", s.requests},
                    {"bytes", s.bytes},
                    {"watch_events", s.watch_events},
+                   {"watches_started", s.watches_started},
                    {"agent_cpu_ms_per_node", s.agent_cpu_ms_per_node},
                    {"etcd_cpu_ms", s.etcd_cpu_ms},
                    {"error", s.error}});

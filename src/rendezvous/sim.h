@@ -90,6 +90,7 @@ struct SimScenario {
   int64_t requests = 0;
   int64_t bytes = 0;                      // sent + received
   int64_t watch_events = 0;
+  int64_t watches_started = 0;
   double agent_cpu_ms_per_node = 0;       // this process's CPU during the scenario / nodes
   double etcd_cpu_ms = 0;                 // etcd's CPU during the scenario (-1: unknown)
   std::string error;

@@ -141,6 +141,8 @@ struct Node {
   NodePart part;
   Succession succession;
   std::string followed;
+  int64_t follow_after = 0;   // deletions of followed's key after this revision count
+  FollowWatch follow_watch;   // the kept watch of a coordinator's key (node_rules.h FollowWatch)
   std::optional<int64_t> takeover_at;
   bool coordinating = false;
   JobView view;
@@ -237,6 +239,7 @@ class World {
     enum Kind { kDeliver, kReportFailure, kTimer, kLeaveSuspended } kind;
     size_t index = 0;
   };
+  bool IsAckWatch(size_t wi) const { return watches_[wi].kind == WatchKind::kAcks; }
   std::vector<Choice> Enabled() const {
     std::vector<Choice> out;
     for (size_t w = 0; w < watches_.size(); ++w) {
@@ -425,6 +428,7 @@ class World {
     std::erase_if(watches_, [&](const Watch& w) {
       return w.node == node && (!kind || w.kind == *kind);
     });
+    if (!kind || *kind == WatchKind::kFollow) nodes_[node].follow_watch = FollowWatch{};
   }
   bool Matches(const Watch& w, const Change& c) const {
     return w.prefix ? c.key.rfind(w.key, 0) == 0 : c.key == w.key;
@@ -464,9 +468,13 @@ class World {
         }
         TryStart(i);
         break;
-      case WatchKind::kFollow:
+      case WatchKind::kFollow:   // Registration::CoordinatorDeleted
         for (const auto& c : batch) {
-          if (c.del) OnCoordinatorGone(i, w.key.substr(keys_.nodes.size()));
+          if (!c.del) continue;
+          n.follow_watch.deleted_at = std::max(n.follow_watch.deleted_at, c.rev);
+          if (FollowedIsGone(n.follow_watch, n.followed, n.follow_after)) {
+            OnCoordinatorGone(i, n.followed);
+          }
         }
         break;
       case WatchKind::kNodes:
@@ -633,23 +641,34 @@ class World {
     store_.Apply({{false, keys_.Ack(n.id), ack.Encode(), n.lease}});
   }
 
+  // UpdateDeputyWatch and Registration::FollowCoordinator: the watch of a coordinator's key
+  // stays open when the node stops following and serves again when it covers the revision the
+  // node follows from.
   void UpdateFollow(int i) {
     Node& n = nodes_[i];
     n.succession = WhomToFollow(n.round, n.part);
     if (n.succession.follow == n.followed) return;
     n.takeover_at.reset();
-    DropWatches(i, WatchKind::kFollow);
     n.followed = n.succession.follow;
     if (n.followed.empty()) return;
-    if (n.succession.spread) {   // from the round record's revision, without a read
-      AddWatch(i, WatchKind::kFollow, keys_.Node(n.followed), false, n.round_rev);
+    int64_t after = n.round_rev;   // spread: from the round record's revision, without a read
+    if (!n.succession.spread) {
+      const KV* key = store_.Get(keys_.Node(n.followed));
+      if (!key) {
+        n.follow_after = 0;
+        OnCoordinatorGone(i, n.followed);
+        return;
+      }
+      after = key->mod_rev;
+    }
+    n.follow_after = after;
+    if (FollowWatchCovers(n.follow_watch, n.followed, after)) {
+      if (FollowedIsGone(n.follow_watch, n.followed, after)) OnCoordinatorGone(i, n.followed);
       return;
     }
-    if (!store_.Get(keys_.Node(n.followed))) {
-      OnCoordinatorGone(i, n.followed);
-      return;
-    }
-    AddWatch(i, WatchKind::kFollow, keys_.Node(n.followed), false);
+    DropWatches(i, WatchKind::kFollow);
+    n.follow_watch = FollowWatch{n.followed, after, 0};
+    AddWatch(i, WatchKind::kFollow, keys_.Node(n.followed), false, after);
   }
 
   void OnCoordinatorGone(int i, const std::string& coordinator) {
@@ -878,6 +897,71 @@ TEST(InterleavingChecker, WholeJobRestartedWithinTheTtlDuringAProposalForms) {
   ASSERT_TRUE(w.RunFairly(10000));
   w.CheckFormed(restart);
   EXPECT_TRUE(w.violations().empty()) << Dump(w);
+}
+
+// Issue #37: a member that runs its place follows nobody but keeps its watch of the
+// coordinator's key; at the next proposal it follows the same coordinator through that watch
+// (no new one), and when the coordinator and every deputy die during that proposal the kept
+// watch's deletion makes it take over: the job forms.
+TEST(InterleavingChecker, AMemberFollowsThroughItsKeptWatchAndTakesOverFromADeadProposal) {
+  Config cfg;
+  cfg.min_nodes = 2;
+  cfg.max_nodes = 8;
+  World w(cfg, 7);
+  for (int k = 0; k < 6; ++k) w.Join();
+  ASSERT_TRUE(w.RunFairly(20000));
+  w.CheckFormed(0);
+  ASSERT_TRUE(w.violations().empty()) << Dump(w);
+  const RoundRecord formed = w.nodes()[0].round;
+  std::vector<int> others;   // the members that are neither the coordinator nor a deputy
+  for (size_t i = 0; i < w.nodes().size(); ++i) {
+    const Node& n = w.nodes()[i];
+    const bool deputy = std::find(formed.deputies.begin(), formed.deputies.end(), n.id) !=
+                        formed.deputies.end();
+    if (n.id != formed.coordinator && !deputy) others.push_back(static_cast<int>(i));
+  }
+  ASSERT_FALSE(others.empty()) << Dump(w);
+  for (int i : others) {
+    ASSERT_TRUE(w.nodes()[i].followed.empty()) << Dump(w);
+    ASSERT_EQ(w.nodes()[i].follow_watch.coordinator, formed.coordinator) << Dump(w);
+  }
+  const int64_t kept_from = w.nodes()[others[0]].follow_watch.from;
+  // A newcomer: the coordinator proposes the next round. Deliver every event but the acks (so
+  // the proposal stays open) until every node holds the proposal (their round-1 workers
+  // stopped: no failure report).
+  const int newcomer = w.Join();
+  auto holds_proposal = [&](const Node& n) {
+    return n.round.round == formed.round + 1 && n.round.phase == Phase::kProposed;
+  };
+  for (int step = 0; step < 20000; ++step) {
+    bool all = true;
+    for (const auto& n : w.nodes()) all = all && holds_proposal(n);
+    if (all) break;
+    std::vector<World::Choice> rounds;
+    for (const auto& c : w.Enabled()) {
+      if (c.kind == World::Choice::kDeliver && !w.IsAckWatch(c.index)) rounds.push_back(c);
+    }
+    ASSERT_FALSE(rounds.empty()) << Dump(w);
+    w.Do(rounds.front());
+  }
+  const Node& x = w.nodes()[others[0]];
+  ASSERT_TRUE(holds_proposal(x)) << Dump(w);
+  ASSERT_EQ(x.followed, formed.coordinator) << Dump(w);
+  // Crash the coordinator and the deputies during the proposal: only the members that follow it
+  // from the round record (through their kept watch) and the newcomer can take over.
+  for (size_t i = 0; i < w.nodes().size(); ++i) {
+    const Node& n = w.nodes()[i];
+    const bool deputy = std::find(formed.deputies.begin(), formed.deputies.end(), n.id) !=
+                        formed.deputies.end();
+    if (n.id == formed.coordinator || deputy) w.Crash(static_cast<int>(i));
+  }
+  EXPECT_EQ(x.follow_watch.from, kept_from) << "the kept watch, not a new one\n" << Dump(w);
+  const int64_t crashed = w.now();
+  ASSERT_TRUE(w.RunFairly(20000));
+  w.CheckFormed(crashed);
+  EXPECT_TRUE(w.violations().empty()) << Dump(w);
+  const std::string now_coordinating = w.nodes()[newcomer].round.coordinator;
+  EXPECT_NE(now_coordinating, formed.coordinator) << Dump(w);
 }
 
 // --- The random walk ---------------------------------------------------------------------------

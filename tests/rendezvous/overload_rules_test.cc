@@ -82,5 +82,23 @@ TEST(TakeoverBackoffTest, OnlyATakeoverRecordCountsAsATakeover) {
   EXPECT_FALSE(IsTakeOver(r, same));
 }
 
+// Issue #37: the follow watch kept open across rounds counts a deletion exactly as a watch
+// started where the node now follows from would deliver it.
+TEST(FollowWatchTest, AKeptWatchServesALaterFollowAndCountsOnlyDeletionsAfterIt) {
+  const FollowWatch kept{"c", 10, 0};
+  EXPECT_TRUE(FollowWatchCovers(kept, "c", 10));
+  EXPECT_TRUE(FollowWatchCovers(kept, "c", 25));     // the next proposal, same coordinator
+  EXPECT_FALSE(FollowWatchCovers(kept, "c", 9));     // it misses revision 10
+  EXPECT_FALSE(FollowWatchCovers(kept, "d", 25));    // another coordinator's key
+  EXPECT_FALSE(FollowWatchCovers(FollowWatch{}, "", 25));
+  const FollowWatch deleted{"c", 10, 20};            // delivered c's deletion at revision 20
+  EXPECT_TRUE(FollowedIsGone(deleted, "c", 19));
+  EXPECT_FALSE(FollowedIsGone(deleted, "c", 20));    // before the round record it follows from
+  EXPECT_FALSE(FollowedIsGone(deleted, "c", 25));
+  EXPECT_FALSE(FollowedIsGone(deleted, "", 0));      // following nobody
+  EXPECT_FALSE(FollowedIsGone(deleted, "d", 0));
+  EXPECT_FALSE(FollowedIsGone(kept, "c", 0));
+}
+
 }  // namespace
 }  // namespace efdl::rdzv

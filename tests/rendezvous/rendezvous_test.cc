@@ -655,6 +655,9 @@ TEST(RendezvousTest, OneReroundCostsLinearRequestsAndEvents) {
   // Proposal and activation reach every node; acks reach only the coordinator; each node sees
   // only its own assignment.
   EXPECT_LE(st.watch_events, 4 * kN + 12);
+  // The members follow the same coordinator through the watch they kept open since the last
+  // proposal (node_rules.h FollowWatch): no watch per node (2N requests with their cancels).
+  EXPECT_LE(st.watches_started, 6) << "a re-round must not start a follow watch per node";
 }
 
 TEST(RendezvousTest, TheRankZeroNodesAgentStoreIsEveryNodesMasterPortUntilItIsWithdrawn) {
