@@ -404,12 +404,29 @@ Result<std::unique_ptr<LeaseKeeper>> GrpcClient::KeepAlive(int64_t lease_id,
     return Status::NotFound(fmt::format(
         "etcd lease {:x} cannot be kept alive: it expired or was revoked", lease_id));
   }
+  return Keep(lease_id, response.grantedttl(), asked + std::chrono::seconds(response.ttl()),
+              std::move(on_lost));
+}
+
+Result<std::unique_ptr<LeaseKeeper>> GrpcClient::KeepGranted(const LeaseGrantResult& granted,
+                                                             TimePoint asked,
+                                                             std::function<void()> on_lost) {
+  if (granted.id == 0 || granted.ttl_seconds <= 0) {
+    return Status::InvalidArgument("KeepGranted needs the answer of a lease grant");
+  }
+  // The grant's answer is the lease's whole TTL, counted from before the grant was sent.
+  return Keep(granted.id, granted.ttl_seconds, asked + std::chrono::seconds(granted.ttl_seconds),
+              std::move(on_lost));
+}
+
+Result<std::unique_ptr<LeaseKeeper>> GrpcClient::Keep(int64_t lease_id, int64_t ttl_seconds,
+                                                      TimePoint expires_at,
+                                                      std::function<void()> on_lost) {
   auto lost = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<KeepAliveEngine> engine = keepalive_engine();
   auto expires_ns = std::make_shared<std::atomic<int64_t>>(0);
-  int64_t token = engine->Add(lease_id, response.grantedttl(),
-                              asked + std::chrono::seconds(response.ttl()), std::move(on_lost),
-                              lost, expires_ns);
+  int64_t token = engine->Add(lease_id, ttl_seconds, expires_at, std::move(on_lost), lost,
+                              expires_ns);
   return std::unique_ptr<LeaseKeeper>(std::make_unique<GrpcLeaseKeeper>(
       std::move(engine), token, lease_id, std::move(lost), std::move(expires_ns)));
 }

@@ -33,6 +33,9 @@ class GrpcClient final : public Client {
   Result<LeaseGrantResult> LeaseGrant(int64_t ttl_seconds) override;
   Status LeaseRevoke(int64_t lease_id) override;
   Result<int64_t> LeaseTimeToLive(int64_t lease_id) override;
+  Result<std::unique_ptr<LeaseKeeper>> KeepGranted(const LeaseGrantResult& granted,
+                                                   std::chrono::steady_clock::time_point asked,
+                                                   std::function<void()> on_lost) override;
   Result<std::unique_ptr<LeaseKeeper>> KeepAlive(int64_t lease_id,
                                                  std::function<void()> on_lost) override;
   Result<std::unique_ptr<Watch>> StartWatch(const std::string& key, const WatchOptions& options,
@@ -56,6 +59,11 @@ class GrpcClient final : public Client {
   Status UnaryUnobserved(std::string_view operation, bool idempotent, Duration timeout,
                          Call&& call);
 
+  // Hands lease_id to the keep-alive engine: renewed at ttl_seconds/3, lost after expires_at
+  // unless renewed.
+  Result<std::unique_ptr<LeaseKeeper>> Keep(int64_t lease_id, int64_t ttl_seconds,
+                                            std::chrono::steady_clock::time_point expires_at,
+                                            std::function<void()> on_lost);
   std::shared_ptr<WatchEngine> watch_engine();
   std::shared_ptr<KeepAliveEngine> keepalive_engine();
 

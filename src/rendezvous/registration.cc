@@ -19,13 +19,15 @@ Result<Registration::Joined> Registration::Open(const NodeRecord& me,
   const int64_t ttl_s = std::max<int64_t>(
       1, std::chrono::duration_cast<std::chrono::seconds>(ttl + std::chrono::milliseconds(999))
              .count());
+  const auto asked = std::chrono::steady_clock::now();
   auto grant = client_.LeaseGrant(ttl_s);
   if (!grant.ok()) {
     return grant.status().WithContext(
         fmt::format("job {}: cannot register node {} in etcd", job_id_, node_id_));
   }
   const int64_t lease = grant->id;
-  auto keeper = client_.KeepAlive(lease, [this, lease] { cb_.lease_lost(lease); });
+  // The grant's answer has the TTL: no time-to-live read before keeping the lease.
+  auto keeper = client_.KeepGranted(*grant, asked, [this, lease] { cb_.lease_lost(lease); });
   if (!keeper.ok()) {
     (void)client_.LeaseRevoke(lease);
     return keeper.status().WithContext("cannot keep the node's lease alive");

@@ -124,7 +124,15 @@ Result<int64_t> SimNodeClient::LeaseTimeToLive(int64_t lease_id) {
 Result<std::unique_ptr<etcd::LeaseKeeper>> SimNodeClient::KeepAlive(
     int64_t lease_id, std::function<void()> on_lost) {
   EFDL_RETURN_IF_ERROR(CheckCut());
+  ++counters_.requests;   // its time-to-live read
   return inner_.KeepAlive(lease_id, std::move(on_lost));
+}
+
+Result<std::unique_ptr<etcd::LeaseKeeper>> SimNodeClient::KeepGranted(
+    const etcd::LeaseGrantResult& granted, std::chrono::steady_clock::time_point asked,
+    std::function<void()> on_lost) {
+  EFDL_RETURN_IF_ERROR(CheckCut());
+  return inner_.KeepGranted(granted, asked, std::move(on_lost));
 }
 
 Result<std::unique_ptr<etcd::Watch>> SimNodeClient::StartWatch(const std::string& key,

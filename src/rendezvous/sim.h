@@ -48,8 +48,12 @@ class SimNodeClient final : public etcd::Client {
   Result<etcd::LeaseGrantResult> LeaseGrant(int64_t ttl_seconds) override;
   Status LeaseRevoke(int64_t lease_id) override;
   Result<int64_t> LeaseTimeToLive(int64_t lease_id) override;
+  // KeepAlive reads the lease's time-to-live first (one request); KeepGranted does not.
   Result<std::unique_ptr<etcd::LeaseKeeper>> KeepAlive(int64_t lease_id,
                                                        std::function<void()> on_lost) override;
+  Result<std::unique_ptr<etcd::LeaseKeeper>> KeepGranted(
+      const etcd::LeaseGrantResult& granted, std::chrono::steady_clock::time_point asked,
+      std::function<void()> on_lost) override;
   Result<std::unique_ptr<etcd::Watch>> StartWatch(const std::string& key,
                                                   const etcd::WatchOptions& options,
                                                   etcd::WatchCallback callback) override;

@@ -2,6 +2,7 @@
 // temporary directory and stopped at the end) through the real gRPC client.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <latch>
 #include <set>
 #include <thread>
@@ -10,6 +11,7 @@
 
 #include "efdl/etcd.h"
 #include "rendezvous/job_status.h"
+#include "rendezvous/registration.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
 #include "rendezvous/sim.h"
@@ -262,6 +264,57 @@ TEST_F(RealEtcdTest, ScaleSimRunsEveryScenarioWithLinearTraffic) {
   // The re-round under the same coordinator: the members follow it through the watch they kept
   // (node_rules.h FollowWatch), not one new watch each.
   EXPECT_LE(report->scenarios[1].watches_started, 10) << report->ToJson();
+}
+
+// Issue #37: a registration is a lease grant and one txn (the job's first node: one more to
+// create the round record), with no time-to-live read before keeping the lease.
+TEST_F(RealEtcdTest, ARegistrationIsALeaseGrantAndOneTxn) {
+  TrafficCounters counters;
+  SimNodeClient counted(*client_, counters);
+  const JobKeys keys("regcount");
+  Registration::Callbacks cb;
+  cb.watch = [](Registration::Stream, uint64_t) -> etcd::WatchCallback {
+    return [](const etcd::WatchUpdate&) {};
+  };
+  cb.coordinator_deleted = [](uint64_t, const std::string&, int64_t) {};
+  cb.lease_lost = [](int64_t) {};
+  RoundRecord fresh;
+  fresh.round = 1;
+  fresh.phase = Phase::kGathering;
+  const NodeRecord me{"127.0.0.1", 1, "", ""};
+  Registration first(counted, keys, "regcount", "a", cb);
+  ASSERT_TRUE(first.Open(me, 10s, fresh).ok());
+  EXPECT_EQ(counters.requests.load(), 3) << "grant, register txn, create-the-round txn";
+  counters.Reset();
+  Registration second(counted, keys, "regcount", "b", cb);
+  ASSERT_TRUE(second.Open(me, 10s, fresh).ok());
+  EXPECT_EQ(counters.requests.load(), 2) << "grant and register txn";
+  first.Release();
+  second.Release();
+}
+
+// Issue #37: a lease kept from its grant's answer (KeepGranted, no time-to-live read) is renewed
+// like one kept after the read, and its local expiry counts from before the grant was sent.
+TEST_F(RealEtcdTest, ALeaseKeptFromItsGrantsAnswerIsRenewedWithoutARead) {
+  TrafficCounters counters;
+  SimNodeClient counted(*client_, counters);
+  const auto asked = Clock::now();
+  auto grant = counted.LeaseGrant(2);
+  ASSERT_TRUE(grant.ok()) << grant.status().ToString();
+  std::atomic<bool> lost{false};
+  auto keeper = counted.KeepGranted(*grant, asked, [&] { lost = true; });
+  ASSERT_TRUE(keeper.ok()) << keeper.status().ToString();
+  EXPECT_EQ(counters.requests.load(), 1) << "the grant, and no read after it";
+  EXPECT_LE((*keeper)->expires_at(), asked + 2s);
+  EXPECT_GT((*keeper)->expires_at(), Clock::now());
+  std::this_thread::sleep_for(4500ms);   // more than twice the TTL: renewed, or gone
+  EXPECT_FALSE(lost.load());
+  auto ttl = client_->LeaseTimeToLive(grant->id);
+  ASSERT_TRUE(ttl.ok()) << ttl.status().ToString();
+  EXPECT_GT(*ttl, 0);
+  EXPECT_GT((*keeper)->expires_at(), Clock::now());
+  keeper->reset();
+  EXPECT_TRUE(client_->LeaseRevoke(grant->id).ok());
 }
 
 // Both simulators (issue #37): 60 nodes on 2 shared driver threads, and one thread per node,
