@@ -7,8 +7,9 @@ forward pass (its compute time grows, its peers wait in the all-reduce instead).
 - Default flags but a 6 s --straggler-window, the shortest allowed (EFDL_TEST_DEFAULT_WINDOW=1,
   which `make soak` sets, runs it with the default 30 s window: about 60 s longer): while the
   three nodes are equal (longer than a whole --straggler-window and its first judgement), nobody
-  is named (no log line, no STRAGGLER in `efdl status`, every node's efdl_straggler 0). Then the slow host is named within the documented bound (the
-  window, one more period for its summaries to be read, half a period for the judge's phase):
+  is named (no log line, no STRAGGLER in `efdl status`, every node's efdl_straggler 0). Then the
+  slow host is named within the documented bound (the window, one more period for its summaries
+  to be read, half a period for the judge's phase):
   by the judge's log line (job, round, node, rank, its time vs the median), `efdl status`, and
   its own efdl_straggler 1 and efdl_rank_compute_seconds; it stays in the job.
   The live page (`efdl dashboard` in headless Chromium, as tests/python/test_dashboard.py)
