@@ -38,7 +38,10 @@ namespace {
 using json = nlohmann::json;
 using snapshot::SnapshotArena;
 
-constexpr std::string_view kGreeting = "EFDLPC1 ";
+// Version 2: the receiver answers each header before its bytes are sent ("go", or "skip" /
+// "old": not sent at all); version 1 sent them at once. Peers of different versions fail the
+// handshake ("not a peer-copy port").
+constexpr std::string_view kGreeting = "EFDLPC2 ";
 constexpr uint32_t kMaxFrame = 1 << 20;                  // a header or a handshake line
 constexpr uint64_t kMaxManifest = uint64_t{1} << 30;     // bounds what a peer makes us allocate
 constexpr uint64_t kMaxData = uint64_t{1} << 42;         // 4 TiB
@@ -91,17 +94,6 @@ Result<std::string> ReadFrame(int fd) {
   std::string text(n, '\0');
   EFDL_RETURN_IF_ERROR(ReadAll(fd, text.data(), n));
   return text;
-}
-
-// Reads and drops n bytes (a snapshot this node does not keep).
-Status Drain(int fd, uint64_t n) {
-  std::vector<uint8_t> buf(1 << 20);
-  while (n > 0) {
-    const size_t k = static_cast<size_t>(std::min<uint64_t>(n, buf.size()));
-    EFDL_RETURN_IF_ERROR(ReadAll(fd, buf.data(), k));
-    n -= k;
-  }
-  return Status::OK();
 }
 
 std::string Nonce() {
@@ -409,10 +401,18 @@ void PeerCopy::SendLoop() {
                        {"dl", p.slot.data_len}, {"ck", *checksum},
                        {"round", round},     {"ranks", ranks}};
           EFDL_RETURN_IF_ERROR(WriteFrame(*fd, head.dump()));
-          EFDL_RETURN_IF_ERROR(WriteAll(*fd, buf.data(), buf.size()));
+          // The receiver answers the header: "go" (then the bytes, and "ok" once installed),
+          // "skip" (no room there: logged there) or "old" (a newer round's predecessor sends
+          // there), both before any byte is sent. Not sent again until a newer snapshot.
           EFDL_ASSIGN_OR_RETURN(std::string reply, ReadFrame(*fd));
-          // "ok", "skip" (no room there: logged there) or "old" (a newer round's predecessor
-          // sends there): not sent again until a newer snapshot.
+          if (reply == "go") {
+            EFDL_RETURN_IF_ERROR(WriteAll(*fd, buf.data(), buf.size()));
+            {
+              MutexLock lock(mu_);
+              counts_.bytes_sent += buf.size();
+            }
+            EFDL_ASSIGN_OR_RETURN(reply, ReadFrame(*fd));
+          }
           sent[p.scope] = p.slot.seq;
           if (reply == "ok") {
             MutexLock lock(mu_);
@@ -458,6 +458,10 @@ void PeerCopy::ReceiveLoop() {
     socklen_t len = sizeof(from);
     const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC);
     if (fd < 0) continue;
+    // Its answers are small frames written as two sends, each awaited by the sender: without
+    // this, Nagle holds the second one until the delayed ACK of the first (up to 40 ms).
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     serving_fd_.store(fd);
     {
       MutexLock lock(mu_);
@@ -524,7 +528,7 @@ void PeerCopy::Serve(int fd) {
     }
     if (round < newest_round_) {
       // An earlier round's predecessor still sending: the current one's copies stay.
-      if (!Drain(fd, ml + dl).ok() || !WriteFrame(fd, "old").ok()) return;
+      if (!WriteFrame(fd, "old").ok()) return;
       continue;
     }
     newest_round_ = round;
@@ -560,7 +564,7 @@ void PeerCopy::Serve(int fd) {
           MutexLock lock(mu_);
           ++counts_.skipped;
         }
-        if (!Drain(fd, ml + dl).ok() || !WriteFrame(fd, "skip").ok()) return;
+        if (!WriteFrame(fd, "skip").ok()) return;   // nothing of it was sent
         continue;
       }
       fresh = std::move(created).value();
@@ -568,7 +572,8 @@ void PeerCopy::Serve(int fd) {
     }
     auto slot = arena->BeginWrite(std::chrono::milliseconds(0));
     if (!slot.ok()) return;
-    Status st = ReadAll(fd, arena->manifest_area(*slot), ml);
+    Status st = WriteFrame(fd, "go");
+    if (st.ok()) st = ReadAll(fd, arena->manifest_area(*slot), ml);
     if (st.ok()) st = ReadAll(fd, arena->data_area(*slot), dl);
     if (st.ok()) {
       auto manifest = snapshot::Manifest::Parse(

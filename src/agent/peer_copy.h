@@ -25,9 +25,10 @@
 // else it is closed with one log line. Each snapshot received is written into the peer arena
 // "peer.rank<N>" (snapshot/arena_dir.h) of 2 slots in this node's shm dir, a slot at a time
 // with the arena's writer protocol: a transfer cut midway abandons its slot and leaves the
-// previous complete copy. A copy that does not fit in the shm dir (CheckArenaRoom) is skipped
-// with one line per rank (until a copy of that rank is kept again), nothing of it written; the
-// job goes on, and that rank's shard is restored from storage if its host is lost. The data's
+// previous complete copy. The receiver answers each snapshot's header before its bytes
+// travel: a copy that does not fit in the shm dir (CheckArenaRoom) is skipped (not sent, nothing
+// of it written) with one line per rank (until a copy of that rank is kept again); the job goes
+// on, and that rank's shard is restored from storage if its host is lost. The data's
 // checksum travels with it, is checked on arrival and stored in the slot, so a restore verifies
 // it again.
 //
@@ -106,6 +107,7 @@ class PeerCopy {
     uint64_t refused = 0;    // connections that failed authentication
     uint64_t skipped = 0;    // copies not kept here for want of room
     uint64_t failed = 0;     // passes to the target that failed (each followed by a back-off)
+    uint64_t bytes_sent = 0;   // snapshot bytes (manifests and data) sent to targets
   };
   Counts counts() const;
 

@@ -6,6 +6,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -102,17 +104,38 @@ TEST(PeerCopyWantedTest, OnWithPerRankSnapshotsAndASecretOffWithTheSwitch) {
 
 // -- the transfer -------------------------------------------------------------------------------
 
+// A tmpfs of a given size mounted over a directory (root only), unmounted when it goes.
+struct TmpfsMount {
+  std::string path;
+  TmpfsMount() = default;
+  TmpfsMount(TmpfsMount&& o) noexcept : path(std::exchange(o.path, {})) {}
+  TmpfsMount& operator=(TmpfsMount&&) = delete;
+  ~TmpfsMount() {
+    if (!path.empty()) ::umount2(path.c_str(), MNT_DETACH);
+  }
+};
+
 struct Node {
   TempDir shm;
+  TmpfsMount mount;   // over shm, when the node has a small one
   std::string holder;
   std::unique_ptr<PeerCopy> pc;
 };
 
+// tmpfs_size: the node's shm dir is a tmpfs of that size ("64k"); when it cannot be mounted
+// (not root), `mount.path` stays empty and the node has no PeerCopy.
 Node MakeNode(const std::string& holder, const std::string& secret,
-              std::chrono::milliseconds retry_max = 3000ms) {
+              std::chrono::milliseconds retry_max = 3000ms, const char* tmpfs_size = nullptr) {
   auto dir = TempDir::Create("efdl-pc-test");
   EXPECT_TRUE(dir.ok());
-  Node n{std::move(dir).value(), holder, nullptr};
+  Node n{std::move(dir).value(), {}, holder, nullptr};
+  if (tmpfs_size != nullptr) {
+    const std::string data = std::string("size=") + tmpfs_size + ",mode=0700";
+    if (::mount("efdl-pc-test", n.shm.path().c_str(), "tmpfs", 0, data.c_str()) != 0) {
+      return n;
+    }
+    n.mount.path = n.shm.path();
+  }
   PeerCopyOptions o;
   o.job_id = "pcjob";
   o.holder = holder;
@@ -367,6 +390,25 @@ TEST(PeerCopyTest, ADeadTargetIsRetriedWithABoundedBackOff) {
   }));
   EXPECT_EQ(ReadPeer(b, "rank1")->second, std::vector<float>(1024, 2.5f));
   EXPECT_TRUE(WaitFor([&] { return a.pc->counts().sent == 1; }));
+}
+
+TEST(PeerCopyTest, ACopyWithoutRoomThereIsNeitherSentNorWritten) {
+  // b's shm dir is a 64 KiB tmpfs: its peer arena for rank 1 (2 slots, about 150 KiB) does not
+  // fit. b answers each header "skip" before the bytes travel: nothing is sent, nothing written.
+  Node b = MakeNode("hostb.0", kSecret, 3000ms, "64k");
+  if (!b.pc) GTEST_SKIP() << "cannot mount a tmpfs here (needs root)";
+  Node a = MakeNode("hosta.0", kSecret);
+  auto rank1 = Writer(a, "rank1");
+  a.pc->SetRound(3, 1, 1, {"b", "127.0.0.1", b.pc->port()});
+  Commit(*rank1, 1.5f, 10);
+  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().skipped >= 1; }));
+  std::this_thread::sleep_for(60ms);   // past min_interval: the next commit is a mark too
+  Commit(*rank1, 2.5f, 11);
+  ASSERT_TRUE(WaitFor([&] { return b.pc->counts().skipped >= 2; }));
+  EXPECT_EQ(a.pc->counts().bytes_sent, 0u);
+  EXPECT_EQ(a.pc->counts().failed, 0u);   // a skip is an answer, not a failure
+  EXPECT_EQ(b.pc->counts().received, 0u);
+  EXPECT_TRUE(std::filesystem::is_empty(b.shm.path()));
 }
 
 }  // namespace
