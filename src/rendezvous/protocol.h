@@ -59,7 +59,9 @@
 //     take a TTL to expire. Redundant reports lose the CAS and just ack;
 //   - up to 3 deputies named in P round (the oldest other nodes) watch the coordinator's node
 //     key; when it is deleted, deputy j waits j x 250 ms, and, if P round still names the dead
-//     coordinator, takes over by CAS (no herd: N-4 nodes never wake up for it);
+//     coordinator, takes over by CAS (no herd: the members that run a place and are no deputy
+//     never take over; they keep their watch of that key open from the last proposal, so its
+//     deletion reaches them too, and they only note it: node_rules.h FollowWatch);
 //   - a joining node that finds P round's coordinator key missing takes over by CAS;
 //   - every node that runs no place of an active round (all nodes while the job gathers or a
 //     round is proposed; newcomers and standbys of an active round) follows the coordinator too,
