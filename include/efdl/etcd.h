@@ -162,12 +162,21 @@ using WatchCallback = std::function<void(const WatchUpdate&)>;
 class Watch {
  public:
   virtual ~Watch() = default;
+  // Waits until etcd serves the watch, within the client's call timeout (for a watch started
+  // with WatchOptions::wait_created = false; a no-op on a watch's own callback thread and for
+  // clients without a server). Watches started together and waited for afterwards cost one
+  // round trip, not one each.
+  virtual Status WaitCreated() { return Status::OK(); }
 };
 
 struct WatchOptions {
   bool prefix = false;
   int64_t start_revision = 0;   // 0: from now
   bool progress_notify = false;
+  // true: StartWatch returns once etcd serves the watch. false: as soon as the watch is queued
+  // (the caller may wait later with Watch::WaitCreated). Every event from start_revision on is
+  // delivered either way; waiting only means that the first ones come without delay.
+  bool wait_created = true;
 };
 
 class Client {

@@ -164,13 +164,18 @@ class GrpcLeaseKeeper final : public LeaseKeeper {
 
 class GrpcWatch final : public Watch {
  public:
-  GrpcWatch(std::shared_ptr<WatchEngine> engine, int64_t id)
-      : engine_(std::move(engine)), id_(id) {}
+  GrpcWatch(std::shared_ptr<WatchEngine> engine, int64_t id, std::chrono::milliseconds timeout)
+      : engine_(std::move(engine)), id_(id), timeout_(timeout) {}
   ~GrpcWatch() override { engine_->Remove(id_); }
+  // A callback cannot wait: the acknowledgement comes on its thread.
+  Status WaitCreated() override {
+    return engine_->OnLoopThread() ? Status::OK() : engine_->WaitCreated(id_, timeout_);
+  }
 
  private:
   std::shared_ptr<WatchEngine> engine_;
   int64_t id_;
+  std::chrono::milliseconds timeout_;
 };
 
 }  // namespace
@@ -451,13 +456,11 @@ Result<std::unique_ptr<Watch>> GrpcClient::StartWatch(const std::string& key,
   std::shared_ptr<WatchEngine> engine = watch_engine();
   int64_t id = engine->Add(key, options.prefix ? PrefixRangeEnd(key) : std::string(), start,
                            options.progress_notify, std::move(callback));
-  auto watch = std::make_unique<GrpcWatch>(engine, id);
-  // Return once etcd serves the watch: its first events then arrive as fast as any later ones
-  // (a watch created behind the store's revision is caught up only by etcd's 100 ms sync
-  // loop). A callback starting a watch cannot wait: the acknowledgement comes on its thread.
-  if (!engine->OnLoopThread()) {
-    EFDL_RETURN_IF_ERROR(engine->WaitCreated(id, options_.call_timeout));
-  }
+  auto watch = std::make_unique<GrpcWatch>(engine, id, options_.call_timeout);
+  // Return once etcd serves the watch (unless the caller waits later): its first events then
+  // arrive as fast as any later ones (a watch created behind the store's revision is caught up
+  // only by etcd's 100 ms sync loop).
+  if (options.wait_created) EFDL_RETURN_IF_ERROR(watch->WaitCreated());
   return std::unique_ptr<Watch>(std::move(watch));
 }
 

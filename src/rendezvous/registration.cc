@@ -11,6 +11,25 @@
 
 namespace efdl::rdzv {
 
+namespace {
+
+// A watch from `from` on, started without waiting for etcd to serve it (WaitCreated later).
+etcd::WatchOptions Queued(bool prefix, int64_t from) {
+  return etcd::WatchOptions{.prefix = prefix, .start_revision = from, .wait_created = false};
+}
+
+// Both watches started and served by etcd (they were started together, and are waited for
+// together); the first error otherwise.
+Status BothCreated(Result<std::unique_ptr<etcd::Watch>>& a,
+                   Result<std::unique_ptr<etcd::Watch>>& b) {
+  if (!a.ok()) return a.status();
+  if (!b.ok()) return b.status();
+  EFDL_RETURN_IF_ERROR((*a)->WaitCreated());
+  return (*b)->WaitCreated();
+}
+
+}  // namespace
+
 Result<Registration::Joined> Registration::Open(const NodeRecord& me,
                                                 std::chrono::milliseconds ttl,
                                                 const RoundRecord& fresh) {
@@ -83,23 +102,26 @@ Result<Registration::Joined> Registration::Open(const NodeRecord& me,
           SuspendedJobMessage(job_id_, info.ok() ? info->point : std::nullopt)));
     }
   }
-  auto w1 = client_.StartWatch(keys_.round, {false, read_rev + 1, false},
+  // The watches go out together and are waited for together: one round trip, not one each.
+  auto w1 = client_.StartWatch(keys_.round, Queued(false, read_rev + 1),
                                cb_.watch(Stream::kRound, gen));
-  auto w2 = client_.StartWatch(keys_.Assign(node_id_), {false, joined.revision + 1, false},
+  auto w2 = client_.StartWatch(keys_.Assign(node_id_), Queued(false, joined.revision + 1),
                                cb_.watch(Stream::kAssign, gen));
-  if (!w1.ok() || !w2.ok()) {
-    return abandon((!w1.ok() ? w1.status() : w2.status()).WithContext("cannot watch the job"));
+  std::unique_ptr<etcd::Watch> gaveup;
+  if (!gaveup_watch_) {
+    // Records written after this node joined; one that cannot be watched is only information.
+    auto w3 = client_.StartWatch(keys_.gaveup, Queued(true, joined.revision + 1),
+                                 cb_.watch(Stream::kGaveUp, gen));
+    if (w3.ok()) gaveup = std::move(*w3);
+  }
+  if (Status s = BothCreated(w1, w2); !s.ok()) {
+    return abandon(s.WithContext("cannot watch the job"));
   }
   lease_ = lease;
   kept_.Set(std::move(*keeper), false);
   round_watch_ = std::move(*w1);
   assign_watch_ = std::move(*w2);
-  if (!gaveup_watch_) {
-    // Records written after this node joined; one that cannot be watched is only information.
-    auto w3 = client_.StartWatch(keys_.gaveup, {true, joined.revision + 1, false},
-                                 cb_.watch(Stream::kGaveUp, gen));
-    if (w3.ok()) gaveup_watch_ = std::move(*w3);
-  }
+  if (gaveup && gaveup->WaitCreated().ok()) gaveup_watch_ = std::move(gaveup);
   EFDL_LOG_DEBUG("rdzv {}: registered in job {} (lease {:x}, revision {})", node_id_, job_id_,
                  lease, joined.revision);
   return joined;
@@ -115,11 +137,11 @@ Result<Registration::Reread> Registration::Rewatch() {
   }
   const int64_t rev =
       std::max((*rd) ? (*rd)->mod_revision : 0, (*as) ? (*as)->mod_revision : 0);
-  auto w1 = client_.StartWatch(keys_.round, {false, rev + 1, false},
+  auto w1 = client_.StartWatch(keys_.round, Queued(false, rev + 1),
                                cb_.watch(Stream::kRound, generation_));
-  auto w2 = client_.StartWatch(keys_.Assign(node_id_), {false, rev + 1, false},
+  auto w2 = client_.StartWatch(keys_.Assign(node_id_), Queued(false, rev + 1),
                                cb_.watch(Stream::kAssign, generation_));
-  if (!w1.ok() || !w2.ok()) return Status::Unavailable("watches could not be restarted");
+  if (!BothCreated(w1, w2).ok()) return Status::Unavailable("watches could not be restarted");
   round_watch_ = std::move(*w1);
   assign_watch_ = std::move(*w2);
   return Reread{*rd, *as};
@@ -149,8 +171,9 @@ bool Registration::FollowCoordinator(const std::string& coordinator, int64_t aft
   coordinator_watch_.reset();
   follow_watch_ = FollowWatch{coordinator, after, 0};
   const uint64_t gen = generation_;
+  // Not waited for: its one event, a delete, is acted on only after the takeover steps.
   auto w = client_.StartWatch(
-      keys_.Node(coordinator), {false, after + 1, false},
+      keys_.Node(coordinator), Queued(false, after + 1),
       [deleted_cb = cb_.coordinator_deleted, gen, coordinator](const etcd::WatchUpdate& u) {
         if (!u.error.ok() || u.compacted) {
           deleted_cb(gen, coordinator, std::numeric_limits<int64_t>::max());

@@ -1,6 +1,7 @@
 // The etcd client against a real etcd (one per test suite, started on free loopback ports):
 // KV, transactions, leases and watches.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -316,6 +317,41 @@ TEST_F(EtcdClientTest, WatchDeliversPrefixEventsInRevisionOrder) {
     if (events[i].type == WatchEvent::Type::kDelete) ++deletes;
   }
   EXPECT_EQ(deletes, kKeys / 10);
+}
+
+// WatchOptions::wait_created = false (issue #37: a registration starts its three watches
+// together and waits once): StartWatch returns without a round trip, even while etcd does not
+// answer at all; WaitCreated then waits for etcd, and the watch delivers from its revision.
+TEST_F(EtcdClientTest, AWatchStartedWithoutWaitingReturnsAtOnceAndDeliversFromItsRevision) {
+  auto before = client_->Put(prefix_ + "k", "before");
+  ASSERT_TRUE(before.ok());
+  std::mutex mu;
+  std::vector<std::string> values;
+  const WatchOptions queued{.start_revision = before->revision, .wait_created = false};
+  ASSERT_EQ(::kill(etcd_->pid(), SIGSTOP), 0);
+  struct Resume {
+    int pid;
+    ~Resume() { ::kill(pid, SIGCONT); }
+  } resume{etcd_->pid()};
+  const auto started = std::chrono::steady_clock::now();
+  auto watch = client_->StartWatch(prefix_ + "k", queued, [&](const WatchUpdate& u) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& e : u.events) values.push_back(e.kv.value);
+  });
+  const auto took = std::chrono::steady_clock::now() - started;
+  ASSERT_TRUE(watch.ok()) << watch.status().ToString();
+  EXPECT_LT(took, 1s) << "StartWatch waited for a stopped etcd";
+  ASSERT_EQ(::kill(etcd_->pid(), SIGCONT), 0);
+  ASSERT_TRUE((*watch)->WaitCreated().ok());
+  ASSERT_TRUE(client_->Put(prefix_ + "k", "after").ok());
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        std::lock_guard<std::mutex> lock(mu);
+        return values.size() >= 2;
+      },
+      10s));
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(values, (std::vector<std::string>{"before", "after"}));
 }
 
 TEST_F(EtcdClientTest, ManyWatchesShareOneClientAndEachGetsItsOwnKeys) {
