@@ -259,6 +259,9 @@ class Harness {
     o.job_id = opt_.job_id;
     o.node_id = node->id;
     o.advertise_addr = "127.0.0.1";
+    // As an agent's (src/cli/run_config.cc: the script's name), so each join checks the job's
+    // program as a real agent's does (CheckSameProgram) instead of skipping that read.
+    o.program = "train.py";
     o.min_nodes = std::max(1, opt_.nodes / 2);
     o.max_nodes = opt_.nodes;
     o.ttl = opt_.ttl;

@@ -293,6 +293,41 @@ TEST_F(RealEtcdTest, ARegistrationIsALeaseGrantAndOneTxn) {
   second.Release();
 }
 
+// Issue #37: a join of a node that names its program (every real agent does) reads one other
+// node's record - the coordinator's - whatever the size of the job, not every record.
+TEST_F(RealEtcdTest, AJoinWithAProgramReadsTheSameWhateverTheJobsSize) {
+  struct Cost {
+    int64_t bytes = 0;   // keys and values read
+  };
+  std::vector<std::unique_ptr<Rendezvous>> nodes;
+  auto join_cost = [&](const std::string& job, int others) -> Cost {
+    auto coordinator = Opts("coord", 1000, 1000);   // gathers for as long as the test runs
+    coordinator.job_id = job;
+    coordinator.program = "train.py";
+    nodes.push_back(NewEtcdRendezvous(*client_, coordinator));
+    EXPECT_TRUE(nodes.back()->Join().ok());
+    const JobKeys keys(job);
+    for (int i = 0; i < others; ++i) {
+      const NodeRecord rec{"127.0.0.1", 1, "train.py", ""};
+      EXPECT_TRUE(client_->Put(keys.Node(fmt::format("other{:04}", i)), rec.Encode()).ok());
+    }
+    TrafficCounters counters;
+    SimNodeClient counted(*client_, counters);
+    auto joiner = Opts("joiner", 1000, 1000);
+    joiner.job_id = job;
+    joiner.program = "train.py";
+    auto node = NewEtcdRendezvous(counted, joiner);
+    EXPECT_TRUE(node->Join().ok());
+    Cost cost{counters.bytes_received.load()};
+    node->Leave();
+    return cost;
+  };
+  const Cost few = join_cost("progjoba", 3);
+  const Cost many = join_cost("progjobb", 300);
+  EXPECT_LE(many.bytes, few.bytes + 64) << "3 other nodes: " << few.bytes << " bytes read";
+  for (auto& n : nodes) n->Leave();
+}
+
 // Issue #37: a lease kept from its grant's answer (KeepGranted, no time-to-live read) is renewed
 // like one kept after the read, and its local expiry counts from before the grant was sent.
 TEST_F(RealEtcdTest, ALeaseKeptFromItsGrantsAnswerIsRenewedWithoutARead) {

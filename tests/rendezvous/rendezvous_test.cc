@@ -490,6 +490,39 @@ TEST(RendezvousTest, ANodeWhoseRoundAPeersFailureBrokeEndsWhenThePeerGivesUpBelo
   }
 }
 
+// A node whose program differs from the job's is refused before it registers, whether the
+// round record names the coordinator whose record it compares with, or names none (a resumed
+// job: it compares with the first other node's record); the same program joins.
+TEST(RendezvousTest, ANodeOfAnotherProgramIsRefusedAtJoin) {
+  for (const bool named : {true, false}) {
+    SCOPED_TRACE(named ? "the coordinator's record" : "no coordinator named");
+    MemoryEtcd db;
+    auto with = [](const std::string& id, const std::string& program) {
+      auto o = Opts(id, 3, 3);
+      o.program = program;
+      return o;
+    };
+    auto a = Start(db, with("a", "train_a.py"));
+    if (!named) {
+      auto round = db.Get(JobKeys("job1").round);
+      ASSERT_TRUE(round.ok() && round->has_value());
+      auto rec = RoundRecord::Decode((*round)->value);
+      ASSERT_TRUE(rec.ok());
+      rec->coordinator.clear();
+      ASSERT_TRUE(db.Put(JobKeys("job1").round, rec->Encode()).ok());
+    }
+    Node b(db, with("b", "train_b.py"));
+    Status refused = b.rdzv->Join();
+    EXPECT_TRUE(refused.IsFailedPrecondition()) << refused.ToString();
+    EXPECT_NE(refused.message().find("job 'job1' runs train_a.py (node a), this node "
+                                     "train_b.py: the nodes of one job run one program"),
+              std::string::npos) << refused.ToString();
+    EXPECT_EQ(LeaseOf(db, "b"), 0) << "refused before registering";
+    Node c(db, with("c", "train_a.py"));
+    EXPECT_TRUE(c.rdzv->Join().ok());
+  }
+}
+
 TEST(RendezvousTest, SurvivorsBelowMinWaitThenFormWhenANodeComes) {
   MemoryEtcd db;
   auto [a, b] = StartNodes(db, {"a", "b"}, 2, 3);
