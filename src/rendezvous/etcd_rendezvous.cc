@@ -239,6 +239,9 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
   if (const auto& since = unplaced_.since()) {
     take(*since + opt_.join_timeout);
     take(unplaced_.NextNotice());
+    if (round_.phase == Phase::kGathering && LogEnabled(LogLevel::kInfo)) {
+      take(unplaced_.NextCount());
+    }
     take(end_check_.NextCheck());
   }
   take(coordinator_.NextDeadline());
@@ -247,8 +250,17 @@ std::optional<TimePoint> EtcdRendezvous::NextDeadline() const {
 
 void EtcdRendezvous::OnTimers() {
   auto now = Clock::now();
-  if (unplaced_.NoticeDue(now)) WaitNotice(now);
-  if (unplaced_.since() && end_check_.Due(now)) {
+  // The notice is an info line: at a higher level nobody reads it, and it counts nothing.
+  const bool notices = LogEnabled(LogLevel::kInfo);
+  if (notices && round_.phase == Phase::kGathering && unplaced_.CountDue(now)) {
+    CountRegistered(now);
+  } else if (round_.phase != Phase::kGathering) {
+    unplaced_.NotCounting(now);
+  }
+  if (unplaced_.NoticeDue(now) && notices) WaitNotice(now);
+  if (!unplaced_.since()) {
+    end_check_.NotChecking(now);
+  } else if (end_check_.Due(now)) {
     CheckEveryNodeFailed();
     if (finished_) return;
   }
@@ -297,35 +309,85 @@ void EtcdRendezvous::OnTimers() {
   }
 }
 
-void EtcdRendezvous::WaitNotice(TimePoint now) {
-  const auto left = std::chrono::duration_cast<std::chrono::seconds>(
-      *unplaced_.since() + opt_.join_timeout - now);
+void EtcdRendezvous::CountRegistered(TimePoint now) {
   auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
-  if (!count.ok()) {
-    EFDL_LOG_INFO("rdzv {}: waiting for a round of job {} (etcd not answering: {}); giving up in "
-                  "{} s",
-                  opt_.node_id, opt_.job_id, count.status().message(), left.count());
+  if (count.ok()) {
+    unplaced_.Counted(now, count->count);
+  } else {
+    unplaced_.CountFailed(now, std::string(count.status().message()));
+  }
+}
+
+void EtcdRendezvous::WaitNotice(TimePoint now) {
+  using std::chrono::duration_cast;
+  using std::chrono::seconds;
+  const int64_t left =
+      duration_cast<seconds>(*unplaced_.since() + opt_.join_timeout - now).count();
+  if (round_.phase == Phase::kGathering && unplaced_.count_error()) {
+    EFDL_LOG_INFO("rdzv {}: waiting for a round of job {} (etcd not answering: {}); giving up "
+                  "in {} s",
+                  opt_.node_id, opt_.job_id, *unplaced_.count_error(), left);
     return;
   }
-  const int64_t n = count->count;
-  if (opt_.world_size > 0) {
-    EFDL_LOG_INFO("rdzv {}: waiting for nodes whose processes add up to --world-size {}: {} "
-                  "node(s) registered; giving up in {} s",
-                  opt_.node_id, opt_.world_size, n, left.count());
-  } else if (n < opt_.min_nodes) {
-    EFDL_LOG_INFO("rdzv {}: waiting for {} more node(s): {} of at least {} registered; giving up "
-                  "in {} s",
-                  opt_.node_id, opt_.min_nodes - n, n, opt_.min_nodes, left.count());
-  } else {
-    EFDL_LOG_INFO("rdzv {}: waiting for round {} to form ({}): {} nodes registered; giving up "
-                  "in {} s",
-                  opt_.node_id, round_.round, PhaseName(round_.phase), n, left.count());
+  if (round_.phase == Phase::kGathering && unplaced_.last_count()) {
+    const int64_t n = unplaced_.last_count()->nodes;
+    const int64_t age = duration_cast<seconds>(now - unplaced_.last_count()->at).count();
+    const std::string as_of = age > 0 ? fmt::format(" as of {} s ago", age) : "";
+    if (opt_.world_size > 0) {
+      EFDL_LOG_INFO("rdzv {}: waiting for nodes whose processes add up to --world-size {}: {} "
+                    "node(s) registered{}; giving up in {} s",
+                    opt_.node_id, opt_.world_size, n, as_of, left);
+    } else if (n < opt_.min_nodes) {
+      EFDL_LOG_INFO("rdzv {}: waiting for {} more node(s): {} of at least {} registered{}; "
+                    "giving up in {} s",
+                    opt_.node_id, opt_.min_nodes - n, n, opt_.min_nodes, as_of, left);
+    } else {
+      EFDL_LOG_INFO("rdzv {}: waiting for round {} to form ({}): {} nodes registered{}; giving "
+                    "up in {} s",
+                    opt_.node_id, round_.round, PhaseName(round_.phase), n, as_of, left);
+    }
+    return;
   }
+  // Otherwise what the node holds says what it waits for.
+  const int64_t waited = duration_cast<seconds>(now - *unplaced_.since()).count();
+  const std::string coordinator =
+      round_.coordinator.empty() ? std::string("none yet") : round_.coordinator;
+  std::string what;
+  switch (round_.phase) {
+    case Phase::kGathering:
+      what = fmt::format(
+          "waiting for round {} to gather (coordinator {} waits for {})", round_.round,
+          coordinator,
+          opt_.world_size > 0
+              ? fmt::format("nodes whose processes add up to --world-size {}", opt_.world_size)
+              : fmt::format("at least {} node(s), then up to {} or the last call",
+                            opt_.min_nodes, opt_.max_nodes));
+      break;
+    case Phase::kProposed:
+      what = fmt::format(
+          "waiting for round {} to form (proposed; coordinator {} waits for the nodes' acks, {})",
+          round_.round, coordinator,
+          part_.acked_round >= round_.round ? "this node's came" : "this node has not acked");
+      break;
+    case Phase::kActive:
+      what = fmt::format(
+          "waiting for a place: round {} is active without this node (coordinator {} takes it "
+          "into the next round, or as a standby at MAX)",
+          round_.round, coordinator);
+      break;
+    default:
+      what = fmt::format("waiting for round {} to form ({}; coordinator {})", round_.round,
+                         PhaseName(round_.phase), coordinator);
+      break;
+  }
+  EFDL_LOG_INFO("rdzv {}: {}; waited {} s; giving up in {} s", opt_.node_id, what, waited, left);
 }
 
 void EtcdRendezvous::CheckEveryNodeFailed() {
   auto count = client_.Range(keys_.nodes, {.prefix = true, .count_only = true});
-  if (!count.ok() || count->count >= opt_.min_nodes) return;
+  if (!count.ok()) return;
+  end_check_.Counted(count->count);   // O(N) in etcd: the next one waits CountGap (node_books.h)
+  if (count->count >= opt_.min_nodes) return;
   Fail(fmt::format(
       "job {} cannot go on: {}; {}, and {} of at least {} nodes remain. Fix the program, then "
       "start the job again",
@@ -483,7 +545,9 @@ void EtcdRendezvous::Handle(Input& in) {
         Emit(MakeEvent(Event::Type::kPeerGaveUp, CurrentRoundForEvents(), false,
                        *end_check_.peer_gave_up()));
       }
-      end_check_.CheckFrom(Clock::now());
+      // The job's size as far as this node knows it (the last formed round, or MIN) spreads the
+      // nodes' first checks (node_books.h JobEndCheck).
+      end_check_.CheckFrom(Clock::now(), std::max(round_.nnodes, opt_.min_nodes), UnitRandom());
       break;
     case Input::Type::kWorkerFailure: {
       end_check_.WorkersFailed(in.detail);

@@ -167,8 +167,11 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void Resync();
   std::optional<TimePoint> NextDeadline() const;
   void OnTimers();
-  // While this node waits for a round: a line every kWaitNoticeInterval saying for what.
+  // While this node waits for a round: a line every Unplaced::kNoticeInterval saying for what,
+  // from what the node holds; while the job gathers, with the count of registered nodes that
+  // CountRegistered took on its own, bounded clock (node_books.h Unplaced; issue #37).
   void WaitNotice(TimePoint now);
+  void CountRegistered(TimePoint now);
   // A peer gave up and this node's own workers failed too: end the job here as well when fewer
   // than MIN nodes remain (no round can form), instead of waiting out the join timeout.
   void CheckEveryNodeFailed();

@@ -56,6 +56,7 @@ Status EtcdRendezvous::Join() {
   if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
   if (driver_.started()) return Status::FailedPrecondition("Join() was already called");
   EFDL_RETURN_IF_ERROR(CheckSameProgram());
+  unplaced_.SpreadCounts(opt_.max_nodes, UnitRandom());
   Status s = Register();
   // An etcd too slow to answer a registration in time (thousands of agents starting at once):
   // try again after a jittered back-off (node_rules.h JoinBackoff) within the join timeout,

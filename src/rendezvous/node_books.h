@@ -156,12 +156,26 @@ class AckBook {
   int failures_ = 0;             // failures reported (ReportWorkerFailure)
 };
 
+// Counting the job's registered nodes (a count-only range over nodes/) costs etcd O(N): etcd 3.4
+// walks the whole nodes/ index for it. A node that counts N nodes counts again at most once per
+// CountGap(N): at least `floor`, and long enough that N nodes counting as often send at most
+// kCountsPerSecond counts per second together, at any N (as src/health/straggler_rules.h
+// PublishPeriod bounds the straggler reads; issue #37).
+inline constexpr int64_t kCountsPerSecond = 100;
+inline std::chrono::milliseconds CountGap(int64_t nodes, std::chrono::milliseconds floor) {
+  return std::max(floor, std::chrono::milliseconds(std::max<int64_t>(nodes, 0) * 1000 /
+                                                   kCountsPerSecond));
+}
+
 // After a peer gave up: whether this node can still wait for the job to go on. It cannot when
-// its own workers failed too, or its round broke with the peer's failure; then it checks (every
-// second while it has no place) whether fewer than MIN nodes remain (CheckEveryNodeFailed).
-// Driver thread only.
+// its own workers failed too, or its round broke with the peer's failure; then it counts the
+// registered nodes while it has no place, to end when fewer than MIN remain
+// (CheckEveryNodeFailed): every kCheckInterval, or CountGap(last count) in a large job; the
+// first check after a peer gave up comes within CountGap(the job's size) at a random point of
+// this node's (every node sees the same record at once). Driver thread only.
 class JobEndCheck {
  public:
+  static constexpr std::chrono::seconds kCheckInterval{1};
   void PeerGaveUp(std::string why) { peer_gave_up_ = std::move(why); }
   const std::optional<std::string>& peer_gave_up() const { return peer_gave_up_; }
   void WorkersFailed(const std::string& detail) { own_failure_ = detail; }
@@ -178,32 +192,83 @@ class JobEndCheck {
     if (round_broken_) return fmt::format("this node's round broke with it ({})", *round_broken_);
     return std::nullopt;
   }
-  void CheckFrom(TimePoint now) { next_check_ = now; }
+  // A peer gave up now in a job of about `job_nodes` nodes: check at this node's point within
+  // CountGap(job_nodes) (`unit_random` in [0, 1) picks it, once per node), never later than a
+  // check already due, never sooner than the gap after the last check.
+  void CheckFrom(TimePoint now, int64_t job_nodes, double unit_random) {
+    if (!spread_) {
+      spread_ = unit_random;
+      gap_ = CountGap(job_nodes, kCheckInterval);
+    }
+    const auto at = now + std::chrono::duration_cast<Clock::duration>(
+                              CountGap(job_nodes, std::chrono::milliseconds(0)) * *spread_);
+    next_check_ = std::max(std::min(next_check_, at), last_check_ + gap_);
+  }
   // When the check is due (nullopt: nothing to check).
   std::optional<TimePoint> NextCheck() const {
     if (peer_gave_up_ && OwnBreak()) return next_check_;
     return std::nullopt;
   }
-  // Whether to check now; the next check then comes a second later.
+  // Whether to check now; the next check then comes a gap later (Counted sets the gap).
   bool Due(TimePoint now) {
     if (!peer_gave_up_ || !OwnBreak() || now < next_check_) return false;
-    next_check_ = now + std::chrono::seconds(1);
+    last_check_ = now;
+    next_check_ = now + gap_;
     return true;
+  }
+  // The check just made counted `nodes` registered nodes.
+  void Counted(int64_t nodes) {
+    gap_ = CountGap(nodes, kCheckInterval);
+    next_check_ = last_check_ + gap_;
+  }
+  // The node holds a place now (no check): a check that fell due meanwhile moves on by whole
+  // gaps, so that the nodes do not all check at once when their round closes.
+  void NotChecking(TimePoint now) {
+    if (next_check_ != TimePoint::max() && next_check_ <= now) {
+      next_check_ += gap_ * ((now - next_check_) / gap_ + 1);
+    }
   }
 
  private:
   std::optional<std::string> peer_gave_up_;   // "node X gave up: why", the newest
   std::optional<std::string> own_failure_;    // this node's last worker failure, until a success
   std::optional<std::string> round_broken_;   // until a success
-  TimePoint next_check_{};
+  TimePoint next_check_ = TimePoint::max();
+  TimePoint last_check_ = TimePoint::min();
+  Clock::duration gap_ = kCheckInterval;       // CountGap of the last count, or the job's size
+  std::optional<double> spread_;              // this node's point within a first check's gap
 };
 
 // While this node has no place in a round (registered, closed, not yet started): since when, for
-// the join timeout, and a waiting notice every kNoticeInterval (issue #22). Driver thread only.
+// the join timeout, and a waiting notice every kNoticeInterval (issue #22) that says what the
+// node waits for. The notice costs etcd nothing: it tells what the node holds. Only while the
+// job gathers does the number of registered nodes say more, and counting them costs etcd O(N),
+// so the node counts on its own clock: first kNoticeInterval into its wait (plus, in a job whose
+// MAX is above kCountsPerSecond x kNoticeInterval, its own random point within CountGap(MAX), so
+// nodes that began to wait together do not count together), then once per CountGap(last count);
+// the notices tell the last count. Driver thread only.
 class Unplaced {
  public:
   static constexpr std::chrono::seconds kNoticeInterval{15};
-  void Since(TimePoint now) { since_ = now; }
+  struct Count {
+    TimePoint at;
+    int64_t nodes = 0;
+  };
+  // Once, before the node registers: its place within the first count's spread in a job of up
+  // to `max_nodes` nodes (`unit_random` in [0, 1)).
+  void SpreadCounts(int64_t max_nodes, double unit_random) {
+    const auto gap = CountGap(max_nodes, kNoticeInterval);
+    spread_ = gap > kNoticeInterval
+                  ? std::chrono::duration_cast<Clock::duration>(gap * unit_random)
+                  : Clock::duration::zero();
+    gap_ = gap;
+  }
+  void Since(TimePoint now) {
+    since_ = now;
+    last_count_.reset();
+    count_error_.reset();
+    count_at_ = std::max(count_at_, now + kNoticeInterval + spread_);
+  }
   void Placed() { since_.reset(); }
   const std::optional<TimePoint>& since() const { return since_; }
   // When the next waiting notice is due (only while unplaced).
@@ -213,10 +278,39 @@ class Unplaced {
     last_notice_ = now;
     return true;
   }
+  // When this node may count the registered nodes next (only while unplaced and gathering).
+  TimePoint NextCount() const { return count_at_; }
+  bool CountDue(TimePoint now) const { return since_ && now >= count_at_; }
+  // It counted `nodes` now: the next count waits CountGap(nodes).
+  void Counted(TimePoint now, int64_t nodes) {
+    last_count_ = Count{now, nodes};
+    count_error_.reset();
+    gap_ = CountGap(nodes, kNoticeInterval);
+    count_at_ = now + gap_;
+  }
+  // The job does not gather now: a count that fell due meanwhile moves on by whole gaps, so
+  // that this node keeps its own point within the gap when the job gathers again (else every
+  // node that waited through a proposal would count at once).
+  void NotCounting(TimePoint now) {
+    if (count_at_ <= now) count_at_ += gap_ * ((now - count_at_) / gap_ + 1);
+  }
+  // The count failed (etcd did not answer): the next one a notice later.
+  void CountFailed(TimePoint now, std::string error) {
+    count_error_ = std::move(error);
+    count_at_ = now + kNoticeInterval;
+  }
+  // The last count of this wait, and whether the last attempt failed.
+  const std::optional<Count>& last_count() const { return last_count_; }
+  const std::optional<std::string>& count_error() const { return count_error_; }
 
  private:
   std::optional<TimePoint> since_;
   TimePoint last_notice_{};
+  Clock::duration spread_{};
+  Clock::duration gap_ = kNoticeInterval;   // CountGap of the last count, or of MAX before
+  TimePoint count_at_{};
+  std::optional<Count> last_count_;
+  std::optional<std::string> count_error_;
 };
 
 // Whom this node follows (node_rules.h WhomToFollow), when it takes over from them once their

@@ -8,9 +8,14 @@
 #include <array>
 #include <atomic>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <random>
+#include <thread>
 
+#include "common/log.h"
 #include "rendezvous/job_status.h"
+#include "rendezvous/node_books.h"
 #include "rendezvous/protocol.h"
 #include "rendezvous/etcd_rendezvous.h"
 #include "rendezvous/rendezvous.h"
@@ -33,8 +38,11 @@ class CuttableClient final : public etcd::Client {
 
   Result<etcd::RangeResult> Range(const std::string& k, const etcd::RangeOptions& o) override {
     if (*cut_) return Down();
+    if (o.count_only && k.ends_with("/nodes/")) ++node_counts_;
     return inner_.Range(k, o);
   }
+  // The counts of the job's registered nodes this node asked for (O(N) each in etcd 3.4).
+  int node_counts() const { return node_counts_; }
   Result<std::optional<etcd::KeyValue>> Get(const std::string& k) override {
     if (*cut_) return Down();
     return inner_.Get(k);
@@ -104,6 +112,7 @@ class CuttableClient final : public etcd::Client {
   etcd::Client& inner_;
   std::shared_ptr<std::atomic<bool>> cut_;
   std::shared_ptr<Held> held_ = std::make_shared<Held>();
+  std::atomic<int> node_counts_{0};
 };
 
 RendezvousOptions Opts(const std::string& node, int min, int max) {
@@ -487,6 +496,126 @@ TEST(RendezvousTest, ANodeWhoseRoundAPeersFailureBrokeEndsWhenThePeerGivesUpBelo
     EXPECT_NE(failed->message.find("this node's round broke with it (round 1: workers of node b "
                                    "failed: rank 1 raised ValueError: a bug)"),
               std::string::npos) << failed->message;
+  }
+}
+
+// Issue #37: the waiting notice (every 15 s, issue #22) says what a node waits for. In a
+// proposed round it tells what the node holds - the round, its phase, the coordinator, how long
+// - and reads nothing; only while the job gathers does the node count the registered nodes (an
+// O(N) read in etcd 3.4), at its first notice in a small job.
+TEST(RendezvousTest, AWaitingNodeCountsTheRegisteredNodesOnlyWhileTheJobGathers) {
+  ASSERT_TRUE(LogEnabled(LogLevel::kInfo)) << "the notices are info lines: unset EFDL_LOG_LEVEL";
+  MemoryEtcd db;
+  // Job "stuck": its coordinator "boss" (alive: its lease is kept) proposed round 1 and never
+  // decides it.
+  const JobKeys stuck("stuck");
+  auto lease = db.LeaseGrant(60);
+  ASSERT_TRUE(lease.ok());
+  auto keeper = db.KeepAlive(lease->id, [] {});
+  ASSERT_TRUE(keeper.ok());
+  ASSERT_TRUE(db.Put(stuck.Node("boss"), NodeRecord{"127.0.0.1", 1, "", ""}.Encode(), lease->id)
+                  .ok());
+  RoundRecord proposal;
+  proposal.round = 1;
+  proposal.phase = Phase::kProposed;
+  proposal.coordinator = "boss";
+  ASSERT_TRUE(db.Put(stuck.round, proposal.Encode()).ok());
+  auto waits = testing::FastRendezvousOptions("stuck", "waiter", 2, 2);
+  waits.join_timeout = 60s;
+  auto gathers = Opts("alone", 2, 3);
+  gathers.join_timeout = 60s;
+  ::testing::internal::CaptureStderr();
+  auto waiter = Start(db, waits);
+  auto alone = Start(db, gathers);
+  std::this_thread::sleep_for(16s);
+  const std::string out = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(waiter->client.node_counts(), 0) << out;
+  EXPECT_EQ(alone->client.node_counts(), 1) << out;
+  EXPECT_NE(out.find("rdzv waiter: waiting for round 1 to form (proposed; coordinator boss waits "
+                     "for the nodes' acks, this node's came); waited 15 s; giving up in 4"),
+            std::string::npos) << out;
+  EXPECT_NE(out.find("rdzv alone: waiting for 1 more node(s): 1 of at least 2 registered; "
+                     "giving up in 4"),
+            std::string::npos) << out;
+}
+
+// Issue #37: the counts of a waiting job's nodes (Unplaced: notices) and of a job whose peer gave
+// up (JobEndCheck) stay near kCountsPerSecond for the whole job at any size, also when every
+// node began to wait at the same moment, and when the job first spent 150 s in a proposal
+// (no count) or the nodes in a round (no check); a small job still counts at its first notice
+// (15 s) and checks within a second.
+TEST(RendezvousTest, AJobsCountsOfItsNodesStayNearAHundredPerSecondAtAnySize) {
+  using internal::JobEndCheck;
+  using internal::TimePoint;
+  using internal::Unplaced;
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const TimePoint t0{};
+  const auto step = 100ms;
+  for (const bool held_first : {false, true}) {
+    for (const int nodes : {3, 1500, 10000}) {
+      SCOPED_TRACE(fmt::format("{} nodes{}", nodes, held_first ? ", 150 s held first" : ""));
+      std::vector<Unplaced> waits(static_cast<size_t>(nodes));
+      std::vector<JobEndCheck> ends(static_cast<size_t>(nodes));
+      for (auto& w : waits) {
+        w.SpreadCounts(nodes, unit(rng));
+        w.Since(t0);
+      }
+      for (auto& e : ends) {
+        e.PeerGaveUp("node x gave up");
+        e.WorkersFailed("rank 0 failed");
+        e.CheckFrom(t0, nodes, unit(rng));
+      }
+      std::map<int64_t, int> counts_per_second, checks_per_second;   // second -> reads
+      std::optional<TimePoint> first_count, first_check;
+      for (TimePoint now = t0; now < t0 + 400s; now += step) {
+        const int64_t second =
+            std::chrono::duration_cast<std::chrono::seconds>(now - t0).count();
+        const bool held = held_first && now < t0 + 150s;
+        for (auto& w : waits) {
+          if (held) {
+            w.NotCounting(now);
+          } else if (w.CountDue(now)) {
+            w.Counted(now, nodes);
+            ++counts_per_second[second];
+            if (!first_count) first_count = now;
+          }
+        }
+        for (auto& e : ends) {
+          if (held) {
+            e.NotChecking(now);
+          } else if (e.Due(now)) {
+            e.Counted(nodes);
+            ++checks_per_second[second];
+            if (!first_check) first_check = now;
+          }
+        }
+      }
+      ASSERT_TRUE(first_count && first_check);
+      if (nodes == 3 && !held_first) {
+        EXPECT_EQ(*first_count, t0 + Unplaced::kNoticeInterval);
+        EXPECT_LT(*first_check, t0 + 1s);
+      }
+      for (const auto* per_second : {&counts_per_second, &checks_per_second}) {
+        int most = 0;
+        int window = 0;   // the most in any 15 s
+        for (const auto& [second, reads] : *per_second) {
+          most = std::max(most, reads);
+          int in_window = 0;
+          for (auto it = per_second->lower_bound(second);
+               it != per_second->end() && it->first < second + 15; ++it) {
+            in_window += it->second;
+          }
+          window = std::max(window, in_window);
+        }
+        // A job of at most 1,500 nodes may count together once a notice (15 s apart); above,
+        // the spread keeps every second near the rate.
+        EXPECT_LE(window, std::max(nodes, 120 * 15)) << "in 15 s";
+        if (nodes > 1500) {
+          EXPECT_LE(most, 160) << "in one second";
+        }
+      }
+    }
   }
 }
 
