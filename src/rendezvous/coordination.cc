@@ -38,7 +38,45 @@ bool Excluded(const JobView& v, const std::string& id) {
   return v.unresponsive.count(id) > 0 || v.leaving.count(id) > 0;
 }
 
+// How many registered nodes are excluded (unresponsive or leaving): O(excluded log N).
+size_t ExcludedRegistered(const JobView& v) {
+  size_t n = 0;
+  for (const auto& id : v.unresponsive) n += v.registered.count(id);
+  for (const auto& id : v.leaving) n += v.registered.count(id) && !v.unresponsive.count(id);
+  return n;
+}
+
+// Keeps v.round_acks true of `id`'s newest ack (nullptr: it has none).
+void NoteAck(JobView& v, const std::string& id, const AckRecord* ack) {
+  v.round_acks.ack.erase(id);
+  v.round_acks.done.erase(id);
+  if (!ack || ack->round != v.round_acks.round) return;
+  if (ack->state == AckState::kAck) v.round_acks.ack.insert(id);
+  if (ack->state == AckState::kDone) v.round_acks.done.insert(id);
+}
+
 }  // namespace
+
+RegisteredNodes::RegisteredNodes(std::initializer_list<Map::value_type> nodes) {
+  for (const auto& [id, info] : nodes) Put(id, info);
+}
+
+void RegisteredNodes::Put(const std::string& id, const MemberInfo& info) {
+  auto [it, added] = nodes_.try_emplace(id, info);
+  if (!added) {
+    by_join_.erase({it->second.create_revision, id});
+    it->second = info;
+  }
+  by_join_.insert({info.create_revision, id});
+}
+
+bool RegisteredNodes::Erase(const std::string& id) {
+  auto it = nodes_.find(id);
+  if (it == nodes_.end()) return false;
+  by_join_.erase({it->second.create_revision, id});
+  nodes_.erase(it);
+  return true;
+}
 
 void JobView::WantReround(bool graceful, std::string why) {
   reround = true;
@@ -51,16 +89,14 @@ JobView LoadJob(const JobSnapshot& snap, const RoundRecord& round, const Coordin
   JobView v;
   v.window = cfg.liveness_window;
   v.last_progress = now;
-  for (const auto& [id, info] : snap.nodes) v.registered[id] = info;
+  for (const auto& [id, info] : snap.nodes) v.registered.Put(id, info);
   for (const auto& [id, ack] : snap.acks) {
     v.acks[id] = ack;
     // A node on its way out (e.g. the coordinator that just handed over) is not waited for.
     if (ack.state == AckState::kLeaving) v.leaving.insert(id);
   }
-  v.acked_round_ids = {round.round, {}};
-  for (const auto& [id, a] : v.acks) {
-    if (a.round == round.round && a.state == AckState::kAck) v.acked_round_ids.second.insert(id);
-  }
+  v.round_acks.round = round.round;
+  for (const auto& [id, a] : v.acks) NoteAck(v, id, &a);
   int64_t last_formed = 0;
   std::map<std::string, AssignRecord> assigns;
   std::set<std::string> restarted;
@@ -104,7 +140,7 @@ JobView LoadJob(const JobSnapshot& snap, const RoundRecord& round, const Coordin
 EventOutcome OnNodeRegistered(JobView& v, const RoundRecord& round, const std::string& id,
                               const MemberInfo& info, const CoordinatorConfig& cfg) {
   EventOutcome out;
-  v.registered[id] = info;
+  v.registered.Put(id, info);
   v.unresponsive.erase(id);
   if (round.phase == Phase::kActive && !v.members.count(id) && !v.standbys.count(id)) {
     if (RoomForNewMember(v, cfg)) {
@@ -118,9 +154,9 @@ EventOutcome OnNodeRegistered(JobView& v, const RoundRecord& round, const std::s
 
 EventOutcome OnNodeGone(JobView& v, const RoundRecord& round, const std::string& id) {
   EventOutcome out;
-  v.registered.erase(id);
+  v.registered.Erase(id);
   v.acks.erase(id);
-  v.acked_round_ids.second.erase(id);
+  NoteAck(v, id, nullptr);
   if (v.prev_rank.erase(id)) v.gone_members.insert(id);   // back: a new member, it goes last
   v.unresponsive.erase(id);
   const bool was_leaving = v.leaving.erase(id) > 0;
@@ -138,10 +174,10 @@ EventOutcome OnAck(JobView& v, const RoundRecord& round, const std::string& id,
   EventOutcome out;
   v.acks[id] = ack;
   v.unresponsive.erase(id);
-  if (ack.state == AckState::kAck && ack.round == round.round) {
-    if (v.acked_round_ids.first != round.round) v.acked_round_ids = {round.round, {}};
-    v.acked_round_ids.second.insert(id);
+  if (ack.round == round.round && v.round_acks.round != round.round) {
+    v.round_acks = {round.round, {}, {}};
   }
+  NoteAck(v, id, &ack);
   switch (ack.state) {
     case AckState::kAck:
       if (round.phase == Phase::kProposed && ack.round == round.round) {
@@ -180,7 +216,10 @@ EventOutcome OnAck(JobView& v, const RoundRecord& round, const std::string& id,
   return out;
 }
 
-void OnAckDeleted(JobView& v, const std::string& id) { v.acks.erase(id); }
+void OnAckDeleted(JobView& v, const std::string& id) {
+  v.acks.erase(id);
+  NoteAck(v, id, nullptr);
+}
 
 std::vector<Candidate> Candidates(const JobView& v, const RoundRecord& round, bool acked_only) {
   std::vector<Candidate> out;
@@ -202,19 +241,14 @@ StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorCon
   StepAction act;
   switch (round.phase) {
     case Phase::kGathering: {
-      // O(N) per step and no allocation beyond the deputies: once per batch of join events.
-      int count = 0;
-      std::vector<std::pair<int64_t, const std::string*>> oldest;
-      for (const auto& [id, m] : v.registered) {
-        if (Excluded(v, id)) continue;
-        ++count;
-        if (id == cfg.node_id) continue;
-        oldest.push_back({m.create_revision, &id});
-        std::sort(oldest.begin(), oldest.end());
-        if (oldest.size() > kMaxDeputies) oldest.pop_back();
-      }
+      // O(log N + excluded) per step (it runs once per batch of join events): the count from
+      // the sizes, the deputies (the oldest others) from the front of the join order.
+      const int count = static_cast<int>(v.registered.size() - ExcludedRegistered(v));
       std::vector<std::string> deputies;
-      for (const auto& o : oldest) deputies.push_back(*o.second);
+      for (const auto& [rev, id] : v.registered.by_join()) {
+        if (deputies.size() == kMaxDeputies) break;
+        if (id != cfg.node_id && !Excluded(v, id)) deputies.push_back(id);
+      }
       bool formed = count >= cfg.min_nodes;
       bool full = count >= cfg.max_nodes;
       if (cfg.world_size > 0 && formed) {   // fragmented mode: only the planner knows
@@ -243,11 +277,9 @@ StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorCon
       return act;
     }
     case Phase::kProposed: {
-      // Cheap test first: the full O(N) check runs only once enough acks came.
-      const size_t excluded = v.unresponsive.size() + v.leaving.size();
-      const size_t expected = v.registered.size() - std::min(v.registered.size(), excluded);
-      bool all = v.acked_round_ids.first == round.round &&
-                 v.acked_round_ids.second.size() >= expected;
+      // Cheap test first: the full O(N) check runs only once as many nodes acked as it needs.
+      const size_t expected = v.registered.size() - ExcludedRegistered(v);
+      bool all = v.round_acks.round == round.round && v.round_acks.ack.size() >= expected;
       for (auto it = v.registered.begin(); all && it != v.registered.end(); ++it) {
         if (Excluded(v, it->first)) continue;
         auto a = v.acks.find(it->first);
@@ -263,8 +295,10 @@ StepAction DecideStep(JobView& v, const RoundRecord& round, const CoordinatorCon
       return act;
     }
     case Phase::kActive: {
+      // Cheap test first (members report done one by one): the walk runs once enough did.
       const bool done =
-          !v.members.empty() &&
+          !v.members.empty() && v.round_acks.round == round.round &&
+          v.round_acks.done.size() >= v.members.size() &&
           std::all_of(v.members.begin(), v.members.end(), [&](const std::string& id) {
             auto a = v.acks.find(id);
             return a != v.acks.end() && a->second.round == round.round &&

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <set>
@@ -38,19 +39,51 @@ struct MemberInfo {
   NodeRecord record;
 };
 
+// The registered nodes (etcd's nodes/ keys) by id, and the same nodes in join order
+// (create_revision, then id), kept together by the only two writers, Put and Erase
+// (coordination.cc): the gathering step names the oldest nodes as deputies without walking them
+// all (issue #37: it runs once per batch of joins, so a walk made forming N nodes O(N^2)).
+class RegisteredNodes {
+ public:
+  using Map = std::map<std::string, MemberInfo>;
+  RegisteredNodes() = default;
+  RegisteredNodes(std::initializer_list<Map::value_type> nodes);
+
+  void Put(const std::string& id, const MemberInfo& info);
+  bool Erase(const std::string& id);   // whether it was there
+
+  Map::const_iterator begin() const { return nodes_.begin(); }
+  Map::const_iterator end() const { return nodes_.end(); }
+  Map::const_iterator find(const std::string& id) const { return nodes_.find(id); }
+  size_t count(const std::string& id) const { return nodes_.count(id); }
+  size_t size() const { return nodes_.size(); }
+  bool empty() const { return nodes_.empty(); }
+  const std::set<std::pair<int64_t, std::string>>& by_join() const { return by_join_; }
+
+ private:
+  Map nodes_;
+  std::set<std::pair<int64_t, std::string>> by_join_;
+};
+
+// The nodes whose newest ack is `ack` (resp. `done`) for round `round`: cheap counts that let the
+// proposed and active steps skip their walk over every node until it can succeed.
+struct RoundAcks {
+  int64_t round = 0;
+  std::set<std::string> ack, done;
+};
+
 // What the coordinator knows, from etcd's nodes/, ack/ and assign/ keys, and what it has decided
 // to do but not done yet (a re-round). The functions below are its only writers. 17 fields, flat
 // on purpose (issue #31): it is the input and output of pure functions, which the coordinator
 // and the interleaving checker hold alike, and its sets are the coordinator's vocabulary
 // (members, standbys, leaving, unresponsive) that coordination.cc reads across.
 struct JobView {
-  std::map<std::string, MemberInfo> registered;
+  RegisteredNodes registered;
   std::map<std::string, AckRecord> acks;
   std::map<std::string, int> prev_rank;       // members of the last formed round -> node rank
   std::set<std::string> members, standbys, leaving, unresponsive;
   std::set<std::string> assign_keys;          // nodes with an assign/ key in etcd
-  // Nodes that acked the proposal of round `first` (a cheap count for the proposed phase).
-  std::pair<int64_t, std::set<std::string>> acked_round_ids;
+  RoundAcks round_acks;                       // kept by OnAck, OnAckDeleted, OnNodeGone
   std::optional<CoordTime> min_reached_at;    // gathering: when MIN nodes were first there
   CoordTime last_progress{};                  // proposed: the last ack (or the proposal)
   // The liveness window in use: doubled (up to 8x the configured one) each time a node that

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
+
 namespace efdl::rdzv {
 namespace {
 
@@ -48,7 +51,7 @@ JobView ActiveView(const std::vector<std::string>& ids) {
   JobView v;
   v.window = milliseconds(400);
   for (size_t i = 0; i < ids.size(); ++i) {
-    v.registered[ids[i]] = Node(static_cast<int64_t>(10 + i));
+    v.registered.Put(ids[i], Node(static_cast<int64_t>(10 + i)));
     v.members.insert(ids[i]);
     v.prev_rank[ids[i]] = static_cast<int>(i);
     v.assign_keys.insert(ids[i]);
@@ -60,12 +63,12 @@ TEST(CoordinationGatheringTest, WaitsForTheLastCallAfterMinThenProposes) {
   const auto cfg = Config(2, 3);
   const CoordTime t0{};
   JobView v;
-  v.registered["a"] = Node(1);
+  v.registered.Put("a", Node(1));
   const RoundRecord round = Round(1, Phase::kGathering);
   EXPECT_EQ(DecideStep(v, round, cfg, t0).kind, StepAction::Kind::kNone);
   EXPECT_FALSE(v.min_reached_at);
 
-  v.registered["b"] = Node(2);
+  v.registered.Put("b", Node(2));
   StepAction act = DecideStep(v, round, cfg, t0);
   // Not full and no previous round: wait for the last call, naming the deputies meanwhile.
   EXPECT_EQ(act.kind, StepAction::Kind::kSetDeputies);
@@ -80,11 +83,11 @@ TEST(CoordinationGatheringTest, WaitsForTheLastCallAfterMinThenProposes) {
 
 TEST(CoordinationGatheringTest, ProposesAtOnceWhenFullOrAfterAFormedRound) {
   JobView v;
-  for (int i = 0; i < 3; ++i) v.registered[std::string(1, static_cast<char>('a' + i))] = Node(i);
+  for (int i = 0; i < 3; ++i) v.registered.Put(std::string(1, static_cast<char>('a' + i)), Node(i));
   EXPECT_EQ(DecideStep(v, Round(1, Phase::kGathering), Config(2, 3), {}).kind,
             StepAction::Kind::kPropose);
   JobView after = v;
-  after.registered.erase("c");
+  after.registered.Erase("c");
   after.prev_rank = {{"a", 0}, {"b", 1}};   // survivors of a formed round: no last call
   EXPECT_EQ(DecideStep(after, Round(4, Phase::kGathering), Config(2, 3), {}).kind,
             StepAction::Kind::kPropose);
@@ -101,6 +104,68 @@ TEST(CoordinationGatheringTest, DeputiesAreTheThreeOldestOthersAndNeverTheUnresp
   RoundRecord named = Round(1, Phase::kGathering);
   named.deputies = act.deputies;
   EXPECT_EQ(DecideStep(v, named, Config(9, 9), {}).kind, StepAction::Kind::kNone);
+}
+
+// The gathering step's count and deputies come from the join-order index and the excluded sets
+// (O(log N + excluded), issue #37); they must stay what a walk over every registered node says:
+// the non-excluded count, and the 3 oldest non-excluded others by create_revision.
+TEST(CoordinationGatheringTest, CountAndDeputiesAgreeWithAWalkOverJoinsLeavesAndTheExcluded) {
+  auto walk = [](const JobView& v, const std::string& self) {
+    int count = 0;
+    std::vector<std::pair<int64_t, std::string>> others;
+    for (const auto& [id, m] : v.registered) {
+      if (v.unresponsive.count(id) || v.leaving.count(id)) continue;
+      ++count;
+      if (id != self) others.push_back({m.create_revision, id});
+    }
+    std::sort(others.begin(), others.end());
+    std::vector<std::string> deputies;
+    for (size_t i = 0; i < others.size() && i < kMaxDeputies; ++i) deputies.push_back(others[i].second);
+    return std::make_pair(count, deputies);
+  };
+  std::mt19937 rng(37);
+  const RoundRecord round = Round(1, Phase::kGathering);
+  JobView v;
+  int64_t revision = 1;
+  for (int step = 0; step < 3000; ++step) {
+    const std::string id = "n" + std::to_string(rng() % 24);   // "a" (the coordinator) never
+    const auto cfg = Config(1, 1000);
+    switch (rng() % 6) {
+      case 0:
+      case 1:   // a join, or a new incarnation of a registered id (a later create_revision)
+        OnNodeRegistered(v, round, id, Node(revision++), cfg);
+        break;
+      case 2:
+        OnNodeGone(v, round, id);
+        break;
+      case 3:   // on its way out
+        OnAck(v, round, id, Ack(1, AckState::kLeaving), cfg, {});
+        break;
+      case 4:   // left out of a proposal (DecideFinalize marks it); a node gone stays marked
+        v.unresponsive.insert(id);
+        break;
+      case 5: {   // a coordinator that takes over reads the same job
+        JobSnapshot snap;
+        for (const auto& [nid, info] : v.registered) snap.nodes.push_back({nid, info});
+        for (const auto& [nid, ack] : v.acks) snap.acks.push_back({nid, ack});
+        JobView loaded = LoadJob(snap, round, cfg, {});
+        loaded.unresponsive = v.unresponsive;
+        v = loaded;
+        break;
+      }
+    }
+    if (step % 7 == 0) OnNodeRegistered(v, round, "a", Node(revision++), cfg);
+    const auto [count, deputies] = walk(v, "a");
+    RoundRecord named = round;
+    named.deputies = {"-"};   // never a real node: the step always names its deputies
+    const StepAction below = DecideStep(v, named, Config(count + 1, 1000), {});
+    ASSERT_EQ(below.kind, StepAction::Kind::kSetDeputies) << "step " << step;
+    EXPECT_EQ(below.deputies, deputies) << "step " << step;
+    EXPECT_FALSE(v.min_reached_at) << "step " << step;
+    if (count == 0) continue;
+    DecideStep(v, named, Config(count, 1000), {});
+    EXPECT_TRUE(v.min_reached_at) << "step " << step << ": " << count << " nodes count";
+  }
 }
 
 TEST(CoordinationProposedTest, FinalizesOnceEveryKnownNodeAckedOrTheWindowPassed) {
@@ -255,7 +320,7 @@ TEST(CoordinationActiveTest, AMembersFailedAckReroundsButNotAStandbys) {
   const RoundRecord round = Round(4, Phase::kActive);
   const auto cfg = Config(1, 2);
   JobView v = ActiveView({"a", "b"});
-  v.registered["s"] = Node(50);
+  v.registered.Put("s", Node(50));
   v.standbys.insert("s");
   OnAck(v, round, "s", Ack(4, AckState::kFailed), cfg, {});
   EXPECT_FALSE(v.reround);
@@ -272,7 +337,7 @@ TEST(CoordinationActiveTest, ALateAckIsAJoinAndDoublesTheWindowUpToEightTimes) {
   const auto cfg = Config(1, 3);
   JobView v = ActiveView({"a"});
   v.window = cfg.liveness_window;
-  v.registered["late"] = Node(20);
+  v.registered.Put("late", Node(20));
   v.unresponsive.insert("late");
   OnAck(v, round, "late", Ack(3), cfg, {});
   EXPECT_FALSE(v.unresponsive.count("late"));
@@ -294,6 +359,26 @@ TEST(CoordinationActiveTest, CompletesWhenEveryMemberIsDoneBeforeAnyReround) {
   RoundRecord done = CompletionRecord(round);
   EXPECT_EQ(done.phase, Phase::kComplete);
   EXPECT_EQ(done.message, "job complete: every worker of round 4 succeeded");
+}
+
+// The done count the active step tests first follows each member's newest ack, also in a view
+// a coordinator loaded when it took over.
+TEST(CoordinationActiveTest, ATakenOverRoundWhoseMembersAreAllDoneCompletesAndALaterAckCounts) {
+  const RoundRecord round = Round(4, Phase::kActive);
+  const auto cfg = Config(1, 3);
+  JobSnapshot snap;
+  snap.nodes = {{"a", Node(1)}, {"b", Node(2)}};
+  snap.acks = {{"a", Ack(4, AckState::kDone)}, {"b", Ack(4, AckState::kDone)}};
+  snap.assigns = {{"a", 10, AssignRecord{4, 0, 0, false}}, {"b", 10, AssignRecord{4, 1, 1, false}}};
+  JobView v = LoadJob(snap, round, cfg, {});
+  EXPECT_EQ(DecideStep(v, round, cfg, {}).kind, StepAction::Kind::kComplete);
+  OnAck(v, round, "b", Ack(4, AckState::kFailed), cfg, {});
+  EXPECT_NE(DecideStep(v, round, cfg, {}).kind, StepAction::Kind::kComplete);
+  OnAck(v, round, "b", Ack(4, AckState::kDone), cfg, {});
+  OnAckDeleted(v, "a");
+  EXPECT_NE(DecideStep(v, round, cfg, {}).kind, StepAction::Kind::kComplete);
+  OnAck(v, round, "a", Ack(4, AckState::kDone), cfg, {});
+  EXPECT_EQ(DecideStep(v, round, cfg, {}).kind, StepAction::Kind::kComplete);
 }
 
 // --- Blame (issue #32): the cause of a round change a worker failure started, named when the
@@ -395,7 +480,7 @@ TEST_F(CoordinationBlameTest, NoCollectiveLostAPeerTheProposalsReasonStandsAndNo
   RoundRecord round = Round(5, Phase::kProposed);
   round.graceful = true;
   round.message = "node d joined";
-  v.registered["d"] = Node(40);
+  v.registered.Put("d", Node(40));
   OnAck(v, round, "a", AckWith(5, kOutcomeDone, "rank 0"), cfg, {});
   for (const char* id : {"b", "c", "d"}) OnAck(v, round, id, Ack(5, AckState::kAck, 7000), cfg, {});
   FinalizeAction act = DecideFinalize(v, round, cfg);
@@ -491,7 +576,7 @@ TEST(CoordinationLoadTest, ATakeoverRebuildsTheRoundAndReroundsForTheVanishedAnd
   EXPECT_EQ(v.leaving, std::set<std::string>{"s"});
   EXPECT_EQ(v.prev_rank, (std::map<std::string, int>{{"a", 0}, {"b", 1}, {"gone", 2}}));
   EXPECT_EQ(v.assign_keys.size(), 6u);
-  EXPECT_EQ(v.acked_round_ids.second, std::set<std::string>{"a"});
+  EXPECT_EQ(v.round_acks.ack, std::set<std::string>{"a"});
   EXPECT_TRUE(v.reround);
   EXPECT_FALSE(v.reround_graceful);
   EXPECT_EQ(v.reround_why, "node r restarted");
