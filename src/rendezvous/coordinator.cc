@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #include "common/log.h"
@@ -14,7 +16,49 @@ namespace {
 using nlohmann::json;
 
 constexpr size_t kAssignBatch = 127;   // puts per txn, under etcd's default --max-txn-ops 128
+constexpr size_t kAssignWriters = 8;   // assignment txns in flight at once (issue #37)
 constexpr size_t kMaxStatusEvents = 32;
+
+}  // namespace
+
+namespace {
+
+// How the assignment txns of a finalize went: all written, or not (a lost compare: error is OK).
+struct BatchesOutcome {
+  bool written = true;
+  Status error;
+};
+
+// Sends `batches`, one txn each guarded by `guard`, with up to kAssignWriters in flight (the
+// client is thread-safe; they are independent: a node starts only once it holds its assignment
+// AND the active record, written after all of them). No batch is issued after the first one that
+// failed or lost its compare. The writer threads are owned here and joined before it returns.
+BatchesOutcome WriteBatches(etcd::Client& client, const etcd::Compare& guard,
+                            const std::vector<std::vector<etcd::TxnOp>>& batches) {
+  std::mutex mu;
+  size_t next = 0;
+  BatchesOutcome out;
+  auto work = [&] {
+    for (;;) {
+      size_t i = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!out.written || next == batches.size()) return;
+        i = next++;
+      }
+      auto txn = client.Txn({guard}, batches[i]);
+      if (txn.ok() && txn->succeeded) continue;
+      std::lock_guard<std::mutex> lock(mu);
+      if (out.written) out = {false, txn.ok() ? Status::OK() : txn.status()};
+    }
+  };
+  {
+    std::vector<std::jthread> writers;
+    for (size_t k = 1; k < std::min(kAssignWriters, batches.size()); ++k) writers.emplace_back(work);
+    work();   // this thread is one of the writers
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -200,29 +244,27 @@ void Coordinator::Finalize() {
     act.writes[i].second.peer_copy = ring[i];
   }
   // Assignments first, in batches, each guarded by the round record we own: a coordinator that
-  // was replaced meanwhile writes nothing.
-  const int64_t guard = host_.round_revision();
-  std::vector<etcd::TxnOp> ops;
+  // was replaced meanwhile writes nothing. The active record only once every batch is written.
+  std::vector<std::vector<etcd::TxnOp>> batches;
   const size_t total = act.writes.size() + act.stale.size();
   for (size_t i = 0; i < total; ++i) {
+    if (i % kAssignBatch == 0) batches.emplace_back();
     if (i < act.writes.size()) {
-      ops.push_back(
+      batches.back().push_back(
           etcd::TxnOp::Put(keys_.Assign(act.writes[i].first), act.writes[i].second.Encode()));
     } else {
-      ops.push_back(etcd::TxnOp::Delete(keys_.Assign(act.stale[i - act.writes.size()])));
+      batches.back().push_back(etcd::TxnOp::Delete(keys_.Assign(act.stale[i - act.writes.size()])));
     }
-    if (ops.size() == kAssignBatch || i + 1 == total) {
-      auto txn = client_.Txn({etcd::Compare::ModRevisionIs(keys_.round, guard)}, ops);
-      ops.clear();
-      if (!txn.ok() || !txn->succeeded) {
-        if (!txn.ok()) {
-          EFDL_LOG_WARN("rdzv {}: writing assignments failed: {}", cfg_.node_id,
-                        txn.status().ToString());
-        }
-        host_.RereadRound();
-        return;
-      }
+  }
+  const BatchesOutcome sent = WriteBatches(
+      client_, etcd::Compare::ModRevisionIs(keys_.round, host_.round_revision()), batches);
+  if (!sent.written) {
+    if (!sent.error.ok()) {
+      EFDL_LOG_WARN("rdzv {}: writing assignments failed: {}", cfg_.node_id,
+                    sent.error.ToString());
     }
+    host_.RereadRound();
+    return;
   }
   AssignmentsWritten(view_, act);
   Record(act.history);

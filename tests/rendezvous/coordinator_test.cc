@@ -2,9 +2,13 @@
 // that a coordinator that lost the round record writes nothing more.
 #include "rendezvous/coordinator.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <deque>
 #include <mutex>
 
@@ -85,6 +89,86 @@ class Host final : public CoordinatorHost {
   std::deque<Queued> queue_;
 };
 
+// Forwards to the in-memory etcd and watches the assignment txns (those that put assign/ keys):
+// how many were sent, how many were in flight at once, and (on request) fails them or has the
+// round record taken over before one of them. Each holds until another is in flight (or a second
+// passed), so txns sent a few at a time overlap and txns sent one at a time never do.
+class AssignWatchingClient final : public etcd::Client {
+ public:
+  AssignWatchingClient(etcd::Client& inner, const JobKeys& keys) : inner_(inner), keys_(keys) {}
+
+  void FailAssignments() { fail_ = true; }
+  // Before the `n`th assignment txn (1-based) goes out, another node takes over the round record.
+  void TakeOverBeforeAssignment(int n) { take_over_at_ = n; }
+  int sent() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sent_;
+  }
+  int max_in_flight() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return max_in_flight_;
+  }
+
+  Result<etcd::RangeResult> Range(const std::string& k, const etcd::RangeOptions& o) override {
+    return inner_.Range(k, o);
+  }
+  Result<std::optional<etcd::KeyValue>> Get(const std::string& k) override { return inner_.Get(k); }
+  Result<etcd::PutResult> Put(const std::string& k, const std::string& v, int64_t l) override {
+    return inner_.Put(k, v, l);
+  }
+  Result<etcd::DeleteResult> Delete(const std::string& k, bool p) override {
+    return inner_.Delete(k, p);
+  }
+  Result<etcd::TxnResult> Txn(const std::vector<etcd::Compare>& c,
+                              const std::vector<etcd::TxnOp>& t,
+                              const std::vector<etcd::TxnOp>& o) override {
+    const bool assignment = std::any_of(t.begin(), t.end(), [&](const etcd::TxnOp& op) {
+      return op.type == etcd::TxnOp::Type::kPut && op.key.starts_with(keys_.assign);
+    });
+    if (!assignment) return inner_.Txn(c, t, o);
+    bool take_over = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      take_over = ++sent_ == take_over_at_;
+      max_in_flight_ = std::max(max_in_flight_, ++in_flight_);
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return max_in_flight_ > 1; });
+    }
+    if (take_over) {
+      auto kv = inner_.Get(keys_.round);
+      auto rec = RoundRecord::Decode((*kv)->value);
+      rec->coordinator = "b";
+      rec->round += 1;
+      EXPECT_TRUE(inner_.Put(keys_.round, rec->Encode()).ok());
+    }
+    auto result = fail_ ? Result<etcd::TxnResult>(Status::Unavailable("injected"))
+                        : inner_.Txn(c, t, o);
+    std::lock_guard<std::mutex> lock(mu_);
+    --in_flight_;
+    return result;
+  }
+  Result<etcd::LeaseGrantResult> LeaseGrant(int64_t ttl) override { return inner_.LeaseGrant(ttl); }
+  Status LeaseRevoke(int64_t id) override { return inner_.LeaseRevoke(id); }
+  Result<int64_t> LeaseTimeToLive(int64_t id) override { return inner_.LeaseTimeToLive(id); }
+  Result<std::unique_ptr<etcd::LeaseKeeper>> KeepAlive(int64_t id,
+                                                       std::function<void()> on_lost) override {
+    return inner_.KeepAlive(id, std::move(on_lost));
+  }
+  Result<std::unique_ptr<etcd::Watch>> StartWatch(const std::string& k, const etcd::WatchOptions& o,
+                                                  etcd::WatchCallback cb) override {
+    return inner_.StartWatch(k, o, std::move(cb));
+  }
+
+ private:
+  etcd::Client& inner_;
+  const JobKeys& keys_;
+  std::atomic<bool> fail_{false};
+  int take_over_at_ = 0;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int sent_ = 0, in_flight_ = 0, max_in_flight_ = 0;
+};
+
 class CoordinatorTest : public ::testing::Test {
  protected:
   CoordinatorTest() : keys_("job"), host_(etcd_, keys_) {}
@@ -138,6 +222,31 @@ class CoordinatorTest : public ::testing::Test {
     PutAck("b", 1, AckState::kAck, 7002);
     host_.Pump(etcd_, c);
     c.Step(CoordClock::now());
+  }
+
+  // `n` nodes (a, the coordinator, then n0001...) proposed round 1 at MAX = n and every one
+  // acked it: the next step finalizes, with ceil(n / 127) assignment txns.
+  void ProposeToMany(Coordinator& c, int n) {
+    RoundRecord gathering;
+    gathering.round = 1;
+    gathering.coordinator = "a";
+    PutRound(gathering);
+    std::vector<std::string> ids{"a"};
+    for (int i = 1; i < n; ++i) ids.push_back(fmt::format("n{:04d}", i));
+    for (const auto& id : ids) Register(id);
+    c.Start();
+    ASSERT_TRUE(c.active());
+    c.Step(CoordClock::now());
+    ASSERT_EQ(StoredRound().phase, Phase::kProposed);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      PutAck(ids[i], 1, AckState::kAck, static_cast<uint16_t>(7000 + i));
+    }
+    host_.Pump(etcd_, c);
+  }
+  CoordinatorConfig ManyConfig(int n) const {
+    CoordinatorConfig cfg = config_;
+    cfg.max_nodes = n;
+    return cfg;
   }
 
   testing::MemoryEtcd etcd_;
@@ -229,6 +338,59 @@ TEST_F(CoordinatorTest, ACoordinatorThatLostTheRoundRecordWritesNoAssignments) {
   EXPECT_FALSE(StoredAssign("b"));
   EXPECT_EQ(host_.rereads, rereads + 1);
   EXPECT_EQ(host_.round().coordinator, "b");
+}
+
+// Issue #37: the assignment txns of a large round go out a few at a time, not one after another,
+// and the active record only after all of them.
+TEST_F(CoordinatorTest, AssignmentBatchesAreSentSeveralAtATimeThenTheActiveRecord) {
+  constexpr int kNodes = 3 * 127 + 5;   // 4 txns
+  AssignWatchingClient client(etcd_, keys_);
+  Coordinator c(client, keys_, ManyConfig(kNodes), host_);
+  ProposeToMany(c, kNodes);
+  c.Step(CoordClock::now());
+  EXPECT_EQ(client.sent(), 4);
+  EXPECT_GT(client.max_in_flight(), 1);
+  const RoundRecord round = StoredRound();
+  EXPECT_EQ(round.phase, Phase::kActive);
+  EXPECT_EQ(round.nnodes, kNodes);
+  auto assigns = etcd_.Range(keys_.assign, {.prefix = true, .count_only = true});
+  ASSERT_TRUE(assigns.ok());
+  EXPECT_EQ(assigns->count, kNodes);
+}
+
+// A failed batch stops the others from being sent (8 at most were in flight) and writes no
+// active record: the coordinator re-reads the round record, as for one txn.
+TEST_F(CoordinatorTest, AFailedAssignmentBatchWritesNoActiveRecordAndStopsTheRest) {
+  constexpr int kNodes = 12 * 127;   // 12 txns, more than are ever in flight at once
+  AssignWatchingClient client(etcd_, keys_);
+  Coordinator c(client, keys_, ManyConfig(kNodes), host_);
+  ProposeToMany(c, kNodes);
+  client.FailAssignments();
+  const int rereads = host_.rereads;
+  c.Step(CoordClock::now());
+  EXPECT_LE(client.sent(), 8);
+  EXPECT_EQ(StoredRound().phase, Phase::kProposed);
+  EXPECT_EQ(host_.rereads, rereads + 1);
+}
+
+// A batch that loses its compare (another node took the round record over while they were in
+// flight) writes nothing, and no active record is written.
+TEST_F(CoordinatorTest, AnAssignmentBatchThatLostTheRoundRecordWritesNoActiveRecord) {
+  constexpr int kNodes = 12 * 127;
+  AssignWatchingClient client(etcd_, keys_);
+  Coordinator c(client, keys_, ManyConfig(kNodes), host_);
+  ProposeToMany(c, kNodes);
+  client.TakeOverBeforeAssignment(3);
+  const int rereads = host_.rereads;
+  c.Step(CoordClock::now());
+  const RoundRecord round = StoredRound();
+  EXPECT_EQ(round.coordinator, "b");
+  EXPECT_EQ(round.phase, Phase::kProposed);
+  EXPECT_EQ(host_.rereads, rereads + 1);
+  EXPECT_EQ(host_.round().coordinator, "b");
+  auto assigns = etcd_.Range(keys_.assign, {.prefix = true, .count_only = true});
+  ASSERT_TRUE(assigns.ok());
+  EXPECT_LT(assigns->count, kNodes);   // the batch sent after the takeover wrote nothing
 }
 
 TEST_F(CoordinatorTest, EveryMemberDoneCompletesTheJob) {

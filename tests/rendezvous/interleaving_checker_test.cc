@@ -832,6 +832,14 @@ class World {
       Reread(i);
       return;
     }
+    // coordinator.cc sends these in txns of 127, several at once, each guarded by the same round
+    // revision, and writes the active record only after every one succeeded. Modelled as one
+    // step: a batch whose compare held was applied while the round record was the one checked
+    // here, and any batch applied after a competing write of it fails its compare, so the
+    // batches that land are, in etcd's order, all before that write (sent one after another,
+    // they were a prefix; sent together, any subset). Either way the rest is assignments of a
+    // round whose active record is never written, which no node starts (MayStart needs both);
+    // this model leaves such partial writes out, as it did when they were sent in order.
     std::vector<Op> ops;
     for (const auto& [id, a] : act.writes) ops.push_back({false, keys_.Assign(id), a.Encode(), 0});
     for (const auto& id : act.stale) ops.push_back({true, keys_.Assign(id), "", 0});
