@@ -53,8 +53,9 @@ BatchesOutcome WriteBatches(etcd::Client& client, const etcd::Compare& guard,
     }
   };
   {
-    std::vector<std::jthread> writers;
-    for (size_t k = 1; k < std::min(kAssignWriters, batches.size()); ++k) writers.emplace_back(work);
+    std::vector<std::jthread> writers;   // joined when this block ends
+    const size_t n = std::min(kAssignWriters, batches.size());
+    for (size_t k = 1; k < n; ++k) writers.emplace_back(work);
     work();   // this thread is one of the writers
   }
   return out;

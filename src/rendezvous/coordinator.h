@@ -4,6 +4,8 @@
 //
 // Threading: used only by the node's driver thread (EtcdRendezvous), like everything it calls
 // back through CoordinatorHost. Its watches deliver through the host, which queues them.
+// Finalize sends the assignment txns from up to 8 threads of its own (the client only), joined
+// before it returns.
 #pragma once
 
 #include <nlohmann/json.hpp>

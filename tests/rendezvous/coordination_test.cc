@@ -120,7 +120,9 @@ TEST(CoordinationGatheringTest, CountAndDeputiesAgreeWithAWalkOverJoinsLeavesAnd
     }
     std::sort(others.begin(), others.end());
     std::vector<std::string> deputies;
-    for (size_t i = 0; i < others.size() && i < kMaxDeputies; ++i) deputies.push_back(others[i].second);
+    for (size_t i = 0; i < others.size() && i < kMaxDeputies; ++i) {
+      deputies.push_back(others[i].second);
+    }
     return std::make_pair(count, deputies);
   };
   std::mt19937 rng(37);
