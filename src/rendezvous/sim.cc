@@ -32,6 +32,7 @@ void TrafficCounters::Reset() {
   bytes_received = 0;
   watch_events = 0;
   watches_started = 0;
+  leases_lost = 0;
 }
 
 namespace {
@@ -125,14 +126,21 @@ Result<std::unique_ptr<etcd::LeaseKeeper>> SimNodeClient::KeepAlive(
     int64_t lease_id, std::function<void()> on_lost) {
   EFDL_RETURN_IF_ERROR(CheckCut());
   ++counters_.requests;   // its time-to-live read
-  return inner_.KeepAlive(lease_id, std::move(on_lost));
+  return inner_.KeepAlive(lease_id, CountingLoss(std::move(on_lost)));
+}
+
+std::function<void()> SimNodeClient::CountingLoss(std::function<void()> on_lost) {
+  return [cut = cut_, counters = &counters_, f = std::move(on_lost)] {
+    if (!*cut) ++counters->leases_lost;
+    if (f) f();
+  };
 }
 
 Result<std::unique_ptr<etcd::LeaseKeeper>> SimNodeClient::KeepGranted(
     const etcd::LeaseGrantResult& granted, std::chrono::steady_clock::time_point asked,
     std::function<void()> on_lost) {
   EFDL_RETURN_IF_ERROR(CheckCut());
-  return inner_.KeepGranted(granted, asked, std::move(on_lost));
+  return inner_.KeepGranted(granted, asked, CountingLoss(std::move(on_lost)));
 }
 
 Result<std::unique_ptr<etcd::Watch>> SimNodeClient::StartWatch(const std::string& key,
@@ -477,9 +485,11 @@ Result<SimReport> RunScaleSim(etcd::Client& client, const SimOptions& options) {
     s.bytes = h.counters().bytes_sent + h.counters().bytes_received;
     s.watch_events = h.counters().watch_events;
     s.watches_started = h.counters().watches_started;
+    s.leases_lost = h.counters().leases_lost;
     EFDL_LOG_INFO("sim N={}: {} {} in {:.3f} s ({} requests, {} bytes, {} watch events, {} "
-                  "watches started)", options.nodes, name, s.ok ? "done" : "FAILED", s.seconds,
-                  s.requests, s.bytes, s.watch_events, s.watches_started);
+                  "watches started, {} leases of live nodes lost)", options.nodes, name,
+                  s.ok ? "done" : "FAILED", s.seconds, s.requests, s.bytes, s.watch_events,
+                  s.watches_started, s.leases_lost);
     report.scenarios.push_back(s);
     return s.ok;
   };
@@ -569,6 +579,7 @@ std::string SimReport::ToJson() const {
                    {"bytes", s.bytes},
                    {"watch_events", s.watch_events},
                    {"watches_started", s.watches_started},
+                   {"leases_lost", s.leases_lost},
                    {"agent_cpu_ms_per_node", s.agent_cpu_ms_per_node},
                    {"etcd_cpu_ms", s.etcd_cpu_ms},
                    {"error", s.error}});

@@ -25,6 +25,9 @@ struct TrafficCounters {
   std::atomic<int64_t> bytes_received{0};  // keys + values in answers and watch events
   std::atomic<int64_t> watch_events{0};
   std::atomic<int64_t> watches_started{0};
+  // Leases of nodes that were not cut off that etcd or the keep-alive declared lost: a live node
+  // fenced out by its own starvation (a killed or crashed node's lease is not counted).
+  std::atomic<int64_t> leases_lost{0};
   void Reset();
 };
 
@@ -60,6 +63,8 @@ class SimNodeClient final : public etcd::Client {
 
  private:
   Status CheckCut() const;
+  // `on_lost`, counting the loss first unless this node was cut off.
+  std::function<void()> CountingLoss(std::function<void()> on_lost);
   etcd::Client& inner_;
   TrafficCounters& counters_;
   std::shared_ptr<std::atomic<bool>> cut_;
@@ -95,6 +100,7 @@ struct SimScenario {
   int64_t bytes = 0;                      // sent + received
   int64_t watch_events = 0;
   int64_t watches_started = 0;
+  int64_t leases_lost = 0;                // TrafficCounters::leases_lost
   double agent_cpu_ms_per_node = 0;       // this process's CPU during the scenario / nodes
   double etcd_cpu_ms = 0;                 // etcd's CPU during the scenario (-1: unknown)
   std::string error;

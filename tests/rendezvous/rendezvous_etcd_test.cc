@@ -258,12 +258,42 @@ TEST_F(RealEtcdTest, ScaleSimRunsEveryScenarioWithLinearTraffic) {
   for (const auto& s : report->scenarios) {
     EXPECT_TRUE(s.ok) << s.name << ": " << s.error;
     EXPECT_LT(s.seconds, 10) << s.name;
+    // Only killed and crashed nodes lose their leases here (they are not counted).
+    EXPECT_EQ(s.leases_lost, 0) << s.name;
   }
   // One killed node: about N requests (acks) plus a handful.
   EXPECT_LE(report->scenarios[1].requests, o.nodes + 15) << report->ToJson();
   // The re-round under the same coordinator: the members follow it through the watch they kept
   // (node_rules.h FollowWatch), not one new watch each.
   EXPECT_LE(report->scenarios[1].watches_started, 10) << report->ToJson();
+}
+
+// The simulator's leases_lost counts a live node's lost lease, never a cut-off (killed or
+// crashed) node's: what shows a job losing nodes to its own starvation (issue #37).
+TEST_F(RealEtcdTest, TheSimulatorCountsLostLeasesOfLiveNodesOnly) {
+  TrafficCounters counters;
+  SimNodeClient live(*client_, counters);
+  SimNodeClient killed(*client_, counters);
+  std::atomic<int> told{0};
+  std::vector<int64_t> leases;
+  auto keep = [&](SimNodeClient& c) {
+    auto granted = c.LeaseGrant(3);
+    EXPECT_TRUE(granted.ok());
+    leases.push_back(granted->id);
+    auto keeper = c.KeepGranted(*granted, std::chrono::steady_clock::now(), [&] { ++told; });
+    EXPECT_TRUE(keeper.ok());
+    return std::move(keeper).value();
+  };
+  auto k1 = keep(live);
+  auto k2 = keep(killed);
+  killed.Cut();   // as the simulator kills a node: cut off, then its lease revoked by "etcd"
+  for (int64_t lease : leases) EXPECT_TRUE(client_->LeaseRevoke(lease).ok());
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (told.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(told.load(), 2) << "both keepers report their lease lost";
+  EXPECT_EQ(counters.leases_lost.load(), 1) << "only the live node's counts";
 }
 
 // Issue #37: a registration is a lease grant and one txn (the job's first node: one more to
