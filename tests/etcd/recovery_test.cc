@@ -171,8 +171,13 @@ TEST(EtcdRecovery, CallsFailWithinDeadlineWhileEtcdIsDownAndWorkAgainAfterRestar
   EXPECT_NE(get.status().message().find(etcd->endpoint()), std::string::npos)
       << get.status().ToString();
   ASSERT_TRUE(etcd->Restart().ok());
-  auto again = client->Get("/down/k");
+  // The same client, without reconnecting by hand, serves calls again. Its channel may still be
+  // waiting out gRPC's reconnect back-off (up to 1.2 s), and a call's retries within its 1.5 s
+  // deadline once missed the reconnection on a loaded machine: allow a few calls.
+  Result<std::optional<KeyValue>> again = Status::Unavailable("not called");
+  for (int call = 0; call < 3 && !again.ok(); ++call) again = client->Get("/down/k");
   ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ASSERT_TRUE(again->has_value());
   EXPECT_EQ((*again)->value, "1");
 }
 
