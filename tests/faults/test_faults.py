@@ -450,7 +450,7 @@ def test_storage_fault_mid_run_does_not_stop_training(make_job, fault):
     step gap above 5 s), the failure is reported, and persistence recovers: a snapshot newer
     than the repair reaches storage while the job still trains (not only the end-of-job
     persist), and the final one at the end."""
-    job = make_job("storage-" + fault, steps=80, nnodes="2:2",
+    job = make_job("storage-" + fault, steps=150, nnodes="2:2",
                    env={"FAULT_BALLAST_MB": "1"})
     fs = faultlib.Tmpfs(os.path.join(job.dir, "mnt"), "8m")
     if not fs.mounted:
@@ -470,10 +470,12 @@ def test_storage_fault_mid_run_does_not_stop_training(make_job, fault):
                            check=True)
         broken_at = max(e["step"] for e in job.events({"STEP"}))
         job.wait_step(broken_at + 10, world=2)
-        out = "\n".join(a.output() for a in job.all_agents)
         expected = {"disk-full": "no space left", "read-only": "read-only file system",
                     "deleted": "snapshot directory"}[fault]
-        assert expected in out.lower(), "the storage failure was not reported\n" + job.dump()
+        # Reported by the persister's next attempt: within 10 steps on a quiet machine, once
+        # later under CI load (ci10 on 072c61a); training goes on meanwhile.
+        job.wait_for(lambda: expected in "\n".join(a.output() for a in job.all_agents).lower(),
+                     20, "the storage failure reported (%r)" % expected)
         if fault == "disk-full":
             os.remove(filler)
         elif fault == "read-only":
