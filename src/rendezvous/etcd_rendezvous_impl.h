@@ -189,7 +189,6 @@ class EtcdRendezvous final : public Rendezvous, private CoordinatorHost {
   void RequestResync() override;
 
   // --- node side ---
-  Status CheckSameProgram();   // Join: refuses a program other than the registered nodes'
   Status Register();           // Registration::Open, then take the round it read
   // Join() found the node id taken: waits (up to the join timeout) while the holder's lease is
   // not being renewed — the registration of a previous agent of this node that died — and

@@ -55,7 +55,6 @@ Status EtcdRendezvous::Join() {
   }
   if (opt_.nproc < 1) return Status::InvalidArgument("--nproc-per-node must be at least 1");
   if (driver_.started()) return Status::FailedPrecondition("Join() was already called");
-  EFDL_RETURN_IF_ERROR(CheckSameProgram());
   unplaced_.SpreadCounts(opt_.max_nodes, UnitRandom());
   Status s = Register();
   // An etcd too slow to answer a registration in time (thousands of agents starting at once):
@@ -74,48 +73,6 @@ Status EtcdRendezvous::Join() {
   driver_.Start([this](std::deque<Input>& batch) { RunBatch(batch); },
                 [this] { return NextDeadline(); });
   return Status::OK();
-}
-
-// O(1) in etcd per join (issue #37): every node of the job passed this check when it joined,
-// so one other node's program is enough - the coordinator's, named in the round record (two
-// point reads). Only when the record names no coordinator (the job's first node, a resumed job)
-// or its key is gone (a takeover is under way) does it read the first two node records (a
-// range with a limit of 2: the values of at most 2 records, though etcd 3.4 still walks the
-// nodes/ index for it, so it stays the exception). Reading every record instead cost O(N) per
-// join, O(N^2) for a job forming. Two different programs joining at once can still
-// both pass (neither sees the other's record yet); that race is as old as the check and stays.
-Status EtcdRendezvous::CheckSameProgram() {
-  if (opt_.program.empty()) return Status::OK();
-  std::optional<etcd::KeyValue> other;
-  auto round = client_.Get(keys_.round);
-  if (!round.ok()) return round.status().WithContext("cannot read the job's round record");
-  if (round->has_value()) {
-    auto rec = RoundRecord::Decode((*round)->value);
-    if (rec.ok() && !rec->coordinator.empty() && rec->coordinator != opt_.node_id) {
-      auto coordinator = client_.Get(keys_.Node(rec->coordinator));
-      if (!coordinator.ok()) {
-        return coordinator.status().WithContext("cannot read the job's nodes");
-      }
-      other = std::move(*coordinator);
-    }
-  }
-  if (!other) {
-    auto first = client_.Range(keys_.nodes, {.prefix = true, .limit = 2});
-    if (!first.ok()) return first.status().WithContext("cannot read the job's nodes");
-    for (auto& kv : first->kvs) {
-      if (kv.key != keys_.Node(opt_.node_id)) {
-        other = std::move(kv);
-        break;
-      }
-    }
-  }
-  if (!other) return Status::OK();
-  auto rec = NodeRecord::Decode(other->value);
-  if (!rec.ok() || rec->program.empty() || rec->program == opt_.program) return Status::OK();
-  return Status::FailedPrecondition(fmt::format(
-      "job '{}' runs {} (node {}), this node {}: the nodes of one job run one program. Give "
-      "this one its own --job, or start it with the same command as the others",
-      opt_.job_id, rec->program, other->key.substr(keys_.nodes.size()), opt_.program));
 }
 
 Status EtcdRendezvous::WaitOutStaleRegistration(Status taken) {

@@ -22,6 +22,7 @@ JobKeys::JobKeys(const std::string& job_id)
       assign(prefix + "assign/"),
       ack(prefix + "ack/"),
       round(prefix + "round"),
+      program(prefix + "program"),
       status(prefix + "status"),
       complete(prefix + "complete"),
       suspended(prefix + "suspended/"),

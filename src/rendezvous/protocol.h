@@ -16,6 +16,11 @@
 //                    Written by the node itself; only the coordinator watches the ack/ prefix.
 //                    The coordinator that forms a round names its cause from po (coordination.h
 //                    NameCause).
+//   P program        lease-bound to the node that wrote it; the program (script name) of the
+//                    job's nodes. The registration txn of a node that names its program
+//                    compares it (registration.h Open): the check costs no request while the
+//                    writer lives. Once it is gone, the next node to join reads the live nodes'
+//                    records (2 point reads, at most a range of 2) and writes it again.
 //   P status         written by the coordinator once per round for `efdl status` (never watched).
 //   P complete       present once every member of a round reported success.
 //   P suspended/<node>  not lease-bound; {step (int or null), t, seq, epoch}: written by each
@@ -114,6 +119,7 @@ struct JobKeys {
   std::string assign;          // prefix + "assign/"
   std::string ack;             // prefix + "ack/"
   std::string round;
+  std::string program;         // prefix + "program" (see KEYS)
   std::string status;
   std::string complete;
   std::string suspended;       // prefix + "suspended/"

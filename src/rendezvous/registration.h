@@ -70,8 +70,10 @@ class Registration {
   // Grants a lease (the TTL rounded up to whole seconds) and keeps it alive, puts the node key
   // under it and reads the round record in the same request (the job's first node creates it
   // from `fresh`), then watches the round and this node's assignment from there, and the
-  // give-up records from the first registration on. AlreadyExists: an agent whose lease is kept
-  // alive holds the node id. FailedPrecondition: the job is suspended. On an error nothing of
+  // give-up records from the first registration on. A node that names its program (me.program)
+  // registers only if it is the job's (the P program key, compared in the same request; see
+  // RegisterNode). AlreadyExists: an agent whose lease is kept alive holds the node id.
+  // FailedPrecondition: the job is suspended, or runs another program. On an error nothing of
   // the attempt stays in etcd and an earlier registration is untouched.
   Result<Joined> Open(const NodeRecord& me, std::chrono::milliseconds ttl,
                       const RoundRecord& fresh);
@@ -112,6 +114,17 @@ class Registration {
   bool MayPublish(double committed_at) const { return kept_.MayPublish(committed_at); }
 
  private:
+  // The registration txn under `lease`: puts the node key unless a live agent holds it and reads
+  // the round record. With a program named, the txn also compares P program with it; when no
+  // such key exists (the job's first node, or the node that wrote it is gone) the live nodes'
+  // records are checked (CheckLiveNodesProgram) and the txn writes the key under `lease`.
+  // Not succeeded: the node key is taken. FailedPrecondition: another program.
+  Result<etcd::TxnResult> RegisterNode(const NodeRecord& me, int64_t lease);
+  // Compares `program` with a live node's record: the coordinator's named in the round record
+  // (two point reads), else one of the first two node records (a range with a limit of 2).
+  Status CheckLiveNodesProgram(const std::string& program);
+  Status OtherProgram(const std::string& runs, const std::string& node,
+                      const std::string& program) const;
 
   etcd::Client& client_;
   const JobKeys& keys_;

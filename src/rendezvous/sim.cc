@@ -268,7 +268,7 @@ class Harness {
     o.node_id = node->id;
     o.advertise_addr = "127.0.0.1";
     // As an agent's (src/cli/run_config.cc: the script's name), so each join checks the job's
-    // program as a real agent's does (CheckSameProgram) instead of skipping that read.
+    // program as a real agent's does (registration.cc RegisterNode) instead of skipping it.
     o.program = "train.py";
     o.min_nodes = std::max(1, opt_.nodes / 2);
     o.max_nodes = opt_.nodes;

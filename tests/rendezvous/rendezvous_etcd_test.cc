@@ -323,6 +323,61 @@ TEST_F(RealEtcdTest, ARegistrationIsALeaseGrantAndOneTxn) {
   second.Release();
 }
 
+// Issue #37: a node that names its program (every real agent does) registers with the same two
+// requests as one that does not, while the node that wrote P program lives; after it is gone the
+// next node reads the live nodes' records once and writes the key again. Another program is
+// refused, whoever wrote the key, and may use the job id once every node is gone.
+TEST_F(RealEtcdTest, TheProgramCheckCostsNoRequestWhileTheKeysWriterLives) {
+  TrafficCounters counters;
+  SimNodeClient counted(*client_, counters);
+  const JobKeys keys("progkey");
+  Registration::Callbacks cb;
+  cb.watch = [](Registration::Stream, uint64_t) -> etcd::WatchCallback {
+    return [](const etcd::WatchUpdate&) {};
+  };
+  cb.coordinator_deleted = [](uint64_t, const std::string&, int64_t) {};
+  cb.lease_lost = [](int64_t) {};
+  RoundRecord fresh;
+  fresh.round = 1;
+  fresh.phase = Phase::kGathering;
+  const NodeRecord train{"127.0.0.1", 1, "train.py", ""};
+  const NodeRecord other{"127.0.0.1", 1, "eval.py", ""};
+  std::vector<std::unique_ptr<Registration>> regs;
+  auto open = [&](const std::string& id, const NodeRecord& me) {
+    counters.Reset();
+    regs.push_back(std::make_unique<Registration>(counted, keys, "progkey", id, cb));
+    return regs.back()->Open(me, 10s, fresh).status();
+  };
+  auto registered = [&](const std::string& id) {
+    auto kv = client_->Get(keys.Node(id));
+    return kv.ok() && kv->has_value();
+  };
+  ASSERT_TRUE(open("a", train).ok());
+  ASSERT_TRUE(open("b", train).ok());
+  EXPECT_EQ(counters.requests.load(), 2) << "grant and register txn";
+  Status refused = open("x", other);
+  EXPECT_TRUE(refused.IsFailedPrecondition()) << refused.ToString();
+  EXPECT_NE(refused.message().find("job 'progkey' runs train.py (node "), std::string::npos)
+      << refused.ToString();
+  EXPECT_FALSE(registered("x"));
+  regs[0]->Release();   // a wrote P program: it goes with a's lease
+  auto key = client_->Get(keys.program);
+  ASSERT_TRUE(key.ok());
+  EXPECT_FALSE(key->has_value());
+  refused = open("y", other);
+  EXPECT_NE(refused.message().find("job 'progkey' runs train.py (node b)"), std::string::npos)
+      << "b still runs it: " << refused.ToString();
+  EXPECT_FALSE(registered("y"));
+  ASSERT_TRUE(open("c", train).ok());
+  EXPECT_EQ(counters.requests.load(), 5)
+      << "grant, register txn, the round record, a range of 2 node records, claiming txn";
+  ASSERT_TRUE(open("d", train).ok());
+  EXPECT_EQ(counters.requests.load(), 2) << "c wrote the key again";
+  for (auto& r : regs) r->Release();
+  EXPECT_TRUE(open("z", other).ok()) << "no node of the job is left";
+  regs.back()->Release();
+}
+
 // Issue #37: a join of a node that names its program (every real agent does) reads one other
 // node's record - the coordinator's - whatever the size of the job, not every record.
 TEST_F(RealEtcdTest, AJoinWithAProgramReadsTheSameWhateverTheJobsSize) {
