@@ -16,10 +16,8 @@ double Median(std::vector<double> v) {
 }  // namespace
 
 std::chrono::milliseconds PublishPeriod(const StragglerPolicy& policy, int nnodes) {
-  std::chrono::milliseconds p = policy.window / kWindowsToName;
-  const std::chrono::milliseconds scale{static_cast<int64_t>(nnodes) * 1000 /
-                                        kMaxSummariesPerSecond};
-  return std::max({p, kMinPeriod, scale});
+  const std::chrono::milliseconds p = policy.window / kWindowsToName;
+  return std::max({p, kMinPeriod, JobRatePeriod(nnodes)});
 }
 
 void ComputeWindow::Add(int rank, StragglerClock::time_point now, int64_t compute_ns,

@@ -32,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "common/job_rate.h"
+
 namespace efdl::health {
 
 using StragglerClock = std::chrono::steady_clock;
@@ -44,9 +46,6 @@ inline constexpr double kMinExcessSeconds = 0.01;
 inline constexpr int kWindowsToName = 3;
 // Periods are never shorter than this (the agent samples the board about once a second).
 inline constexpr std::chrono::milliseconds kMinPeriod{std::chrono::seconds(2)};
-// At scale the period grows so that the job's summaries stay below this many etcd writes per
-// second (and the judge reads the N summaries at most once per period): N / this seconds.
-inline constexpr int kMaxSummariesPerSecond = 100;
 
 struct StragglerPolicy {
   double factor = 2.0;                                             // 0: detection off
@@ -56,7 +55,10 @@ struct StragglerPolicy {
 };
 
 // The period of each node's summary and of the judge's reading, in a job of `nnodes` nodes:
-// window / kWindowsToName, at least kMinPeriod and at least nnodes / kMaxSummariesPerSecond s.
+// window / kWindowsToName, at least kMinPeriod and at least src/common/job_rate.h
+// JobRatePeriod(nnodes): at scale the period grows so that the job's summaries stay below
+// kJobRequestsPerSecond etcd writes per second (and the judge reads the N summaries at most once
+// per period).
 std::chrono::milliseconds PublishPeriod(const StragglerPolicy& policy, int nnodes);
 
 // One node's side: its ranks' compute-time samples and their summary.

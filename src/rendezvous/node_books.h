@@ -5,6 +5,7 @@
 //   AckBook      what this node told in its ack key, and the outcome it still has to tell;
 //   JobEndCheck  after a peer gave up: whether this node's own break ends the job here too;
 // and its clocks:
+//   PacedCount     the pace of a count of the registered nodes (Unplaced's, JobEndCheck's);
 //   Unplaced       while the node has no place: since when, and its waiting notices;
 //   TakeoverClock  whom it follows, when it takes over from them, the takeovers it saw;
 //   RejoinClock    after a fence or a withdrawal: when it registers again, until when it may try,
@@ -24,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "common/job_rate.h"
 #include "common/thread_annotations.h"
 #include "rendezvous/node_rules.h"
 #include "rendezvous/protocol.h"
@@ -159,13 +161,55 @@ class AckBook {
 // Counting the job's registered nodes (a count-only range over nodes/) costs etcd O(N): etcd 3.4
 // walks the whole nodes/ index for it. A node that counts N nodes counts again at most once per
 // CountGap(N): at least `floor`, and long enough that N nodes counting as often send at most
-// kCountsPerSecond counts per second together, at any N (as src/health/straggler_rules.h
-// PublishPeriod bounds the straggler reads; issue #37).
-inline constexpr int64_t kCountsPerSecond = 100;
+// kJobRequestsPerSecond counts per second together, at any N (src/common/job_rate.h
+// JobRatePeriod, which also bounds the straggler reads of src/health/straggler_rules.h
+// PublishPeriod; issue #37).
 inline std::chrono::milliseconds CountGap(int64_t nodes, std::chrono::milliseconds floor) {
-  return std::max(floor, std::chrono::milliseconds(std::max<int64_t>(nodes, 0) * 1000 /
-                                                   kCountsPerSecond));
+  return std::max(floor, JobRatePeriod(nodes));
 }
+
+// The pace of one node's counts of the registered nodes, for Unplaced and JobEndCheck: when the
+// next count is due, the gap after a count (CountGap of the count, at least `floor`), this node's
+// own point within a first count's gap (so that nodes that began together do not count
+// together), and, while the node does not count, a count that fell due moving on by whole gaps
+// (so that it keeps its point and the nodes do not all count at once when they count again).
+// Driver thread only.
+class PacedCount {
+ public:
+  PacedCount(std::chrono::milliseconds floor, TimePoint due)
+      : floor_(floor), gap_(floor), due_(due) {}
+  // This node's point (`unit_random` in [0, 1)) in a job of `nodes` nodes, whose CountGap is the
+  // gap until the first count.
+  void Spread(int64_t nodes, double unit_random) {
+    unit_ = unit_random;
+    gap_ = CountGap(nodes, floor_);
+  }
+  bool spread() const { return unit_.has_value(); }
+  // This node's point within JobRatePeriod(nodes) (zero before Spread).
+  Clock::duration PointWithin(int64_t nodes) const {
+    return std::chrono::duration_cast<Clock::duration>(JobRatePeriod(nodes) * unit_.value_or(0));
+  }
+  TimePoint due() const { return due_; }
+  Clock::duration gap() const { return gap_; }
+  void DueAt(TimePoint at) { due_ = at; }
+  bool Due(TimePoint now) const { return now >= due_; }
+  // A count made at `at` counted `nodes`: the next one waits CountGap(nodes).
+  void Counted(TimePoint at, int64_t nodes) {
+    gap_ = CountGap(nodes, floor_);
+    due_ = at + gap_;
+  }
+  // Not counting now: a count that fell due moves on by whole gaps (none due: unchanged).
+  void NotCounting(TimePoint now) {
+    if (due_ != TimePoint::max() && due_ <= now) due_ += gap_ * ((now - due_) / gap_ + 1);
+  }
+
+ private:
+  std::chrono::milliseconds floor_;
+  Clock::duration gap_;                // CountGap of the last count, or of the spread's job
+                                       // (`floor` before either)
+  TimePoint due_;                      // TimePoint::max(): none due
+  std::optional<double> unit_;         // this node's point (Spread)
+};
 
 // After a peer gave up: whether this node can still wait for the job to go on. It cannot when
 // its own workers failed too, or its round broke with the peer's failure; then it counts the
@@ -196,47 +240,34 @@ class JobEndCheck {
   // CountGap(job_nodes) (`unit_random` in [0, 1) picks it, once per node), never later than a
   // check already due, never sooner than the gap after the last check.
   void CheckFrom(TimePoint now, int64_t job_nodes, double unit_random) {
-    if (!spread_) {
-      spread_ = unit_random;
-      gap_ = CountGap(job_nodes, kCheckInterval);
-    }
-    const auto at = now + std::chrono::duration_cast<Clock::duration>(
-                              CountGap(job_nodes, std::chrono::milliseconds(0)) * *spread_);
-    next_check_ = std::max(std::min(next_check_, at), last_check_ + gap_);
+    if (!pace_.spread()) pace_.Spread(job_nodes, unit_random);
+    const TimePoint at = now + pace_.PointWithin(job_nodes);
+    pace_.DueAt(std::max(std::min(pace_.due(), at), last_check_ + pace_.gap()));
   }
   // When the check is due (nullopt: nothing to check).
   std::optional<TimePoint> NextCheck() const {
-    if (peer_gave_up_ && OwnBreak()) return next_check_;
+    if (peer_gave_up_ && OwnBreak()) return pace_.due();
     return std::nullopt;
   }
   // Whether to check now; the next check then comes a gap later (Counted sets the gap).
   bool Due(TimePoint now) {
-    if (!peer_gave_up_ || !OwnBreak() || now < next_check_) return false;
+    if (!peer_gave_up_ || !OwnBreak() || !pace_.Due(now)) return false;
     last_check_ = now;
-    next_check_ = now + gap_;
+    pace_.DueAt(now + pace_.gap());
     return true;
   }
   // The check just made counted `nodes` registered nodes.
-  void Counted(int64_t nodes) {
-    gap_ = CountGap(nodes, kCheckInterval);
-    next_check_ = last_check_ + gap_;
-  }
+  void Counted(int64_t nodes) { pace_.Counted(last_check_, nodes); }
   // The node holds a place now (no check): a check that fell due meanwhile moves on by whole
   // gaps, so that the nodes do not all check at once when their round closes.
-  void NotChecking(TimePoint now) {
-    if (next_check_ != TimePoint::max() && next_check_ <= now) {
-      next_check_ += gap_ * ((now - next_check_) / gap_ + 1);
-    }
-  }
+  void NotChecking(TimePoint now) { pace_.NotCounting(now); }
 
  private:
   std::optional<std::string> peer_gave_up_;   // "node X gave up: why", the newest
   std::optional<std::string> own_failure_;    // this node's last worker failure, until a success
   std::optional<std::string> round_broken_;   // until a success
-  TimePoint next_check_ = TimePoint::max();
   TimePoint last_check_ = TimePoint::min();
-  Clock::duration gap_ = kCheckInterval;       // CountGap of the last count, or the job's size
-  std::optional<double> spread_;              // this node's point within a first check's gap
+  PacedCount pace_{kCheckInterval, TimePoint::max()};   // the checks (none due until CheckFrom)
 };
 
 // While this node has no place in a round (registered, closed, not yet started): since when, for
@@ -244,9 +275,9 @@ class JobEndCheck {
 // node waits for. The notice costs etcd nothing: it tells what the node holds. Only while the
 // job gathers does the number of registered nodes say more, and counting them costs etcd O(N),
 // so the node counts on its own clock: first kNoticeInterval into its wait (plus, in a job whose
-// MAX is above kCountsPerSecond x kNoticeInterval, its own random point within CountGap(MAX), so
-// nodes that began to wait together do not count together), then once per CountGap(last count);
-// the notices tell the last count. Driver thread only.
+// MAX is above kJobRequestsPerSecond x kNoticeInterval, its own random point within
+// CountGap(MAX), so nodes that began to wait together do not count together), then once per
+// CountGap(last count); the notices tell the last count. Driver thread only.
 class Unplaced {
  public:
   static constexpr std::chrono::seconds kNoticeInterval{15};
@@ -257,17 +288,15 @@ class Unplaced {
   // Once, before the node registers: its place within the first count's spread in a job of up
   // to `max_nodes` nodes (`unit_random` in [0, 1)).
   void SpreadCounts(int64_t max_nodes, double unit_random) {
-    const auto gap = CountGap(max_nodes, kNoticeInterval);
-    spread_ = gap > kNoticeInterval
-                  ? std::chrono::duration_cast<Clock::duration>(gap * unit_random)
-                  : Clock::duration::zero();
-    gap_ = gap;
+    pace_.Spread(max_nodes, unit_random);
+    spread_ = pace_.gap() > kNoticeInterval ? pace_.PointWithin(max_nodes)
+                                            : Clock::duration::zero();
   }
   void Since(TimePoint now) {
     since_ = now;
     last_count_.reset();
     count_error_.reset();
-    count_at_ = std::max(count_at_, now + kNoticeInterval + spread_);
+    pace_.DueAt(std::max(pace_.due(), now + kNoticeInterval + spread_));
   }
   void Placed() { since_.reset(); }
   const std::optional<TimePoint>& since() const { return since_; }
@@ -279,25 +308,22 @@ class Unplaced {
     return true;
   }
   // When this node may count the registered nodes next (only while unplaced and gathering).
-  TimePoint NextCount() const { return count_at_; }
-  bool CountDue(TimePoint now) const { return since_ && now >= count_at_; }
+  TimePoint NextCount() const { return pace_.due(); }
+  bool CountDue(TimePoint now) const { return since_ && pace_.Due(now); }
   // It counted `nodes` now: the next count waits CountGap(nodes).
   void Counted(TimePoint now, int64_t nodes) {
     last_count_ = Count{now, nodes};
     count_error_.reset();
-    gap_ = CountGap(nodes, kNoticeInterval);
-    count_at_ = now + gap_;
+    pace_.Counted(now, nodes);
   }
   // The job does not gather now: a count that fell due meanwhile moves on by whole gaps, so
   // that this node keeps its own point within the gap when the job gathers again (else every
   // node that waited through a proposal would count at once).
-  void NotCounting(TimePoint now) {
-    if (count_at_ <= now) count_at_ += gap_ * ((now - count_at_) / gap_ + 1);
-  }
+  void NotCounting(TimePoint now) { pace_.NotCounting(now); }
   // The count failed (etcd did not answer): the next one a notice later.
   void CountFailed(TimePoint now, std::string error) {
     count_error_ = std::move(error);
-    count_at_ = now + kNoticeInterval;
+    pace_.DueAt(now + kNoticeInterval);
   }
   // The last count of this wait, and whether the last attempt failed.
   const std::optional<Count>& last_count() const { return last_count_; }
@@ -306,9 +332,8 @@ class Unplaced {
  private:
   std::optional<TimePoint> since_;
   TimePoint last_notice_{};
-  Clock::duration spread_{};
-  Clock::duration gap_ = kNoticeInterval;   // CountGap of the last count, or of MAX before
-  TimePoint count_at_{};
+  Clock::duration spread_{};   // this node's point within the first count's gap (SpreadCounts)
+  PacedCount pace_{kNoticeInterval, TimePoint{}};   // the counts
   std::optional<Count> last_count_;
   std::optional<std::string> count_error_;
 };

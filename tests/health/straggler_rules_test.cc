@@ -32,6 +32,9 @@ TEST(StragglerRulesTest, ThePeriodIsAThirdOfTheWindowWithAFloorAndGrowsWithTheJo
   // 10,000 nodes: at most 100 summaries per second, so one per node every 100 s.
   EXPECT_EQ(PublishPeriod(Policy(2, 30), 10000), seconds(100));
   EXPECT_EQ(PublishPeriod(Policy(2, 30), 1000), seconds(10));
+  // The scale rule is the job-wide rate the rendezvous' counts keep too (src/common/job_rate.h).
+  EXPECT_EQ(JobRatePeriod(10000), seconds(100));
+  EXPECT_EQ(PublishPeriod(Policy(2, 30), 25000), JobRatePeriod(25000));
 }
 
 TEST(StragglerRulesTest, AWindowSummarisesEachRankAsTheMedianOfItsSampleMeans) {

@@ -540,7 +540,7 @@ TEST(RendezvousTest, AWaitingNodeCountsTheRegisteredNodesOnlyWhileTheJobGathers)
 }
 
 // Issue #37: the counts of a waiting job's nodes (Unplaced: notices) and of a job whose peer gave
-// up (JobEndCheck) stay near kCountsPerSecond for the whole job at any size, also when every
+// up (JobEndCheck) stay near kJobRequestsPerSecond for the whole job at any size, also when every
 // node began to wait at the same moment, and when the job first spent 150 s in a proposal
 // (no count) or the nodes in a round (no check); a small job still counts at its first notice
 // (15 s) and checks within a second.
@@ -617,6 +617,49 @@ TEST(RendezvousTest, AJobsCountsOfItsNodesStayNearAHundredPerSecondAtAnySize) {
       }
     }
   }
+}
+
+// The pace that Unplaced's counts and JobEndCheck's checks share (node_books.h PacedCount), on a
+// fake clock: the gap is CountGap (the floor, or 10 ms a node: 100 counts per second job-wide),
+// the node's point lies within JobRatePeriod of the spread's job, and a count that fell due while
+// the node did not count moves on by whole gaps, keeping the node's point.
+TEST(NodeBooksTest, APacedCountWaitsCountGapAndMovesOnByWholeGapsWhileNotCounting) {
+  using internal::PacedCount;
+  using internal::TimePoint;
+  const TimePoint t0{};
+  PacedCount pace(15s, t0 + 20s);
+  EXPECT_EQ(pace.gap(), 15s);
+  EXPECT_EQ(pace.due(), t0 + 20s);
+  EXPECT_FALSE(pace.spread());
+  EXPECT_EQ(pace.PointWithin(10000), 0s);
+  EXPECT_FALSE(pace.Due(t0 + 20s - 1ms));
+  EXPECT_TRUE(pace.Due(t0 + 20s));
+
+  // A job of 10,000 nodes: 100 s between counts, this node a quarter into them.
+  pace.Spread(10000, 0.25);
+  EXPECT_TRUE(pace.spread());
+  EXPECT_EQ(pace.gap(), 100s);
+  EXPECT_EQ(pace.PointWithin(10000), 25s);
+  EXPECT_EQ(pace.PointWithin(3), 7500us);   // within 30 ms
+  pace.Spread(3, 0.5);                      // a small job: the floor
+  EXPECT_EQ(pace.gap(), 15s);
+
+  pace.Counted(t0 + 10s, 3000);             // 30 s between counts
+  EXPECT_EQ(pace.gap(), 30s);
+  EXPECT_EQ(pace.due(), t0 + 40s);
+  pace.NotCounting(t0 + 39s);               // not due yet: unchanged
+  EXPECT_EQ(pace.due(), t0 + 40s);
+  pace.NotCounting(t0 + 40s);               // due now: one gap on
+  EXPECT_EQ(pace.due(), t0 + 70s);
+  pace.NotCounting(t0 + 135s);              // overdue by 65 s: three gaps on, the same point
+  EXPECT_EQ(pace.due(), t0 + 160s);
+  pace.Counted(t0 + 200s, 3);               // a small count: the floor again
+  EXPECT_EQ(pace.due(), t0 + 215s);
+
+  PacedCount none(1s, TimePoint::max());    // nothing due: not counting changes nothing
+  none.NotCounting(t0 + 1000s);
+  EXPECT_EQ(none.due(), TimePoint::max());
+  EXPECT_FALSE(none.Due(t0 + 1000s));
 }
 
 // A node whose program differs from the job's is refused before it registers, whether the
