@@ -91,7 +91,8 @@ def main():
     for r in reports:
         print(f"N={r['nodes']}: steady agent CPU {r['steady_cpu_percent_per_node']:.4f} % of a core per node, "
               f"{r['steady_requests_per_node_per_min']} unary requests per node per minute, "
-              f"etcd resident {r.get('etcd_rss_mb', -1):.0f} MiB")
+              f"etcd resident {r.get('etcd_rss_mb', -1):.0f} MiB "
+              f"(GOGC {r.get('etcd_gogc') or 'of the given etcd'})")
         lost = ", ".join(f"{s['name']} {s.get('leases_lost', '?')}" for s in r["scenarios"])
         print(f"N={r['nodes']}: leases of live nodes lost (starvation, not kills): {lost}")
     if old_reports:

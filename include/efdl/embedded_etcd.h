@@ -67,6 +67,10 @@ class EmbeddedEtcd {
   std::string log_path() const;
   bool running();
   int pid() const;
+  // The GOGC etcd runs with: a private etcd's (a temporary data directory) is 400 unless the
+  // caller's environment sets GOGC (src/etcd/embedded_etcd.cc says why); otherwise the caller's
+  // GOGC ("" : Go's default, 100).
+  const std::string& go_gc() const { return go_gc_; }
 
   // SIGTERM, then SIGKILL after `grace`; waits until the process is gone. Idempotent.
   Status Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
@@ -85,6 +89,7 @@ class EmbeddedEtcd {
   struct Impl;
   EmbeddedEtcdOptions options_;
   std::string data_dir_;
+  std::string go_gc_;
   uint16_t client_port_ = 0;
   uint16_t peer_port_ = 0;
   std::unique_ptr<Impl> impl_;

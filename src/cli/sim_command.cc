@@ -96,7 +96,11 @@ int RunSim(const SimArgs& args) {
                 r.driver_threads > 0
                     ? fmt::format("{} driver threads for all nodes", r.driver_threads).c_str()
                     : "one driver thread per node (the first simulator)",
-                args.clients, embedded ? "private" : args.etcd.c_str());
+                args.clients,
+                embedded ? fmt::format("private, GOGC {}", r.etcd_gogc && !r.etcd_gogc->empty()
+                                                               ? *r.etcd_gogc
+                                                               : std::string("100")).c_str()
+                         : args.etcd.c_str());
     std::printf("  baseline: %d concurrent puts seen by one watch in %.3f s (ratio below: "
                 "scenario / baseline)\n", n, r.baseline_seconds);
     std::printf("  %-28s %8s %7s %10s %12s %12s %12s %12s%s\n", "scenario", "seconds", "ratio",
@@ -147,6 +151,7 @@ int RunSim(const SimArgs& args) {
     o.etcd_pid = embedded ? embedded->pid() : 0;
     auto report = rdzv::RunScaleSim(**client, o);
     if (!report.ok()) return Fail(1, report.status().message());
+    if (embedded) report->etcd_gogc = embedded->go_gc();
     print(n, *report, nullptr);
     for (const auto& s : report->scenarios) rc = s.ok ? rc : 1;
     // The first simulator (a thread per node) in the same run, on the same etcd, where it still
@@ -156,6 +161,7 @@ int RunSim(const SimArgs& args) {
       o.driver_threads = 0;
       auto old = rdzv::RunScaleSim(**client, o);
       if (!old.ok()) return Fail(1, old.status().message());
+      old->etcd_gogc = report->etcd_gogc;
       print(n, *old, &*report);
     }
   }
