@@ -6,7 +6,7 @@ node's worker fails (its gloo peer is gone), so that node proposes the next roun
 coordinator; it is SIGKILLed once etcd's round record shows its proposal (read from etcd, not
 guessed with a pause). New agents (new node ids, the same job id, as an orchestrator that
 restarts every pod) start a few seconds later. Before the fix they registered and waited for
-ever ("waiting for round 2 to form (proposed)") - nobody followed a proposal whose coordinator
+ever ("waiting for round 2 to form (proposed; coordinator ...") - nobody followed a proposal whose coordinator
 and deputies were all dead - until the join timeout.
 
 The bound. The dead proposer's lease ends at most one TTL after its kill (the first coordinator's
