@@ -296,21 +296,33 @@ TEST_F(RealEtcdTest, TheSimulatorCountsLostLeasesOfLiveNodesOnly) {
   EXPECT_EQ(counters.leases_lost.load(), 1) << "only the live node's counts";
 }
 
-// Issue #37: a registration is a lease grant and one txn (the job's first node: one more to
-// create the round record), with no time-to-live read before keeping the lease.
-TEST_F(RealEtcdTest, ARegistrationIsALeaseGrantAndOneTxn) {
-  TrafficCounters counters;
-  SimNodeClient counted(*client_, counters);
-  const JobKeys keys("regcount");
+// Callbacks of a registration whose watches, deletions and lost leases the test ignores.
+Registration::Callbacks IgnoredCallbacks() {
   Registration::Callbacks cb;
   cb.watch = [](Registration::Stream, uint64_t) -> etcd::WatchCallback {
     return [](const etcd::WatchUpdate&) {};
   };
   cb.coordinator_deleted = [](uint64_t, const std::string&, int64_t) {};
   cb.lease_lost = [](int64_t) {};
+  return cb;
+}
+
+// The round record a job's first node creates.
+RoundRecord FreshRound() {
   RoundRecord fresh;
   fresh.round = 1;
   fresh.phase = Phase::kGathering;
+  return fresh;
+}
+
+// Issue #37: a registration is a lease grant and one txn (the job's first node: one more to
+// create the round record), with no time-to-live read before keeping the lease.
+TEST_F(RealEtcdTest, ARegistrationIsALeaseGrantAndOneTxn) {
+  TrafficCounters counters;
+  SimNodeClient counted(*client_, counters);
+  const JobKeys keys("regcount");
+  const Registration::Callbacks cb = IgnoredCallbacks();
+  const RoundRecord fresh = FreshRound();
   const NodeRecord me{"127.0.0.1", 1, "", ""};
   Registration first(counted, keys, "regcount", "a", cb);
   ASSERT_TRUE(first.Open(me, 10s, fresh).ok());
@@ -331,15 +343,8 @@ TEST_F(RealEtcdTest, TheProgramCheckCostsNoRequestWhileTheKeysWriterLives) {
   TrafficCounters counters;
   SimNodeClient counted(*client_, counters);
   const JobKeys keys("progkey");
-  Registration::Callbacks cb;
-  cb.watch = [](Registration::Stream, uint64_t) -> etcd::WatchCallback {
-    return [](const etcd::WatchUpdate&) {};
-  };
-  cb.coordinator_deleted = [](uint64_t, const std::string&, int64_t) {};
-  cb.lease_lost = [](int64_t) {};
-  RoundRecord fresh;
-  fresh.round = 1;
-  fresh.phase = Phase::kGathering;
+  const Registration::Callbacks cb = IgnoredCallbacks();
+  const RoundRecord fresh = FreshRound();
   const NodeRecord train{"127.0.0.1", 1, "train.py", ""};
   const NodeRecord other{"127.0.0.1", 1, "eval.py", ""};
   std::vector<std::unique_ptr<Registration>> regs;
