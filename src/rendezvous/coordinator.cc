@@ -184,6 +184,10 @@ std::optional<CoordTime> Coordinator::NextDeadline() const {
 
 void Coordinator::Step(CoordTime now) {
   if (!active_) return;
+  if (status_stale_) {
+    status_stale_ = false;
+    WriteStatus();
+  }
   StepAction act = DecideStep(view_, host_.round(), cfg_, now);
   switch (act.kind) {
     case StepAction::Kind::kNone:
@@ -282,7 +286,7 @@ void Coordinator::AssignStandby(const std::string& id) {
                          {etcd::TxnOp::Put(keys_.Assign(id), a.Encode())});
   if (txn.ok() && txn->succeeded) {
     Record(StandbyAssigned(view_, id, cfg_));
-    WriteStatus();
+    status_stale_ = true;   // written by the next Step, once for every standby of the batch
   } else {
     host_.RereadRound();
   }

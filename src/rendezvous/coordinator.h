@@ -78,6 +78,9 @@ class Coordinator {
   const CoordinatorConfig cfg_;
   CoordinatorHost& host_;
   bool active_ = false;
+  // Standbys were assigned since the status was last written: Step writes it once for all of
+  // them (the status is O(N) bytes; one write per standby made a batch of joins at MAX O(N^2)).
+  bool status_stale_ = false;
   uint64_t generation_ = 0;
   std::unique_ptr<etcd::Watch> nodes_watch_, acks_watch_;
   JobView view_;

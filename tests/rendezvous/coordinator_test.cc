@@ -296,9 +296,33 @@ TEST_F(CoordinatorTest, ANodeThatJoinsAJobAtMaxIsMadeAStandbyInEtcd) {
   ASSERT_TRUE(standby);
   EXPECT_TRUE(standby->standby);
   EXPECT_EQ(standby->round, 1);
-  EXPECT_EQ(StoredStatus()["standbys"], nlohmann::json::array({"c"}));
   c.Step(CoordClock::now());
+  EXPECT_EQ(StoredStatus()["standbys"], nlohmann::json::array({"c"}));
   EXPECT_EQ(StoredRound().round, 1);   // no re-round for a standby
+}
+
+// Issue #37: the status record is O(N) bytes (about 650 KB at 10,000 nodes). Nodes that join a
+// job at MAX together (one watch update, one driver turn) are each made a standby, and the
+// status is written once for all of them, not once each.
+TEST_F(CoordinatorTest, StandbysThatJoinTogetherCostOneStatusWrite) {
+  Coordinator c(etcd_, keys_, config_, host_);
+  FormRoundOfTwo(c);
+  auto status_version = [&] {
+    auto kv = etcd_.Get(keys_.status);
+    return kv.ok() && kv->has_value() ? (*kv)->version : int64_t{0};
+  };
+  const int64_t before = status_version();
+  ASSERT_GT(before, 0);
+  for (const char* id : {"c", "d", "e", "f"}) Register(id);
+  host_.Pump(etcd_, c);
+  c.Step(CoordClock::now());
+  for (const char* id : {"c", "d", "e", "f"}) {
+    auto standby = StoredAssign(id);
+    ASSERT_TRUE(standby) << id;
+    EXPECT_TRUE(standby->standby) << id;
+  }
+  EXPECT_EQ(StoredStatus()["standbys"], nlohmann::json::array({"c", "d", "e", "f"}));
+  EXPECT_EQ(status_version(), before + 1) << "one status write for the four standbys";
 }
 
 TEST_F(CoordinatorTest, AMemberWhoseKeyVanishesIsACrashAndTheNextRoundIsProposed) {
