@@ -67,9 +67,9 @@ class EmbeddedEtcd {
   std::string log_path() const;
   bool running();
   int pid() const;
-  // The GOGC etcd runs with: a private etcd's (a temporary data directory) is 400 unless the
-  // caller's environment sets GOGC (src/etcd/embedded_etcd.cc says why); otherwise the caller's
-  // GOGC ("" : Go's default, 100).
+  // The GOGC etcd runs with: the caller's environment's when it sets one; else 400 for a private
+  // etcd (a temporary data directory; src/etcd/embedded_etcd.cc says why) and Go's default,
+  // "100", for another.
   const std::string& go_gc() const { return go_gc_; }
 
   // SIGTERM, then SIGKILL after `grace`; waits until the process is gone. Idempotent.

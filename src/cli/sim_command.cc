@@ -97,9 +97,7 @@ int RunSim(const SimArgs& args) {
                     ? fmt::format("{} driver threads for all nodes", r.driver_threads).c_str()
                     : "one driver thread per node (the first simulator)",
                 args.clients,
-                embedded ? fmt::format("private, GOGC {}", r.etcd_gogc && !r.etcd_gogc->empty()
-                                                               ? *r.etcd_gogc
-                                                               : std::string("100")).c_str()
+                embedded ? fmt::format("private, GOGC {}", r.etcd_gogc.value_or("?")).c_str()
                          : args.etcd.c_str());
     std::printf("  baseline: %d concurrent puts seen by one watch in %.3f s (ratio below: "
                 "scenario / baseline)\n", n, r.baseline_seconds);

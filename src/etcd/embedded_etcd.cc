@@ -84,6 +84,7 @@ const std::vector<std::string> kPrivateEtcdArgs = {"--snapshot-count", "10000", 
 // 3) for about twice the memory (145-155 -> 340-415 MiB at 10,000 nodes; a few MB for a small
 // job, whose live heap is a few MB).
 constexpr const char* kPrivateEtcdGoGc = "400";
+constexpr const char* kGoDefaultGoGc = "100";   // Go's, when GOGC is not set
 
 }  // namespace
 
@@ -199,15 +200,15 @@ Status EmbeddedEtcd::Launch(bool wait) {
                                            options_.trusted_ca_file});
     }
   }
-  if (!impl_->temp_dir.path().empty()) {
+  const bool private_etcd = !impl_->temp_dir.path().empty();
+  if (private_etcd) {
     spawn.argv.insert(spawn.argv.end(), kPrivateEtcdArgs.begin(), kPrivateEtcdArgs.end());
-    const char* callers = std::getenv("GOGC");
-    go_gc_ = callers != nullptr && *callers != '\0' ? callers : kPrivateEtcdGoGc;
-    spawn.env_set["GOGC"] = go_gc_;
-  } else {
-    const char* callers = std::getenv("GOGC");
-    go_gc_ = callers != nullptr ? callers : "";
   }
+  // etcd inherits the caller's GOGC; a private etcd gets kPrivateEtcdGoGc when there is none.
+  const char* callers = std::getenv("GOGC");
+  const bool caller_set = callers != nullptr && *callers != '\0';
+  go_gc_ = caller_set ? callers : private_etcd ? kPrivateEtcdGoGc : kGoDefaultGoGc;
+  if (private_etcd && !caller_set) spawn.env_set["GOGC"] = go_gc_;
   spawn.argv.insert(spawn.argv.end(), options_.extra_args.begin(), options_.extra_args.end());
   // Debian's etcd reads ETCD_* variables too; keep the caller's from changing our setup.
   for (const char* var : {"ETCD_NAME", "ETCD_DATA_DIR", "ETCD_LISTEN_CLIENT_URLS",

@@ -569,8 +569,7 @@ std::string SimReport::ToJson() const {
   j["steady_cpu_percent_per_node"] = steady_cpu_percent_per_node;
   j["steady_requests_per_node_per_min"] = steady_requests_per_node_per_min;
   j["etcd_rss_mb"] = etcd_rss_mb;
-  j["etcd_gogc"] = etcd_gogc ? nlohmann::json(etcd_gogc->empty() ? "100" : *etcd_gogc)
-                             : nlohmann::json(nullptr);
+  j["etcd_gogc"] = etcd_gogc ? nlohmann::json(*etcd_gogc) : nlohmann::json(nullptr);
   nlohmann::json arr = nlohmann::json::array();
   for (const auto& s : scenarios) {
     arr.push_back({{"name", s.name},

@@ -116,7 +116,7 @@ struct SimReport {
   int64_t steady_requests_per_node_per_min = 0;
   double etcd_rss_mb = -1;                // etcd's resident memory at the end (-1: unknown)
   // The GOGC the private etcd ran with (EmbeddedEtcd::go_gc: "400" unless the caller's
-  // environment set one; "" Go's default); nullopt: an etcd of the caller's (--etcd).
+  // environment set one); nullopt: an etcd of the caller's (--etcd).
   std::optional<std::string> etcd_gogc;
   std::string ToJson() const;
 };
